@@ -1,0 +1,69 @@
+"""What the compiler did: FLOPs, memory and the collectives of an optimised HLO module."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xlatrain import compat
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+               "collective-broadcast")
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"=\s*(\([^()]*\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+(" + "|".join(COLLECTIVES)
+                          + r")(-start)?\(")
+
+
+def shape_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape such as `f32[256,128]{1,0}` or a tuple `(f32[4], bf16[2,2])`."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+    return total
+
+
+def collectives(hlo_text: str) -> list[dict[str, Any]]:
+    """[{kind, count, bytes}] for each collective kind in the HLO text; async pairs counted once."""
+    counts: dict[str, int] = defaultdict(int)
+    sizes: dict[str, int] = defaultdict(int)
+    for shape, kind, _ in _INSTRUCTION.findall(hlo_text):
+        counts[kind] += 1
+        sizes[kind] += shape_bytes(shape)
+    return [{"kind": k, "count": counts[k], "bytes": sizes[k]} for k in COLLECTIVES if counts[k]]
+
+
+def peak_memory_bytes(compiled: Any) -> int:
+    """Arguments + outputs + temporaries, less what donation aliases, per device (XLA memory analysis)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return 0
+    peak = getattr(stats, "peak_memory_in_bytes", 0)
+    if peak:
+        return int(peak)
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+               - stats.alias_size_in_bytes)
+
+
+def step_report(lowered: Any, compiled: Any, params: int) -> dict[str, Any]:
+    return {
+        "params": params,
+        "flops": float(compat.cost_analysis(compiled).get("flops", 0.0)),
+        "peak_memory_bytes": peak_memory_bytes(compiled),
+        "collectives": collectives(compiled.as_text()),
+    }
+
+
+def dump(lowered: Any, compiled: Any, directory: Path, name: str) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"{name}.stablehlo.mlir", directory / f"{name}.optimized.hlo.txt"]
+    paths[0].write_text(lowered.as_text())
+    paths[1].write_text(compiled.as_text())
+    return paths

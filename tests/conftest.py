@@ -1,0 +1,38 @@
+"""Every test process sees 8 CPU devices; JAX must not have started before these lines run."""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(scope="session")
+def devices():
+    assert jax.device_count() == 8, "tests/conftest.py must set the device count before JAX starts"
+    return jax.devices()
+
+
+def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 300,
+            ) -> subprocess.CompletedProcess:
+    """`xlatrain ARGS` in a fresh process (so it owns its JAX runtime and signals)."""
+    return subprocess.run([sys.executable, "-m", "xlatrain.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+# Small enough for the suite: every config below trains in well under a second per step on 2 cores.
+TINY_GPT = ["model.layers=2", "model.width=32", "model.heads=2", "data.seq_len=32", "data.max_bytes=400000",
+            "trainer.progress=false", "trainer.eval_every=1000", "trainer.log_every=1"]
+DIGITS_MLP = ["model.name=mlp", "data.source=digits", "model.hidden=[32]", "batch.global_size=32",
+              "trainer.progress=false", "trainer.eval_every=1000", "trainer.log_every=1"]

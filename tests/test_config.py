@@ -1,0 +1,109 @@
+"""Config parsing, overrides, derived values, and every user error through the CLI (exit 2, one line)."""
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+
+from xlatrain.cli import main
+from xlatrain.config import Config, derive, load_config
+
+
+def cli_error(capsys, *args):
+    code = main(list(args))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("xlatrain: error: ") and "Traceback" not in err
+    return err
+
+
+def test_default_config_is_the_gpt_example():
+    assert load_config(None) == load_config(REPO / "examples/configs/gpt_stdlib.yaml") == Config()
+
+
+def test_yaml_and_overrides_merge(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name": "mlp", "hidden": [8]}, "data": {"source": "digits"},
+                                    "trainer": {"steps": 5}}))
+    config = load_config(path, ["trainer.steps=7", "model.hidden=[4,4]", "trainer.run_dir=/tmp/x"])
+    assert config.trainer.steps == 7 and config.model.hidden == (4, 4) and str(config.run_dir()) == "/tmp/x"
+    assert config.model.name == "mlp"
+
+
+def test_override_of_default_model_keeps_its_kind():
+    assert load_config(None, ["model.layers=2"]).model.name == "gpt"
+
+
+def test_config_command_prints_derived_values(capsys, devices):
+    assert main(["config", "examples/configs/digits_cnn.yaml", "batch.microbatches=2"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["derived"] == {"devices": 8, "data_parallel": 8, "global_batch": 128, "per_replica_batch": 16,
+                                  "microbatches": 2, "microbatch_size": 64, "lr_scale": 4.0,
+                                  "effective_lr": pytest.approx(0.2)}
+    assert printed["optimizer"]["name"] == "sgd"
+
+
+def test_per_replica_batch_and_sqrt_scaling(devices):
+    config = load_config(None, ["batch.per_replica=4", "optimizer.lr_scaling=sqrt", "optimizer.base_batch_size=8",
+                                "optimizer.lr=0.01"])
+    derived = derive(config, devices)
+    assert derived.global_batch == 32 and derived.per_replica_batch == 4
+    assert derived.effective_lr == pytest.approx(0.02)
+
+
+def test_unknown_key_suggests_the_right_one(capsys):
+    err = cli_error(capsys, "config", "trainer.stepz=3")
+    assert "unknown key 'trainer.stepz'" in err and "did you mean 'steps'" in err
+
+
+def test_unknown_key_inside_a_model_kind(capsys):
+    err = cli_error(capsys, "config", "model.layerz=3")
+    assert "unknown key 'model.layerz'" in err and "'layers'" in err
+
+
+def test_wrong_type(capsys):
+    err = cli_error(capsys, "config", "trainer.steps=abc")
+    assert "trainer.steps" in err and "valid integer" in err
+
+
+def test_out_of_range(capsys):
+    err = cli_error(capsys, "config", "optimizer.lr=-1")
+    assert "optimizer.lr" in err and "greater than 0" in err
+
+
+def test_unknown_choice(capsys):
+    err = cli_error(capsys, "config", "optimizer.name=adam9")
+    assert "optimizer" in err and "'adamw'" in err
+
+
+def test_batch_not_divisible(capsys, devices):
+    err = cli_error(capsys, "config", "batch.global_size=20", "batch.microbatches=2")
+    assert "batch.global_size=20 is not divisible by data-parallel size 8 x batch.microbatches 2 = 16" in err
+
+
+def test_mesh_does_not_match_devices(capsys, devices):
+    err = cli_error(capsys, "config", "mesh.data=4")
+    assert "mesh.data=4 needs 4 devices but 8 cpu device(s) are present" in err
+    assert "TFRT_CPU_0" in err or "cpu:0" in err or "CpuDevice" in err
+    assert "--xla_force_host_platform_device_count=4" in err
+
+
+def test_missing_data_path(capsys, tmp_path):
+    err = cli_error(capsys, "config", "data.source=arrays", f"data.path={tmp_path / 'nope.npz'}")
+    assert "data.path=" in err and "does not exist" in err
+
+
+def test_missing_config_file(capsys):
+    err = cli_error(capsys, "train", "no_such_config.yaml")
+    assert "'no_such_config.yaml' not found" in err
+
+
+def test_model_and_data_must_fit(capsys):
+    err = cli_error(capsys, "config", "model.name=mlp")
+    assert "data.source=digits" in err
+
+
+def test_errors_exit_2_in_a_real_process():
+    result = run_cli("config", "mesh.data=3")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=3" in result.stderr

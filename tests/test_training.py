@@ -1,0 +1,132 @@
+"""Data parallel vs one device, gradient accumulation, exact resume, signals, non-finite losses, compiles."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import DIGITS_MLP, REPO, TINY_GPT
+
+from xlatrain.config import load_config
+from xlatrain.metrics import read_metrics
+from xlatrain.trainer import NonFiniteLoss, train
+
+
+def losses(overrides, tmp_path, name, devices=None):
+    config = load_config(None, [*overrides, f"trainer.run_dir={tmp_path / name}"])
+    return train(config, devices=devices, echo=lambda _: None)
+
+
+def trajectory(result):
+    return np.array([result.losses[s] for s in sorted(result.losses)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
+def test_eight_devices_match_one_device(strategy, devices, tmp_path):
+    common = [*TINY_GPT, "trainer.steps=20", "batch.global_size=16"]
+    single = losses([*common, "mesh.data=1"], tmp_path, "one", devices=devices[:1])
+    sharded = losses([*common, f"parallel.strategy={strategy}"], tmp_path, "eight")
+    assert len(trajectory(single)) == 20
+    assert trajectory(single)[-1] < trajectory(single)[0] - 0.5
+    np.testing.assert_allclose(trajectory(sharded), trajectory(single), rtol=2e-4)
+
+
+def test_gradient_accumulation_equals_large_batch(tmp_path):
+    common = [*DIGITS_MLP, "trainer.steps=8", "batch.global_size=64", "optimizer.schedule=constant"]
+    large = losses(common, tmp_path, "large")
+    accumulated = losses([*common, "batch.microbatches=4"], tmp_path, "accumulated")
+    np.testing.assert_allclose(trajectory(accumulated), trajectory(large), rtol=1e-5)
+
+
+def test_train_step_compiles_exactly_once(tmp_path):
+    result = losses([*DIGITS_MLP, "trainer.steps=20", "trainer.eval_every=5"], tmp_path, "once")
+    assert result.compile_log.count("train_step") == 1
+    assert result.compile_log.count("eval_step") == 1
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    common = [*TINY_GPT, "optimizer.schedule=constant", "trainer.checkpoint_every=5", "data.prefetch=3"]
+    straight = losses([*common, "trainer.steps=12"], tmp_path, "straight")
+    first = losses([*common, "trainer.steps=7"], tmp_path, "resumed")
+    second = losses([*common, "trainer.steps=12"], tmp_path, "resumed")
+    assert first.final_step == 7 and second.start_step == 7
+    resumed = {**first.losses, **second.losses}
+    assert [resumed[s] for s in range(1, 13)] == [straight.losses[s] for s in range(1, 13)]
+    logged = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, 13))
+
+
+def test_finished_run_is_not_trained_again(tmp_path):
+    common = [*DIGITS_MLP, "trainer.steps=3"]
+    losses(common, tmp_path, "done")
+    again = losses(common, tmp_path, "done")
+    assert again.start_step == again.final_step == 3 and not again.losses
+
+
+def test_run_dir_of_another_config_is_refused(tmp_path):
+    from xlatrain.errors import UserError
+
+    losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "taken")
+    with pytest.raises(UserError, match=r"model.hidden differ"):
+        losses([*DIGITS_MLP, "trainer.steps=2", "model.hidden=[16]"], tmp_path, "taken")
+
+
+def test_foreign_directory_is_never_overwritten(tmp_path):
+    from xlatrain.errors import UserError
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="not an xlatrain run directory"):
+        losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def _nan_arrays(tmp_path):
+    inputs = np.full((64, 4), np.nan, np.float32)
+    np.savez(tmp_path / "nan.npz", inputs=inputs, targets=np.zeros(64, np.int32))
+    return ["model.name=mlp", "model.hidden=[8]", "data.source=arrays", f"data.path={tmp_path / 'nan.npz'}",
+            "batch.global_size=16", "trainer.progress=false", "trainer.log_every=1"]
+
+
+def test_nonfinite_loss_stops_naming_the_step(tmp_path):
+    with pytest.raises(NonFiniteLoss, match="non-finite loss at step 1"):
+        losses([*_nan_arrays(tmp_path), "trainer.steps=5"], tmp_path, "nan")
+
+
+def test_nonfinite_loss_can_skip_updates(tmp_path):
+    result = losses([*_nan_arrays(tmp_path), "trainer.steps=3", "trainer.on_nonfinite=skip"], tmp_path, "skip")
+    assert result.final_step == 3
+    records = read_metrics(tmp_path / "skip" / "metrics.jsonl")
+    assert [r["skipped"] for r in records if "loss" in r] == [True, True, True]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_resumes_exactly(tmp_path):
+    common = [*TINY_GPT, "optimizer.schedule=constant", "trainer.steps=400", "trainer.checkpoint_every=1000"]
+    run_dir = tmp_path / "signalled"
+    process = subprocess.Popen([sys.executable, "-m", "xlatrain.cli", "train", *common,
+                                f"trainer.run_dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(read_metrics(metrics)) < 3 and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert "stopped by signal" in out
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    stopped_at = saved[-1]
+    assert 3 <= stopped_at < 400
+    interrupted = {r["step"]: r["loss"] for r in read_metrics(metrics) if "loss" in r}
+    assert max(interrupted) == stopped_at
+
+    finish = [*common[:-2], f"trainer.steps={stopped_at + 3}", "trainer.checkpoint_every=1000"]
+    resumed = losses(finish, tmp_path, "signalled")
+    straight = losses(finish, tmp_path, "straight")
+    combined = {**interrupted, **resumed.losses}
+    assert [combined[s] for s in sorted(straight.losses)] == [straight.losses[s] for s in sorted(straight.losses)]

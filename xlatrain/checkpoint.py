@@ -1,0 +1,42 @@
+"""orbax checkpoints of the train state and the data position: async, atomic, keep the last K."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from xlatrain.errors import UserError
+
+
+class Checkpoints:
+    def __init__(self, directory: Path, keep: int):
+        self.directory = directory.resolve()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, data_state: dict) -> None:
+        """Starts an asynchronous save; orbax writes to a temporary directory and renames it when done."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
+        self._manager.save(step, args=args, force=True)
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """The state (placed in the shardings that `abstract_state` carries) and the data position."""
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        try:
+            restored = self._manager.restore(step, args=args)
+        except Exception as err:  # orbax raises many types; all mean this step cannot be used
+            raise UserError(
+                f"checkpoint {self.directory / str(step)} could not be restored ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}). It may be corrupt or from another model: "
+                "move that step directory aside to resume from an earlier one, or set trainer.run_dir to a "
+                "new directory") from None
+        return restored.state, restored.data
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,107 @@
+"""`xlatrain train | config | lower`: every user error is one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from xlatrain.errors import UserError
+
+USAGE_EXAMPLES = """examples:
+  xlatrain train                                  the built-in default: a byte-level GPT on Python's stdlib
+  xlatrain train examples/configs/digits_mlp.yaml trainer.steps=200
+  xlatrain config examples/configs/digits_mlp.yaml batch.global_size=128
+  xlatrain lower --json parallel.strategy=fsdp
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    config_path, overrides = _split_config_and_overrides(args.args)
+    try:
+        return args.command(config_path, overrides, args)
+    except UserError as err:
+        print(f"xlatrain: error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xlatrain", description="Config-driven JAX/XLA training.",
+                                     epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    for name, func, help_text in (("train", _train, "train (or resume) a run"),
+                                  ("config", _config, "print the resolved config and derived values"),
+                                  ("lower", _lower, "compile the train step and report FLOPs, memory, collectives")):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
+                         help="optional YAML file, then dotted overrides such as trainer.steps=100")
+        sub.set_defaults(command=func)
+        if name == "lower":
+            sub.add_argument("--json", action="store_true", help="print one JSON object")
+            sub.add_argument("--dump", type=Path, metavar="DIR", help="write StableHLO and optimised HLO text")
+    return parser
+
+
+def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
+    from xlatrain.config import load_config
+    from xlatrain.trainer import NonFiniteLoss, train
+
+    config = load_config(config_path, overrides)
+    try:
+        train(config)
+    except NonFiniteLoss as err:
+        print(f"xlatrain: stopped: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _config(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
+    import jax
+    import yaml
+
+    from xlatrain.config import config_to_yaml, derive, load_config
+
+    config = load_config(config_path, overrides)
+    derived = derive(config, jax.devices())
+    print(config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False), end="")
+    return 0
+
+
+def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.config import load_config
+    from xlatrain.lowering.inspect import dump, step_report
+    from xlatrain.program import build_program
+
+    program = build_program(load_config(config_path, overrides))
+    step = program.train_step
+    report = step_report(step.lowered, step.compiled, program.param_count)
+    if args.dump:
+        for path in dump(step.lowered, step.compiled, args.dump, "train_step"):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_format_report(report, program.derived.devices))
+    return 0
+
+
+def _format_report(report: dict, devices: int) -> str:
+    lines = [f"params             {report['params']:,}",
+             f"FLOPs per step     {report['flops']:.4g} (XLA cost analysis, per device program)",
+             f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)",
+             "collectives        " + ("none" if not report["collectives"] else "")]
+    lines += [f"  {c['kind']:<20} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

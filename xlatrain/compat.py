@@ -1,0 +1,50 @@
+"""Every JAX API that is private, experimental or changed between jax 0.10 and 0.12 is used from here."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+"""Recorded by jax (jax/_src/dispatch.py) once per XLA backend compilation, with a `fun_name`."""
+
+
+def shard_map(fn: Callable, mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any,
+              check: bool = False) -> Callable:
+    """jax.shard_map; `check` is replication/varying-axis checking (check_vma, formerly check_rep)."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+
+
+def gather_to_host(array: jax.Array) -> np.ndarray:
+    """The whole of a global array as numpy on every process."""
+    if jax.process_count() == 1:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+@contextlib.contextmanager
+def backend_compile_listener(callback: Callable[[str, float], None]) -> Iterator[None]:
+    """Calls callback(function_name, seconds) for every XLA compilation while the context is open."""
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            callback(str(kwargs.get("fun_name", "?")), duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def cost_analysis(compiled: Any) -> dict[str, float]:
+    """Compiled.cost_analysis() is a dict in new jax and a one-element list of dicts in older ones."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+    return dict(analysis or {})

@@ -1,0 +1,431 @@
+"""The typed run config: YAML plus dotted overrides (OmegaConf), validated by a frozen pydantic schema.
+
+Every problem becomes one `UserError` naming the dotted key and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from xlatrain.errors import UserError
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
+DropoutRate = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+class ModelBase(Strict):
+    loss: Literal["cross_entropy", "mse"] = "cross_entropy"
+    """cross_entropy: integer targets, logits on the last axis. mse: targets shaped like the output."""
+
+
+class MLPConfig(ModelBase):
+    name: Literal["mlp"]
+    hidden: tuple[PositiveInt, ...] = (128, 128)
+    dropout: DropoutRate = 0.0
+
+
+class CNNConfig(ModelBase):
+    name: Literal["cnn"]
+    channels: tuple[PositiveInt, ...] = (16, 32)
+    hidden: PositiveInt = 64
+
+
+class GPTConfig(ModelBase):
+    name: Literal["gpt"]
+    layers: PositiveInt = 4
+    width: PositiveInt = 128
+    heads: PositiveInt = 4
+    mlp_ratio: PositiveInt = 4
+    vocab: PositiveInt = 256
+    max_len: PositiveInt | None = None
+    """Positional table size; defaults to data.seq_len."""
+    dropout: DropoutRate = 0.0
+    scan_layers: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GPTConfig:
+        if self.width % self.heads:
+            raise ValueError(f"model.width={self.width} must be divisible by model.heads={self.heads}")
+        return self
+
+
+class CustomModelConfig(ModelBase):
+    name: Literal["custom"]
+    target: Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$")]
+    """"package.module:ClassName" of a flax.nnx.Module; see README "Bring your own model"."""
+    kwargs: dict[str, Any] = {}
+
+
+ModelConfig = Annotated[
+    Union[MLPConfig, CNNConfig, GPTConfig, CustomModelConfig], Field(discriminator="name")
+]
+
+# --- data --------------------------------------------------------------------------------------
+
+
+class DataBase(Strict):
+    shuffle: bool = True
+    prefetch: PositiveInt = 2
+    """Batches kept in flight on the devices by the device loader."""
+
+
+class DigitsData(DataBase):
+    source: Literal["digits"]
+    holdout: Fraction = 0.2
+
+
+class TextData(DataBase):
+    source: Literal["text"]
+    path: str | None = None
+    """Directory of text files; default: this Python's standard-library sources."""
+    glob: str = "**/*.py"
+    seq_len: PositiveInt = 64
+    max_bytes: PositiveInt = 8_000_000
+    holdout: Fraction = 0.05
+
+    @model_validator(mode="after")
+    def _path_exists(self) -> TextData:
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ValueError(f"data.path={self.path!r} is not a directory; point it at a folder of text files")
+        return self
+
+
+class ArrayData(DataBase):
+    source: Literal["arrays"]
+    path: str
+    """A directory holding inputs.npy and targets.npy (memory-mapped), or an .npz file with those keys."""
+    holdout: Fraction = 0.1
+
+    @model_validator(mode="after")
+    def _path_exists(self) -> ArrayData:
+        if not Path(self.path).exists():
+            raise ValueError(
+                f"data.path={self.path!r} does not exist; give a directory with inputs.npy and "
+                "targets.npy, or an .npz file"
+            )
+        return self
+
+
+DataConfig = Annotated[Union[DigitsData, TextData, ArrayData], Field(discriminator="source")]
+
+# --- batch, optimizer, mesh, trainer ----------------------------------------------------------
+
+
+class BatchConfig(Strict):
+    global_size: PositiveInt | None = None
+    """Samples per optimizer step over all replicas; 16 when neither size is set."""
+    per_replica: PositiveInt | None = None
+    """Samples per optimizer step on each data-parallel replica (alternative to global_size)."""
+    microbatches: PositiveInt = 1
+    """Gradient-accumulation steps inside one compiled step."""
+
+    @model_validator(mode="after")
+    def _at_most_one_size(self) -> BatchConfig:
+        if self.global_size is not None and self.per_replica is not None:
+            raise ValueError("set only one of batch.global_size and batch.per_replica")
+        if self.global_size is None and self.per_replica is None:
+            object.__setattr__(self, "global_size", 16)
+        return self
+
+
+class OptimizerBase(Strict):
+    lr: Annotated[float, Field(gt=0)] = 3e-3
+    """Peak learning rate at optimizer.base_batch_size."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    base_batch_size: PositiveInt | None = None
+    """Global batch that optimizer.lr was tuned for; default: the run's global batch."""
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: NonNegativeInt = 0
+    final_lr_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    clip_norm: Annotated[float, Field(gt=0)] | None = 1.0
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+
+
+class AdamWConfig(OptimizerBase):
+    name: Literal["adamw"]
+    b1: Fraction = 0.9
+    b2: Fraction = 0.999
+    eps: Annotated[float, Field(gt=0)] = 1e-8
+
+
+class SGDConfig(OptimizerBase):
+    name: Literal["sgd"]
+    momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
+    nesterov: bool = False
+
+
+class LionConfig(OptimizerBase):
+    name: Literal["lion"]
+    b1: Fraction = 0.9
+    b2: Fraction = 0.99
+
+
+class AdafactorConfig(OptimizerBase):
+    name: Literal["adafactor"]
+    decay_rate: Fraction = 0.8
+    min_dim_size_to_factor: PositiveInt = 128
+
+
+OptimizerConfig = Annotated[
+    Union[AdamWConfig, SGDConfig, LionConfig, AdafactorConfig], Field(discriminator="name")
+]
+
+
+class MeshConfig(Strict):
+    data: Annotated[int, Field(ge=-1)] = -1
+    """Data-parallel size; -1 uses every device present."""
+
+    @model_validator(mode="after")
+    def _not_zero(self) -> MeshConfig:
+        if self.data == 0:
+            raise ValueError("mesh.data must be a positive device count, or -1 for all devices")
+        return self
+
+
+DEFAULT_LOGICAL_RULES = {"batch": "data", "vocab": "data", "embed": "data", "mlp": "data",
+                         "heads": "data", "hidden": "data", "channels": "data"}
+
+
+class ParallelConfig(Strict):
+    strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
+    """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too."""
+    logical_rules: dict[str, str | None] = DEFAULT_LOGICAL_RULES
+    """Logical axis name -> mesh axis, used by zero1/fsdp; the first divisible axis of a tensor is sharded."""
+
+
+class TrainerConfig(Strict):
+    steps: PositiveInt = 300
+    run_dir: str | None = None
+    """Default: runs/<name>. An existing run directory is resumed from its latest checkpoint."""
+    log_every: PositiveInt = 10
+    eval_every: PositiveInt = 100
+    eval_batches: PositiveInt = 4
+    checkpoint_every: PositiveInt = 100
+    keep_checkpoints: PositiveInt = 3
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    progress: bool = True
+
+
+class Config(Strict):
+    name: Annotated[str, Field(pattern=r"^[\w.-]+$")] = "gpt-stdlib"
+    seed: NonNegativeInt = 0
+    model: ModelConfig = GPTConfig(name="gpt")
+    data: DataConfig = TextData(source="text")
+    batch: BatchConfig = BatchConfig()
+    optimizer: OptimizerConfig = AdamWConfig(name="adamw")
+    mesh: MeshConfig = MeshConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _model_fits_data(self) -> Config:
+        if isinstance(self.model, (MLPConfig, CNNConfig)) and isinstance(self.data, TextData):
+            raise ValueError(
+                f"model.name={self.model.name} classifies arrays: use data.source=digits or arrays"
+            )
+        if isinstance(self.model, GPTConfig):
+            if not isinstance(self.data, TextData):
+                raise ValueError("model.name=gpt trains on token sequences: use data.source=text")
+            if self.model.max_len is not None and self.model.max_len < self.data.seq_len:
+                raise ValueError(
+                    f"model.max_len={self.model.max_len} is shorter than data.seq_len={self.data.seq_len}"
+                )
+        return self
+
+    def run_dir(self) -> Path:
+        return Path(self.trainer.run_dir or f"runs/{self.name}")
+
+
+# --- derived values ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values that follow from the config and the devices present; printed by `xlatrain config`."""
+
+    devices: int
+    data_parallel: int
+    global_batch: int
+    per_replica_batch: int
+    microbatches: int
+    microbatch_size: int
+    lr_scale: float
+    effective_lr: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def derive(config: Config, devices: list) -> Derived:
+    """Check the config against the devices present and compute batch sizes and the effective LR."""
+    data_parallel = resolve_data_parallel(config.mesh, devices)
+    micro = config.batch.microbatches
+    if config.batch.global_size is not None:
+        global_batch = config.batch.global_size
+        if global_batch % (data_parallel * micro):
+            raise UserError(
+                f"config: batch.global_size={global_batch} is not divisible by data-parallel size "
+                f"{data_parallel} x batch.microbatches {micro} = {data_parallel * micro}; "
+                f"use a multiple of {data_parallel * micro}"
+            )
+    else:
+        global_batch = config.batch.per_replica * data_parallel
+        if config.batch.per_replica % micro:
+            raise UserError(
+                f"config: batch.per_replica={config.batch.per_replica} is not divisible by "
+                f"batch.microbatches={micro}"
+            )
+    base = config.optimizer.base_batch_size or global_batch
+    lr_scale = {"none": 1.0, "linear": global_batch / base, "sqrt": math.sqrt(global_batch / base)}[
+        config.optimizer.lr_scaling
+    ]
+    return Derived(
+        devices=len(devices),
+        data_parallel=data_parallel,
+        global_batch=global_batch,
+        per_replica_batch=global_batch // data_parallel,
+        microbatches=micro,
+        microbatch_size=global_batch // micro,
+        lr_scale=lr_scale,
+        effective_lr=config.optimizer.lr * lr_scale,
+    )
+
+
+def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
+    if mesh.data == -1 or mesh.data == len(devices):
+        return len(devices)
+    platform = devices[0].platform if devices else "cpu"
+    found = ", ".join(str(d) for d in devices[:8]) + (" ..." if len(devices) > 8 else "")
+    how = (
+        f"run with XLA_FLAGS=--xla_force_host_platform_device_count={mesh.data} "
+        "(set before JAX starts) to get that many CPU devices"
+        if platform == "cpu"
+        else "choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=0,1,2,3)"
+    )
+    raise UserError(
+        f"config: mesh.data={mesh.data} needs {mesh.data} devices but {len(devices)} "
+        f"{platform} device(s) are present: [{found}]. Set mesh.data={len(devices)} (or -1 for all), "
+        f"or {how}."
+    )
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Config from an optional YAML file plus `key=value` overrides; None means the built-in default."""
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        raise UserError(f"config: could not apply overrides {list(overrides)}: {err}") from None
+    _reject_malformed_overrides(overrides)
+    return validate_config(data)
+
+
+def validate_config(data: dict) -> Config:
+    _fill_missing_tags(data)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err)) from None
+
+
+def config_to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"config: file {str(path)!r} not found; pass a YAML file or no file for the default run")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"config: {path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config: {path} must hold a mapping of keys at the top level")
+    return data
+
+
+def _reject_malformed_overrides(overrides: list[str]) -> None:
+    for item in overrides:
+        if not re.match(r"^[A-Za-z_][\w.]*=", item):
+            raise UserError(f"config: override {item!r} must look like key.path=value")
+
+
+_TAGGED_FIELDS = {"model": "name", "data": "source", "optimizer": "name"}
+
+
+def _fill_missing_tags(data: dict) -> None:
+    """`model.layers=2` alone means "the default model with 2 layers": take the tag from the default."""
+    defaults = Config()
+    for field, tag in _TAGGED_FIELDS.items():
+        section = data.get(field)
+        if isinstance(section, dict) and tag not in section:
+            section[tag] = getattr(getattr(defaults, field), tag)
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        loc = _dotted_loc(item["loc"])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown key {loc!r}{_did_you_mean(item['loc'])}")
+        else:
+            msg = item["msg"].removeprefix("Value error, ")
+            got = item.get("input")
+            shown = "" if isinstance(got, dict) or loc == "" else f" (got {got!r})"
+            names_itself = loc and f"{loc.split('.')[0]}." in msg
+            lines.append(msg if names_itself or not loc else f"{loc}: {msg}{shown}")
+    return "config: " + "; ".join(lines)
+
+
+def _dotted_loc(loc: tuple) -> str:
+    """('model', 'gpt', 'layerz') -> 'model.layerz': pydantic puts the union's tag into the path."""
+    parts = list(loc)
+    if len(parts) > 1 and parts[0] in _TAGGED_FIELDS and parts[1] in _tag_classes(parts[0]):
+        del parts[1]
+    return ".".join(str(p) for p in parts)
+
+
+def _tag_classes(field: str) -> dict[str, type[BaseModel]]:
+    union = Config.model_fields[field].annotation
+    tag = _TAGGED_FIELDS[field]
+    return {cls.model_fields[tag].annotation.__args__[0]: cls for cls in union.__args__}
+
+
+def _did_you_mean(loc: tuple) -> str:
+    cls: type[BaseModel] = Config
+    path = list(loc[:-1])
+    if len(path) > 1 and path[0] in _TAGGED_FIELDS:
+        cls = _tag_classes(path[0]).get(path[1], cls)
+        path = path[2:]
+    for part in path:
+        annotation = cls.model_fields[part].annotation if part in cls.model_fields else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            cls = annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(cls.model_fields), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint}; valid keys here: {', '.join(cls.model_fields)}"

@@ -1,0 +1,31 @@
+"""The device mesh and the shardings of batches on it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from xlatrain.config import Config, resolve_data_parallel
+
+DATA = "data"
+
+
+def build_mesh(config: Config, devices: list | None = None) -> Mesh:
+    """A mesh over every device, with axis `data`; fails clearly when config and devices disagree."""
+    devices = jax.devices() if devices is None else devices
+    data = resolve_data_parallel(config.mesh, devices)
+    return Mesh(np.asarray(devices).reshape(data), (DATA,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def train_batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[microbatches, rows, ...]: rows split over the data axis, every microbatch on every replica."""
+    return NamedSharding(mesh, P(None, DATA))
+
+
+def eval_batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(DATA))

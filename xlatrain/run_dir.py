@@ -1,0 +1,49 @@
+"""The run directory: the resolved config is saved there, and a second run into it must be a resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from xlatrain.config import Config, Derived, config_to_yaml
+from xlatrain.errors import UserError
+
+CONFIG_FILE = "config.yaml"
+RESUMABLE_SECTIONS = ("trainer", "derived")
+"""Sections that may differ between a run and its resumption (more steps, another device count)."""
+
+
+def prepare_run_dir(config: Config, derived: Derived) -> Path:
+    """Create the run directory, or check that an existing one belongs to this config; save the config."""
+    run_dir = config.run_dir()
+    saved_path = run_dir / CONFIG_FILE
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not saved_path.is_file():
+            raise UserError(f"trainer.run_dir={str(run_dir)!r} exists and is not an xlatrain run directory "
+                            f"(no {CONFIG_FILE}); choose another trainer.run_dir so nothing there is overwritten")
+        _check_same_run(config, saved_path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved_path.write_text(config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False))
+    return run_dir
+
+
+def _check_same_run(config: Config, saved_path: Path) -> None:
+    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    current = _flatten(config.model_dump(mode="json"))
+    changed = sorted(key for key in set(saved) | set(current)
+                     if saved.get(key) != current.get(key) and key.split(".")[0] not in RESUMABLE_SECTIONS)
+    if changed:
+        raise UserError(f"trainer.run_dir={str(saved_path.parent)!r} holds a run with a different config "
+                        f"({', '.join(changed)} differ); resume it with the same settings or choose a new "
+                        "trainer.run_dir")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,132 @@
+"""Train state: abstract init, shardings from logical-axis rules, and the same-on-every-replica check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+from xlatrain import compat
+from xlatrain.errors import UserError
+from xlatrain.models import takes_rngs
+from xlatrain.models.axes import logical_axes_of
+from xlatrain.sharding import named, optimizer_specs, param_specs
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    """Base key; step s uses fold_in(rng, s), so resuming reproduces the same randomness."""
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """The static half of an nnx model: how to apply a params pytree to inputs."""
+
+    graphdef: Any
+    logical_axes: Any
+    uses_rngs: bool
+
+    def apply(self, params: Any, inputs: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        module = nnx.merge(self.graphdef, params)
+        return module(inputs, rngs=key) if self.uses_rngs else module(inputs)
+
+
+def describe_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> tuple[ModelDef, Any]:
+    """The model's ModelDef and abstract params (ShapeDtypeStructs), without allocating anything."""
+    abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
+        raise UserError(f"model: only nnx.Param variables are supported as model state; found {kinds}. "
+                        "Keep running statistics out of the module (e.g. use LayerNorm instead of BatchNorm)")
+    flat = dict(nnx.to_flat_state(params))
+    pure = nnx.to_pure_dict(params)
+    axes = jax.tree_util.tree_map_with_path(
+        lambda path, _: logical_axes_of(flat[tuple(_key(k) for k in path)]), pure)
+    return ModelDef(graphdef, axes, takes_rngs(abstract)), pure
+
+
+def make_init(factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
+              seed: int) -> Callable[[], TrainState]:
+    def init() -> TrainState:
+        init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
+        params = nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(init_key)), nnx.Param, ...)[1])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                          rng=train_key)
+
+    return init
+
+
+def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.GradientTransformation,
+                strategy: str, rules: dict, mesh: Mesh) -> tuple[TrainState, TrainState]:
+    """(abstract state, PartitionSpecs of the state) for replicated, zero1 or fsdp."""
+    abstract = jax.eval_shape(init)
+    params = param_specs(abstract.params, model.logical_axes, strategy == "fsdp", rules, mesh)
+    opt = optimizer_specs(tx, abstract.opt_state, abstract.params, model.logical_axes,
+                          strategy in ("zero1", "fsdp"), rules, mesh)
+    return abstract, TrainState(step=P(), params=params, opt_state=opt, rng=P())
+
+
+def create_state(init: Callable[[], TrainState], specs: TrainState, mesh: Mesh) -> TrainState:
+    """Initialise straight into the target shardings: the full state never sits on one device."""
+    return jax.jit(init, out_shardings=named(mesh, specs))()
+
+
+def with_shardings(abstract: Any, specs: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, named(mesh, specs), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def verify_replicas_identical(state: Any, specs: Any, mesh: Mesh) -> None:
+    """Every replicated leaf must hold the same bits on every device (and every process)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    spec_leaves = treedef.flatten_up_to(specs)
+    checked = [(path, leaf) for (path, leaf), spec in zip(leaves, spec_leaves) if spec == P()]
+    if not checked or mesh.size == 1:
+        return
+    prints = compat.gather_to_host(_fingerprints(mesh, [leaf for _, leaf in checked]))
+    devices = list(mesh.devices.flat)
+    bad = [(jax.tree_util.keystr(path), [str(devices[d]) for d in np.flatnonzero(prints[:, i] != prints[0, i])])
+           for i, (path, _) in enumerate(checked) if np.any(prints[:, i] != prints[0, i])]
+    if bad:
+        listed = "; ".join(f"{name} differs on {', '.join(devs)}" for name, devs in bad[:5])
+        raise UserError(f"state: replicas are not identical after init ({listed}). Every process must use "
+                        "the same seed and the same model code; initialisation must not read per-process state")
+
+
+def _fingerprints(mesh: Mesh, leaves: list[jax.Array]) -> jax.Array:
+    """[devices, leaves] uint32: an order-sensitive checksum of each device's copy of each leaf."""
+    axes = mesh.axis_names
+
+    def per_device(*local):
+        return jnp.stack([_fingerprint(x) for x in local])[None]
+
+    mapped = compat.shard_map(per_device, mesh, in_specs=tuple(P() for _ in leaves), out_specs=P(axes))
+    return jax.jit(mapped)(*leaves)
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+    flat = jnp.ravel(x)
+    if flat.dtype == jnp.bool_:
+        bits = flat.astype(jnp.uint32)
+    elif flat.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(flat, jnp.uint32).ravel()
+    else:
+        bits = jax.lax.bitcast_convert_type(flat, jnp.dtype(f"uint{8 * flat.dtype.itemsize}")).astype(jnp.uint32)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+def _key(entry: Any) -> Any:
+    return getattr(entry, "key", getattr(entry, "idx", entry))
