@@ -337,8 +337,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as err:
-        raise UserError(f"config: could not apply overrides {list(overrides)}: {err}") from None
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        first_line = str(err).splitlines()[0]
+        raise UserError(f"config: could not parse overrides {list(overrides)} ({first_line}); values are YAML: "
+                        "quote ones that start with *, & or ! (e.g. data.glob='*.txt')") from None
     _reject_malformed_overrides(overrides)
     return validate_config(data)
 

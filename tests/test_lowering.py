@@ -1,0 +1,61 @@
+"""`xlatrain lower`: the report's keys, the collectives data parallel and FSDP need, and HLO dumps."""
+
+import json
+
+import pytest
+from conftest import DIGITS_MLP, TINY_GPT, run_cli
+
+from xlatrain.cli import main
+from xlatrain.lowering.inspect import collectives, shape_bytes
+
+
+def lower_json(capsys, *overrides):
+    assert main(["lower", "--json", *overrides]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def kinds(report):
+    return {c["kind"]: c for c in report["collectives"]}
+
+
+def test_data_parallel_step_all_reduces_gradients(capsys, devices):
+    report = lower_json(capsys, *DIGITS_MLP)
+    assert set(report) == {"params", "flops", "peak_memory_bytes", "collectives"}
+    assert report["params"] == 64 * 32 + 32 + 32 * 10 + 10
+    assert report["flops"] > 0 and report["peak_memory_bytes"] > 0
+    reduce = kinds(report)["all-reduce"]
+    assert reduce["count"] >= 1 and reduce["bytes"] >= 4 * report["params"]
+    assert "all-gather" not in kinds(report)
+
+
+def test_fsdp_step_all_gathers_parameters(capsys, devices):
+    replicated = lower_json(capsys, *TINY_GPT)
+    fsdp = lower_json(capsys, *TINY_GPT, "parallel.strategy=fsdp")
+    assert "all-gather" in kinds(fsdp) and kinds(fsdp)["all-gather"]["bytes"] > 0
+    assert fsdp["peak_memory_bytes"] < replicated["peak_memory_bytes"]
+
+
+def test_single_device_step_has_no_collectives(capsys, devices, monkeypatch):
+    monkeypatch.setattr("jax.devices", lambda *a: devices[:1])
+    assert lower_json(capsys, *DIGITS_MLP, "mesh.data=1")["collectives"] == []
+
+
+def test_dump_writes_stablehlo_and_optimised_hlo(tmp_path):
+    result = run_cli("lower", *DIGITS_MLP, "--dump", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "collectives" in result.stdout and "all-reduce" in result.stdout
+    assert "stablehlo" in (tmp_path / "train_step.stablehlo.mlir").read_text()
+    assert "all-reduce" in (tmp_path / "train_step.optimized.hlo.txt").read_text()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("%a = f32[256,128]{1,0} all-reduce(f32[256,128]{1,0} %x), replica_groups={}", [("all-reduce", 1, 131072)]),
+    ("%b = (f32[4]{0}, /*index=1*/bf16[2,2]{1,0}) all-gather-start(%x, %y)", [("all-gather", 1, 24)]),
+    ("%c = f32[] add(f32[] %x, f32[] %y)", []),
+])
+def test_collective_parsing(text, expected):
+    assert [(c["kind"], c["count"], c["bytes"]) for c in collectives(text)] == expected
+
+
+def test_shape_bytes():
+    assert shape_bytes("(f32[2,3]{1,0}, s8[5]{0}, pred[])") == 24 + 5 + 1

@@ -1,0 +1,99 @@
+"""Built-in and user models, optimizers by name, schedules with warmup, and the weight-decay mask."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import DIGITS_MLP, REPO
+from flax import nnx
+
+from xlatrain.config import derive, load_config
+from xlatrain.data.spec import DataSpec
+from xlatrain.errors import UserError
+from xlatrain.models import model_factory
+from xlatrain.optim import build_optimizer, decay_mask, learning_rate_schedule
+from xlatrain.trainer import train
+
+TOKENS = DataSpec((16,), np.dtype(np.int32), (16,), np.dtype(np.int32), 256)
+
+
+def gpt(*overrides):
+    config = load_config(None, ["model.layers=3", "model.width=32", "model.heads=4", "data.seq_len=16", *overrides])
+    return model_factory(config.model, TOKENS)(nnx.Rngs(0))
+
+
+def test_gpt_is_causal_and_scan_matches_loop():
+    scanned, looped = gpt(), gpt("model.scan_layers=false")
+    graph, params = nnx.split(scanned)
+    stacked = nnx.to_pure_dict(params)["blocks"]
+    loop_params = nnx.to_pure_dict(nnx.split(looped)[1])
+    for name in ("embed", "position", "ln_final", "head"):
+        loop_params[name] = nnx.to_pure_dict(params)[name]
+    loop_params["blocks"] = {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(3)}
+    nnx.update(looped, loop_params)
+    tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16) % 256
+    np.testing.assert_allclose(scanned(tokens), looped(tokens), rtol=1e-5, atol=1e-5)
+    changed = tokens.at[:, 10].set(7)
+    np.testing.assert_array_equal(scanned(tokens)[:, :10], scanned(changed)[:, :10])
+    assert not np.allclose(scanned(tokens)[:, 10:], scanned(changed)[:, 10:])
+
+
+def test_dropout_only_with_a_key():
+    model = gpt("model.dropout=0.5")
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    np.testing.assert_array_equal(model(tokens), model(tokens))
+    assert not np.allclose(model(tokens, rngs=jax.random.key(0)), model(tokens))
+
+
+@pytest.mark.parametrize("target, message", [
+    ("nonexistent_pkg.mod:Thing", "cannot import 'nonexistent_pkg.mod'"),
+    ("xlatrain.config:Nope", "has no 'Nope'"),
+    ("xlatrain.config:Config", "is not a flax.nnx.Module subclass"),
+])
+def test_custom_model_target_errors(target, message):
+    config = load_config(None, ["model.name=custom", f"model.target={target}", "data.source=digits"])
+    with pytest.raises(UserError, match=message):
+        model_factory(config.model, TOKENS)
+
+
+def test_bring_your_own_model_example_trains(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "examples/custom_model"))
+    config = load_config(REPO / "examples/custom_model/custom_model.yaml",
+                         ["trainer.steps=60", "trainer.eval_every=60", "trainer.progress=false",
+                          f"trainer.run_dir={tmp_path}"])
+    result = train(config, echo=lambda _: None)
+    assert result.eval_losses[60] < 1.0
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion", "adafactor"])
+def test_every_optimizer_lowers_the_loss(name, tmp_path):
+    lr = {"adamw": 1e-2, "sgd": 0.3, "lion": 1e-2, "adafactor": 0.05}[name]
+    result = train(load_config(None, [*DIGITS_MLP, f"optimizer.name={name}", f"optimizer.lr={lr}",
+                                      "trainer.steps=40", "optimizer.weight_decay=1e-4",
+                                      f"trainer.run_dir={tmp_path}"]), echo=lambda _: None)
+    first, last = np.mean([result.losses[s] for s in (1, 2, 3)]), np.mean([result.losses[s] for s in (38, 39, 40)])
+    assert last < 0.6 * first
+
+
+def test_schedule_warms_up_to_the_scaled_rate_then_decays(devices):
+    config = load_config(None, ["batch.global_size=64", "optimizer.lr=0.01", "optimizer.lr_scaling=linear",
+                                "optimizer.base_batch_size=16", "optimizer.warmup_steps=10",
+                                "optimizer.schedule=linear", "optimizer.final_lr_fraction=0.1",
+                                "trainer.steps=110"])
+    derived = derive(config, devices)
+    schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
+    assert derived.effective_lr == pytest.approx(0.04)
+    assert float(schedule(0)) == 0.0 and float(schedule(5)) == pytest.approx(0.02)
+    assert float(schedule(10)) == pytest.approx(0.04) and float(schedule(110)) == pytest.approx(0.004)
+
+
+def test_weight_decay_skips_biases_and_norm_scales():
+    params = {"dense": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)}, "norm": {"scale": jnp.ones(3)}}
+    assert decay_mask(params) == {"dense": {"kernel": True, "bias": False}, "norm": {"scale": False}}
+    config = load_config(None, ["optimizer.weight_decay=0.5", "optimizer.clip_norm=null", "optimizer.name=sgd",
+                                "optimizer.momentum=0", "optimizer.schedule=constant", "optimizer.lr=1.0"])
+    tx = build_optimizer(config.optimizer, optax.constant_schedule(1.0))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    assert float(updates["dense"]["kernel"][0, 0]) == -0.5 and float(updates["dense"]["bias"][0]) == 0.0

@@ -1,0 +1,66 @@
+"""Abstract init into shardings, logical-axis rules, and the identical-replicas check."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_GPT
+from jax.sharding import PartitionSpec as P
+
+from xlatrain.config import load_config
+from xlatrain.errors import UserError
+from xlatrain.mesh import build_mesh
+from xlatrain.program import build_program
+from xlatrain.sharding import logical_spec
+from xlatrain.state import verify_replicas_identical
+
+
+def test_logical_rules_shard_the_first_divisible_axis(devices):
+    mesh = build_mesh(load_config(None))
+    rules = {"vocab": "data", "embed": "data"}
+    assert logical_spec(("vocab", "embed"), (256, 64), rules, mesh) == P("data", None)
+    assert logical_spec(("vocab", "embed"), (10, 64), rules, mesh) == P(None, "data")
+    assert logical_spec(("vocab", None), (10, 64), rules, mesh) == P(None, None)
+
+
+@pytest.mark.parametrize("strategy, params_sharded, moments_sharded", [
+    ("replicated", False, False), ("zero1", False, True), ("fsdp", True, True)])
+def test_strategies_place_params_and_optimizer_state(strategy, params_sharded, moments_sharded, devices):
+    program = build_program(load_config(None, [*TINY_GPT, f"parallel.strategy={strategy}"]))
+    state = program.create_state()
+    kernel = state.params["head"]["kernel"]
+    adam = state.opt_state[1]
+    assert (kernel.sharding.spec != P(None, None) and kernel.sharding.spec != P()) == params_sharded
+    assert (adam.mu["head"]["kernel"].sharding.spec not in (P(), P(None, None))) == moments_sharded
+    assert adam.count.sharding.is_fully_replicated and len(adam.count.sharding.device_set) == 8
+    assert state.step.sharding.is_fully_replicated
+
+
+def test_init_never_builds_the_whole_state_on_one_device(devices):
+    program = build_program(load_config(None, [*TINY_GPT, "parallel.strategy=fsdp"]))
+    kernel = program.create_state().params["embed"]["embedding"]
+    assert {s.data.shape for s in kernel.addressable_shards} == {(256 // 8, 32)}
+
+
+def test_a_replica_that_differs_is_an_error(devices):
+    program = build_program(load_config(None, TINY_GPT))
+    state = program.create_state()
+    verify_replicas_identical(state, program.specs, program.mesh)
+    bias = state.params["head"]["bias"]
+    shards = [s.data for s in bias.addressable_shards]
+    shards[5] = jax.device_put(shards[5] + 1.0, shards[5].devices().pop())
+    tampered = jax.make_array_from_single_device_arrays(bias.shape, bias.sharding, shards)
+    state.params["head"]["bias"] = tampered
+    with pytest.raises(UserError, match=r"\['head'\]\['bias'\] differs on .*5"):
+        verify_replicas_identical(state, program.specs, program.mesh)
+
+
+def test_same_seed_same_params_other_seed_other_params(devices):
+    def first_kernel(seed):
+        return np.asarray(build_program(load_config(None, [*TINY_GPT, f"seed={seed}"])).create_state()
+                          .params["head"]["kernel"])
+
+    once = first_kernel(1)
+    np.testing.assert_array_equal(once, first_kernel(1))
+    assert not np.array_equal(once, first_kernel(2))
+    assert jnp.all(jnp.isfinite(once))
