@@ -1,0 +1,56 @@
+"""`xlatrain train` end to end in a real process: logs, TensorBoard files, saved config, resume."""
+
+import json
+
+import yaml
+from conftest import run_cli
+
+from xlatrain.metrics import read_metrics
+
+
+def test_train_writes_metrics_tensorboard_config_and_checkpoints(tmp_path):
+    run_dir = tmp_path / "digits"
+    args = ("train", "examples/configs/digits_mlp.yaml", "trainer.steps=30", "trainer.eval_every=15",
+            "trainer.checkpoint_every=10", "trainer.log_every=5", f"trainer.run_dir={run_dir}")
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert "effective lr 0.003" in result.stdout and "finished at step 30" in result.stdout
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [5, 10, 15, 20, 25, 30]
+    assert {"loss", "accuracy", "grad_norm", "lr", "samples_per_sec"} <= set(train_records[0])
+    assert [r["step"] for r in records if "eval_loss" in r] == [15, 30]
+    assert train_records[-1]["loss"] < train_records[0]["loss"]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "20", "30"]
+
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["hidden"] == [128, 128] and saved["trainer"]["steps"] == 30
+    assert saved["derived"]["global_batch"] == 64 and saved["derived"]["data_parallel"] == 8
+
+    again = run_cli(*args)
+    assert again.returncode == 0 and "already at step 30" in again.stdout
+    longer = run_cli(*args[:-2], "trainer.steps=35", f"trainer.run_dir={run_dir}")
+    assert longer.returncode == 0 and "resuming from checkpoint at step 30" in longer.stdout
+    assert max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl")) == 35
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    run_dir = tmp_path / "broken"
+    args = ("train", "examples/configs/digits_mlp.yaml", "trainer.steps=4", "trainer.checkpoint_every=2",
+            "trainer.progress=false", f"trainer.run_dir={run_dir}")
+    assert run_cli(*args).returncode == 0
+    for path in (run_dir / "checkpoints" / "4").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0 and "data" not in path.parts:
+            path.write_bytes(b"garbage")
+    result = run_cli(*args[:-2], "trainer.steps=6", f"trainer.run_dir={run_dir}")
+    assert result.returncode == 2, result.stderr
+    assert "checkpoint" in result.stderr and str(run_dir / "checkpoints" / "4") in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_lower_json_is_one_object():
+    result = run_cli("lower", "--json", "examples/configs/digits_mlp.yaml")
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)) == {"params", "flops", "peak_memory_bytes", "collectives"}
