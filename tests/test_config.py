@@ -87,6 +87,13 @@ def test_mesh_does_not_match_devices(capsys, devices):
     assert "--xla_force_host_platform_device_count=4" in err
 
 
+def test_logical_rules_merge_over_defaults_and_name_real_mesh_axes(capsys):
+    rules = load_config(None, ["parallel.logical_rules.embed=null"]).parallel.logical_rules
+    assert rules["embed"] is None and rules["mlp"] == "data"
+    err = cli_error(capsys, "config", "parallel.logical_rules.embed=model")
+    assert "parallel.logical_rules" in err and "['data']" in err
+
+
 def test_missing_data_path(capsys, tmp_path):
     err = cli_error(capsys, "config", "data.source=arrays", f"data.path={tmp_path / 'nope.npz'}")
     assert "data.path=" in err and "does not exist" in err

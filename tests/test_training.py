@@ -1,6 +1,5 @@
 """Data parallel vs one device, gradient accumulation, exact resume, signals, non-finite losses, compiles."""
 
-import json
 import signal
 import subprocess
 import sys

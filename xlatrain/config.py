@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from xlatrain.errors import UserError
 
@@ -201,7 +201,8 @@ class MeshConfig(Strict):
         return self
 
 
-DEFAULT_LOGICAL_RULES = {"batch": "data", "vocab": "data", "embed": "data", "mlp": "data",
+MESH_AXES = ("data",)
+DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
                          "heads": "data", "hidden": "data", "channels": "data"}
 
 
@@ -209,7 +210,16 @@ class ParallelConfig(Strict):
     strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
     """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too."""
     logical_rules: dict[str, str | None] = DEFAULT_LOGICAL_RULES
-    """Logical axis name -> mesh axis, used by zero1/fsdp; the first divisible axis of a tensor is sharded."""
+    """Logical axis name -> mesh axis (or null), merged over the defaults; used by zero1/fsdp."""
+
+    @field_validator("logical_rules")
+    @classmethod
+    def _rules_name_mesh_axes(cls, rules: dict[str, str | None]) -> dict[str, str | None]:
+        unknown = {name: axis for name, axis in rules.items() if axis is not None and axis not in MESH_AXES}
+        if unknown:
+            raise ValueError(f"parallel.logical_rules maps {unknown} to mesh axes that do not exist; "
+                             f"mesh axes are {list(MESH_AXES)} (or null for not sharded)")
+        return {**DEFAULT_LOGICAL_RULES, **rules}
 
 
 class TrainerConfig(Strict):
@@ -334,6 +344,7 @@ def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Config from an optional YAML file plus `key=value` overrides; None means the built-in default."""
     raw = _read_yaml(Path(path)) if path is not None else {}
+    _reject_malformed_overrides(overrides)
     try:
         merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
@@ -341,7 +352,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         first_line = str(err).splitlines()[0]
         raise UserError(f"config: could not parse overrides {list(overrides)} ({first_line}); values are YAML: "
                         "quote ones that start with *, & or ! (e.g. data.glob='*.txt')") from None
-    _reject_malformed_overrides(overrides)
     return validate_config(data)
 
 

@@ -13,7 +13,7 @@ def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...], rules: M
                  mesh: Mesh) -> P:
     """Shard each dimension whose logical name maps to a mesh axis that divides it; each axis once."""
     used, spec = set(), []
-    for name, size in zip(names, shape):
+    for name, size in zip(names, shape, strict=True):
         axis = rules.get(name) if name is not None else None
         usable = axis in mesh.shape and axis not in used and mesh.shape[axis] > 1 and size % mesh.shape[axis] == 0
         spec.append(axis if usable else None)

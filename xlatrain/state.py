@@ -42,8 +42,8 @@ class ModelDef:
         return module(inputs, rngs=key) if self.uses_rngs else module(inputs)
 
 
-def describe_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> tuple[ModelDef, Any]:
-    """The model's ModelDef and abstract params (ShapeDtypeStructs), without allocating anything."""
+def describe_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
+    """The model's static structure and parameter axis names, without allocating anything."""
     abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
@@ -54,7 +54,7 @@ def describe_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> tuple[ModelDef,
     pure = nnx.to_pure_dict(params)
     axes = jax.tree_util.tree_map_with_path(
         lambda path, _: logical_axes_of(flat[tuple(_key(k) for k in path)]), pure)
-    return ModelDef(graphdef, axes, takes_rngs(abstract)), pure
+    return ModelDef(graphdef, axes, takes_rngs(abstract))
 
 
 def make_init(factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
@@ -92,7 +92,7 @@ def verify_replicas_identical(state: Any, specs: Any, mesh: Mesh) -> None:
     """Every replicated leaf must hold the same bits on every device (and every process)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     spec_leaves = treedef.flatten_up_to(specs)
-    checked = [(path, leaf) for (path, leaf), spec in zip(leaves, spec_leaves) if spec == P()]
+    checked = [(path, leaf) for (path, leaf), spec in zip(leaves, spec_leaves, strict=True) if spec == P()]
     if not checked or mesh.size == 1:
         return
     prints = compat.gather_to_host(_fingerprints(mesh, [leaf for _, leaf in checked]))

@@ -16,7 +16,7 @@ class CNN(nnx.Module):
             nnx.Conv(a, b, kernel_size=(3, 3), strides=(1, 1) if i == 0 else (2, 2),
                      kernel_metadata=axes(None, None, None, "channels"),
                      bias_metadata=axes("channels"), rngs=rngs)
-            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
         ])
         for _ in channels[1:]:
             height, width = -(-height // 2), -(-width // 2)

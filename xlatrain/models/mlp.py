@@ -14,7 +14,7 @@ class MLP(nnx.Module):
         self.hidden = nnx.List([
             nnx.Linear(a, b, kernel_metadata=axes("embed", "hidden"), bias_metadata=axes("hidden"),
                        rngs=rngs)
-            for a, b in zip(sizes[:-1], sizes[1:])
+            for a, b in zip(sizes[:-1], sizes[1:], strict=True)
         ])
         self.head = nnx.Linear(sizes[-1], num_outputs, kernel_metadata=axes("hidden", None),
                                bias_metadata=axes(None), rngs=rngs)
