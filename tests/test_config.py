@@ -94,6 +94,13 @@ def test_logical_rules_merge_over_defaults_and_name_real_mesh_axes(capsys):
     assert "parallel.logical_rules" in err and "['data']" in err
 
 
+def test_distributed_settings_must_agree(capsys):
+    assert "process_id=2 must be below distributed.num_processes=2" in cli_error(
+        capsys, "config", "distributed.coordinator=127.0.0.1:1234", "distributed.num_processes=2",
+        "distributed.process_id=2")
+    assert "needs distributed.coordinator" in cli_error(capsys, "config", "distributed.num_processes=2")
+
+
 def test_missing_data_path(capsys, tmp_path):
     err = cli_error(capsys, "config", "data.source=arrays", f"data.path={tmp_path / 'nope.npz'}")
     assert "data.path=" in err and "does not exist" in err

@@ -4,9 +4,9 @@ import json
 
 import pytest
 from conftest import DIGITS_MLP, TINY_GPT, run_cli
+from xlatrain.lowering.inspect import collectives, shape_bytes
 
 from xlatrain.cli import main
-from xlatrain.lowering.inspect import collectives, shape_bytes
 
 
 def lower_json(capsys, *overrides):

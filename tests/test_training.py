@@ -91,9 +91,10 @@ def _nan_arrays(tmp_path):
             "batch.global_size=16", "trainer.progress=false", "trainer.log_every=1"]
 
 
-def test_nonfinite_loss_stops_naming_the_step(tmp_path):
+def test_nonfinite_loss_stops_naming_the_step_and_saves_no_broken_state(tmp_path):
     with pytest.raises(NonFiniteLoss, match="non-finite loss at step 1"):
-        losses([*_nan_arrays(tmp_path), "trainer.steps=5"], tmp_path, "nan")
+        losses([*_nan_arrays(tmp_path), "trainer.steps=5", "trainer.checkpoint_every=1"], tmp_path, "nan")
+    assert not [p for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit()]
 
 
 def test_nonfinite_loss_can_skip_updates(tmp_path):

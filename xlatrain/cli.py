@@ -53,9 +53,11 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
 
 def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
     from xlatrain.config import load_config
+    from xlatrain.distributed import initialize
     from xlatrain.trainer import NonFiniteLoss, train
 
     config = load_config(config_path, overrides)
+    initialize(config.distributed)
     try:
         train(config)
     except NonFiniteLoss as err:

@@ -27,6 +27,19 @@ def gather_to_host(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+def use_gloo_for_cpu_collectives() -> None:
+    """CPU collectives across processes need gloo; must run before the CPU backend starts."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches this point (no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 @contextlib.contextmanager
 def backend_compile_listener(callback: Callable[[str, float], None]) -> Iterator[None]:
     """Calls callback(function_name, seconds) for every XLA compilation while the context is open."""

@@ -235,6 +235,22 @@ class TrainerConfig(Strict):
     progress: bool = True
 
 
+class DistributedConfig(Strict):
+    coordinator: Annotated[str, Field(pattern=r"^[\w.\-\[\]:]+:\d+$")] | None = None
+    """"host:port" of process 0; set it (on every process) to run multi-process with jax.distributed."""
+    num_processes: PositiveInt = 1
+    process_id: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistributedConfig:
+        if self.process_id >= self.num_processes:
+            raise ValueError(f"distributed.process_id={self.process_id} must be below "
+                             f"distributed.num_processes={self.num_processes}")
+        if self.num_processes > 1 and self.coordinator is None:
+            raise ValueError("distributed.num_processes > 1 needs distributed.coordinator=host:port")
+        return self
+
+
 class Config(Strict):
     name: Annotated[str, Field(pattern=r"^[\w.-]+$")] = "gpt-stdlib"
     seed: NonNegativeInt = 0
@@ -245,6 +261,7 @@ class Config(Strict):
     mesh: MeshConfig = MeshConfig()
     parallel: ParallelConfig = ParallelConfig()
     trainer: TrainerConfig = TrainerConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @model_validator(mode="after")
     def _model_fits_data(self) -> Config:

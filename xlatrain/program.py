@@ -18,8 +18,16 @@ from xlatrain.mesh import build_mesh, eval_batch_sharding, replicated, train_bat
 from xlatrain.models import model_factory
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.sharding import named
-from xlatrain.state import (ModelDef, TrainState, create_state, describe_model, make_init, state_specs,
-                            verify_replicas_identical, with_shardings)
+from xlatrain.state import (
+    ModelDef,
+    TrainState,
+    create_state,
+    describe_model,
+    make_init,
+    state_specs,
+    verify_replicas_identical,
+    with_shardings,
+)
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,18 @@ from pathlib import Path
 
 import yaml
 
+from xlatrain import compat
 from xlatrain.config import Config, Derived, config_to_yaml
+from xlatrain.distributed import is_primary
 from xlatrain.errors import UserError
 
 CONFIG_FILE = "config.yaml"
-RESUMABLE_SECTIONS = ("trainer", "derived")
-"""Sections that may differ between a run and its resumption (more steps, another device count)."""
+RESUMABLE_SECTIONS = ("trainer", "derived", "distributed")
+"""Sections that may differ between a run and its resumption (more steps, other devices or processes)."""
 
 
 def prepare_run_dir(config: Config, derived: Derived) -> Path:
-    """Create the run directory, or check that an existing one belongs to this config; save the config."""
+    """Check that an existing run directory belongs to this config, then (process 0) save the config."""
     run_dir = config.run_dir()
     saved_path = run_dir / CONFIG_FILE
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -23,8 +25,14 @@ def prepare_run_dir(config: Config, derived: Derived) -> Path:
             raise UserError(f"trainer.run_dir={str(run_dir)!r} exists and is not an xlatrain run directory "
                             f"(no {CONFIG_FILE}); choose another trainer.run_dir so nothing there is overwritten")
         _check_same_run(config, saved_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    saved_path.write_text(config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False))
+    compat.barrier("xlatrain-run-dir-checked")
+    if is_primary():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        text = config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False)
+        partial = saved_path.with_suffix(".yaml.partial")
+        partial.write_text(text)
+        partial.replace(saved_path)
+    compat.barrier("xlatrain-run-dir-ready")
     return run_dir
 
 

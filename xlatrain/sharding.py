@@ -6,7 +6,8 @@ from typing import Any, Mapping
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...], rules: Mapping[str, str | None],

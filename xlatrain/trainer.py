@@ -16,6 +16,7 @@ from tqdm import tqdm
 from xlatrain.checkpoint import Checkpoints
 from xlatrain.config import Config
 from xlatrain.data.loader import DeviceLoader, eval_batches, make_global, split_microbatches, train_iterator
+from xlatrain.distributed import is_primary
 from xlatrain.lowering.compile import CompileLog
 from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
 from xlatrain.metrics import MetricsWriter
@@ -40,6 +41,9 @@ class TrainResult:
 
 
 def train(config: Config, *, devices: list | None = None, echo: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) a run. In a multi-process run only process 0 prints and writes logs."""
+    if not is_primary():
+        echo = _silent
     compile_log = CompileLog()
     with compile_log.listening():
         program = build_program(config, devices)
@@ -47,6 +51,10 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
         _describe(program, run_dir, echo)
         result = _Run(program, run_dir, echo, compile_log).execute()
     return result
+
+
+def _silent(_: str) -> None:
+    pass
 
 
 def _describe(program: Program, run_dir: Path, echo: Callable[[str], None]) -> None:
@@ -90,13 +98,13 @@ class _Run:
             self.checkpoints.close()
             return result
         loader = self._loader(data_state)
-        metrics_writer = MetricsWriter(self.run_dir, resume_step=start if start else None)
+        metrics_writer = MetricsWriter(self.run_dir, resume_step=start if start else None) if is_primary() else None
         evaluation = self._eval_batches()
         train_step, eval_step = self.program.train_step, self.program.eval_step
         self.echo(f"  compiled train step in {train_step.compile_seconds:.1f}s; training steps {start}..."
                   f"{self.trainer.steps}")
-        bar = tqdm(total=self.trainer.steps, initial=start, disable=not self.trainer.progress, unit="step",
-                   dynamic_ncols=True)
+        bar = tqdm(total=self.trainer.steps, initial=start, disable=not (self.trainer.progress and is_primary()),
+                   unit="step", dynamic_ncols=True)
         clock = _Throughput(self.program, start)
         step, pending, last_saved = start, None, start
         try:
@@ -111,6 +119,9 @@ class _Run:
                     if step % self.trainer.eval_every == 0 or step == self.trainer.steps:
                         self._evaluate(step, state, eval_step, evaluation, result, metrics_writer)
                     if step % self.trainer.checkpoint_every == 0 or step == self.trainer.steps or stop:
+                        # Check this step's loss first: a non-finite state must never become a checkpoint.
+                        self._record(*pending, result, metrics_writer, bar, clock)
+                        pending = None
                         self.checkpoints.save(step, state, loader.state())
                         last_saved = step
                 if pending is not None:
@@ -121,7 +132,8 @@ class _Run:
         finally:
             bar.close()
             loader.close()
-            metrics_writer.close()
+            if metrics_writer is not None:
+                metrics_writer.close()
             self.checkpoints.close()
         result.final_step = step
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
@@ -157,7 +169,7 @@ class _Run:
                             process_index=jax.process_index(), process_count=jax.process_count())
         return [make_global(b, sharding, shapes) for b in host]
 
-    def _record(self, step: int, metrics: dict, result: TrainResult, writer: MetricsWriter, bar: tqdm,
+    def _record(self, step: int, metrics: dict, result: TrainResult, writer: MetricsWriter | None, bar: tqdm,
                 clock: _Throughput) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         finite = bool(values.pop("finite"))
@@ -171,17 +183,18 @@ class _Run:
         result.losses[step] = values["loss"]
         bar.set_postfix(loss=f"{values['loss']:.4f}", **clock.rates(step), refresh=False)
         bar.update(1)
-        if step % self.trainer.log_every == 0 or step == self.trainer.steps:
+        if writer is not None and (step % self.trainer.log_every == 0 or step == self.trainer.steps):
             writer.write({"step": step, **values, **clock.rates(step, numeric=True), "skipped": not finite})
 
     def _evaluate(self, step: int, state: Any, eval_step: Any, batches: list[dict], result: TrainResult,
-                  writer: MetricsWriter) -> None:
+                  writer: MetricsWriter | None) -> None:
         if not batches:
             return
         outputs = jax.device_get([eval_step(state, b) for b in batches])
         record = {k: float(np.mean([o[k] for o in outputs])) for k in outputs[0]}
         result.eval_losses[step] = record["eval_loss"]
-        writer.write({"step": step, **record})
+        if writer is not None:
+            writer.write({"step": step, **record})
         self.echo(f"  step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
 
 
