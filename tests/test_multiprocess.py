@@ -31,7 +31,7 @@ def launch(run_dir, port, steps):
     processes = [subprocess.Popen([*args, f"distributed.process_id={i}"], cwd=REPO, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     outputs = [p.communicate(timeout=300) for p in processes]
-    for process, (out, err) in zip(processes, outputs, strict=True):
+    for process, (_, err) in zip(processes, outputs, strict=True):
         assert process.returncode == 0, err[-3000:]
     return outputs
 

@@ -105,8 +105,9 @@ def test_nonfinite_loss_can_skip_updates(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_resumes_exactly(tmp_path):
-    common = [*TINY_GPT, "optimizer.schedule=constant", "trainer.steps=400", "trainer.checkpoint_every=1000"]
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_saves_a_checkpoint_and_resumes_exactly(signum, tmp_path):
+    common = [*DIGITS_MLP, "optimizer.schedule=constant", "trainer.steps=100000", "trainer.checkpoint_every=100000"]
     run_dir = tmp_path / "signalled"
     process = subprocess.Popen([sys.executable, "-m", "xlatrain.cli", "train", *common,
                                 f"trainer.run_dir={run_dir}"], cwd=REPO, stdout=subprocess.PIPE,
@@ -114,18 +115,18 @@ def test_sigterm_saves_a_checkpoint_and_resumes_exactly(tmp_path):
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and len(read_metrics(metrics)) < 3 and process.poll() is None:
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+    process.send_signal(signum)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err
     assert "stopped by signal" in out
     saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     stopped_at = saved[-1]
-    assert 3 <= stopped_at < 400
+    assert 3 <= stopped_at < 100000
     interrupted = {r["step"]: r["loss"] for r in read_metrics(metrics) if "loss" in r}
     assert max(interrupted) == stopped_at
 
-    finish = [*common[:-2], f"trainer.steps={stopped_at + 3}", "trainer.checkpoint_every=1000"]
+    finish = [*common[:-2], f"trainer.steps={stopped_at + 3}", "trainer.checkpoint_every=100000"]
     resumed = losses(finish, tmp_path, "signalled")
     straight = losses(finish, tmp_path, "straight")
     combined = {**interrupted, **resumed.losses}
