@@ -71,7 +71,8 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         if skip_nonfinite:
             new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state.replace(step=state.step + 1))
-        metrics = {"loss": value, "grad_norm": grad_norm, "lr": schedule(state.step), "finite": finite, **aux}
+        metrics = {"loss": value, "grad_norm": grad_norm, "param_norm": optax.tree.norm(new.params),
+                   "lr": schedule(state.step), "finite": finite, **aux}
         return new, metrics
 
     return train_step

@@ -14,6 +14,7 @@ USAGE_EXAMPLES = """examples:
   xlatrain train examples/configs/digits_mlp.yaml trainer.steps=200
   xlatrain config examples/configs/digits_mlp.yaml batch.global_size=128
   xlatrain lower --json parallel.strategy=fsdp
+  xlatrain parity examples/configs/digits_mlp.yaml --a mesh.data=1 --b parallel.strategy=fsdp --steps 20
 """
 
 
@@ -42,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
         if name == "lower":
             sub.add_argument("--json", action="store_true", help="print one JSON object")
             sub.add_argument("--dump", type=Path, metavar="DIR", help="write StableHLO and optimised HLO text")
+    parity = commands.add_parser("parity", help="train two configs side by side and report where they diverge")
+    parity.add_argument("configs", nargs="*", metavar="CONFIG", help="none (the default), one for both sides, "
+                        "or CONFIG_A CONFIG_B")
+    parity.add_argument("--a", nargs="+", default=[], metavar="key=value", help="overrides for side A")
+    parity.add_argument("--b", nargs="+", default=[], metavar="key=value", help="overrides for side B")
+    parity.add_argument("--steps", type=int, default=20, help="steps to compare (default 20)")
+    parity.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    parity.set_defaults(command=_parity, args=[])
     return parser
 
 
@@ -94,6 +103,21 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     else:
         print(_format_report(report, program.derived.devices))
     return 0
+
+
+def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.config import load_config
+    from xlatrain.parity import run_parity
+
+    if len(args.configs) > 2:
+        raise UserError(f"parity takes at most two configs, got {len(args.configs)}: {args.configs}")
+    if args.steps < 1 or not args.rtol >= 0:
+        raise UserError("parity: --steps must be at least 1 and --rtol non-negative")
+    paths = (args.configs or [None]) * (2 if len(args.configs) < 2 else 1)
+    config_a, config_b = load_config(paths[0], args.a), load_config(paths[1], args.b)
+    report = run_parity(config_a, config_b, args.steps, args.rtol)
+    print(report.summary())
+    return 0 if report.first is None else 1
 
 
 def _format_report(report: dict, devices: int) -> str:
