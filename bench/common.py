@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -32,14 +33,14 @@ def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def environment() -> dict[str, str]:
+def environment(command: str) -> dict[str, str]:
     return {"python": sys.version.split()[0], "jax": jax.__version__, "backend": jax.default_backend(),
             "device": str(jax.devices()[0].device_kind), "devices": str(jax.device_count()),
-            "machine": platform.machine(), "command": " ".join(["python3", *sys.argv])}
+            "machine": platform.machine(), "cpus": str(os.cpu_count()), "command": command}
 
 
-def write_results(name: str, payload: dict) -> Path:
+def write_results(name: str, command: str, payload: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2) + "\n")
+    path.write_text(json.dumps({"environment": environment(command), **payload}, indent=2) + "\n")
     return path

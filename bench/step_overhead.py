@@ -89,7 +89,8 @@ def main() -> None:
                          "params": program.param_count, "global_batch": program.derived.global_batch}
         print(f"{name}: xlatrain {medians['xlatrain'] * 1e3:.3f} ms, hand-written "
               f"{medians['handwritten'] * 1e3:.3f} ms, ratio {results[name]['ratio_xlatrain_over_handwritten']:.3f}")
-    path = write_results("step_overhead", {"target": "ratio <= 1.05", "cases": results})
+    path = write_results("step_overhead", "python3 -m bench.step_overhead",
+                         {"target": "ratio <= 1.05", "cases": results})
     print(f"wrote {path}")
 
 
