@@ -52,17 +52,17 @@ class Program:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.abstract_state.params))
 
     def train_batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        d, spec = self.derived, self.dataset.spec
-        rows = (d.microbatches, d.microbatch_size)
-        sharding = train_batch_sharding(self.mesh)
-        return {"inputs": jax.ShapeDtypeStruct((*rows, *spec.input_shape), spec.input_dtype, sharding=sharding),
-                "targets": jax.ShapeDtypeStruct((*rows, *spec.target_shape), spec.target_dtype, sharding=sharding)}
+        """[microbatches, rows per microbatch, ...] per key, rows sharded over `data`."""
+        d = self.derived
+        return self._batch_shapes((d.microbatches, d.microbatch_size), train_batch_sharding(self.mesh))
 
     def eval_batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        rows, spec = self.derived.global_batch, self.dataset.spec
-        sharding = eval_batch_sharding(self.mesh)
-        return {"inputs": jax.ShapeDtypeStruct((rows, *spec.input_shape), spec.input_dtype, sharding=sharding),
-                "targets": jax.ShapeDtypeStruct((rows, *spec.target_shape), spec.target_dtype, sharding=sharding)}
+        return self._batch_shapes((self.derived.global_batch,), eval_batch_sharding(self.mesh))
+
+    def _batch_shapes(self, rows: tuple[int, ...], sharding) -> dict[str, jax.ShapeDtypeStruct]:
+        spec = self.dataset.spec
+        return {"inputs": jax.ShapeDtypeStruct((*rows, *spec.input_shape), spec.input_dtype, sharding=sharding),
+                "targets": jax.ShapeDtypeStruct((*rows, *spec.target_shape), spec.target_dtype, sharding=sharding)}
 
     @cached_property
     def train_step(self) -> CompiledStep:
