@@ -30,6 +30,16 @@ class MetricsWriter:
         self._tensorboard.close()
 
 
+class DiscardedMetrics:
+    """The writer of processes other than 0 in a multi-process run: only process 0 owns the logs."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 

@@ -19,7 +19,7 @@ from xlatrain.data.loader import DeviceLoader, eval_batches, make_global, split_
 from xlatrain.distributed import is_primary
 from xlatrain.lowering.compile import CompileLog
 from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
-from xlatrain.metrics import MetricsWriter
+from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import prepare_run_dir
 from xlatrain.state import with_shardings
@@ -98,7 +98,8 @@ class _Run:
             self.checkpoints.close()
             return result
         loader = self._loader(data_state)
-        metrics_writer = MetricsWriter(self.run_dir, resume_step=start if start else None) if is_primary() else None
+        metrics_writer = (MetricsWriter(self.run_dir, resume_step=start if start else None) if is_primary()
+                          else DiscardedMetrics())
         evaluation = self._eval_batches()
         train_step, eval_step = self.program.train_step, self.program.eval_step
         self.echo(f"  compiled train step in {train_step.compile_seconds:.1f}s; training steps {start}..."
@@ -132,8 +133,7 @@ class _Run:
         finally:
             bar.close()
             loader.close()
-            if metrics_writer is not None:
-                metrics_writer.close()
+            metrics_writer.close()
             self.checkpoints.close()
         result.final_step = step
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
@@ -169,8 +169,8 @@ class _Run:
                             process_index=jax.process_index(), process_count=jax.process_count())
         return [make_global(b, sharding, shapes) for b in host]
 
-    def _record(self, step: int, metrics: dict, result: TrainResult, writer: MetricsWriter | None, bar: tqdm,
-                clock: _Throughput) -> None:
+    def _record(self, step: int, metrics: dict, result: TrainResult, writer: MetricsWriter | DiscardedMetrics,
+                bar: tqdm, clock: _Throughput) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         finite = bool(values.pop("finite"))
         if not finite:
@@ -183,18 +183,17 @@ class _Run:
         result.losses[step] = values["loss"]
         bar.set_postfix(loss=f"{values['loss']:.4f}", **clock.rates(step), refresh=False)
         bar.update(1)
-        if writer is not None and (step % self.trainer.log_every == 0 or step == self.trainer.steps):
+        if step % self.trainer.log_every == 0 or step == self.trainer.steps:
             writer.write({"step": step, **values, **clock.rates(step, numeric=True), "skipped": not finite})
 
     def _evaluate(self, step: int, state: Any, eval_step: Any, batches: list[dict], result: TrainResult,
-                  writer: MetricsWriter | None) -> None:
+                  writer: MetricsWriter | DiscardedMetrics) -> None:
         if not batches:
             return
         outputs = jax.device_get([eval_step(state, b) for b in batches])
         record = {k: float(np.mean([o[k] for o in outputs])) for k in outputs[0]}
         result.eval_losses[step] = record["eval_loss"]
-        if writer is not None:
-            writer.write({"step": step, **record})
+        writer.write({"step": step, **record})
         self.echo(f"  step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
 
 
