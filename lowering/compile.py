@@ -1,4 +1,5 @@
-"""The one place where step functions meet jit: shardings, donation, and ahead-of-time compilation."""
+"""The one place where step functions meet jit: shardings, donation, ahead-of-time compilation, and the
+per-shape executable cache that counts, times and explains every (re)compilation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from xlatrain import compat
+from xlatrain.errors import UserError
 
 
 @dataclass
@@ -20,6 +22,9 @@ class CompileLog:
 
     def count(self, name: str | None = None) -> int:
         return sum(1 for fun, _ in self.events if name is None or fun in (name, f"jit({name})"))
+
+    def seconds(self) -> float:
+        return sum(secs for _, secs in self.events)
 
     def listening(self):
         return compat.backend_compile_listener(lambda fun, secs: self.events.append((fun, secs)))
@@ -58,3 +63,88 @@ def compile_eval_step(eval_step: Callable, abstract_state: Any, state_shardings:
     replicated = NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
     return compile_step(eval_step, (abstract_state, abstract_batch), (state_shardings, batch_sharding),
                         replicated)
+
+
+Signature = tuple[tuple[str, tuple[int, ...], str, Any], ...]
+
+
+def batch_signature(batch: dict) -> Signature:
+    """What decides whether a compiled step accepts a batch: each key's shape, dtype and sharding."""
+    return tuple((key, tuple(value.shape), str(value.dtype), getattr(value, "sharding", None))
+                 for key, value in sorted(batch.items()))
+
+
+def explain_difference(old: Signature, new: Signature) -> str:
+    """Which batch entries changed shape, dtype or sharding between two signatures."""
+    before, after = {k: rest for k, *rest in old}, {k: rest for k, *rest in new}
+    changes = [f"batch[{k!r}] added" for k in after.keys() - before.keys()]
+    changes += [f"batch[{k!r}] removed" for k in before.keys() - after.keys()]
+    for key in sorted(before.keys() & after.keys()):
+        for label, a, b in zip(("shape", "dtype", "sharding"), before[key], after[key], strict=True):
+            if a != b:
+                changes.append(f"batch[{key!r}] {label} {_short(a)} -> {_short(b)}")
+    return "; ".join(changes) or "same signature"
+
+
+def _short(value: Any) -> str:
+    return str(getattr(value, "spec", value))
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    step: str
+    seconds: float
+    cause: str
+
+
+@dataclass
+class CompileBook:
+    """Every compilation of the run's steps, with its cause; raises past `budget` compilations."""
+
+    budget: int | None = None
+    records: list[CompileRecord] = field(default_factory=list)
+
+    def add(self, record: CompileRecord) -> None:
+        self.records.append(record)
+        if self.budget is not None and len(self.records) > self.budget:
+            raise CompileBudgetExceeded(
+                f"trainer.compile_budget={self.budget} exceeded: the steps were compiled {len(self.records)} "
+                f"times.\n{self.report()}\nPad inputs to fewer shapes (data.buckets), or raise "
+                "trainer.compile_budget")
+
+    def report(self) -> str:
+        return "\n".join(f"  {i + 1}. {r.step} ({r.seconds:.2f}s): {r.cause}" for i, r in enumerate(self.records))
+
+
+class CompileBudgetExceeded(UserError):
+    """More step compilations than trainer.compile_budget allows."""
+
+
+class StepExecutables:
+    """One compiled executable per batch signature of a step. The first is compiled ahead of time for
+    the nominal batch; any later one is a recompile, recorded with what changed."""
+
+    def __init__(self, name: str, compile_for: Callable[[dict], CompiledStep], nominal_batch: dict,
+                 book: CompileBook):
+        self.name = name
+        self._compile_for = compile_for
+        self._book = book
+        self._nominal = batch_signature(nominal_batch)
+        self._by_signature: dict[Signature, CompiledStep] = {}
+        self.executions = 0
+        self.first = self._compile(self._nominal, nominal_batch, "first compilation")
+
+    def __call__(self, state: Any, batch: dict) -> Any:
+        signature = batch_signature(batch)
+        executable = self._by_signature.get(signature)
+        if executable is None:
+            abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in batch.items()}
+            executable = self._compile(signature, abstract, explain_difference(self._nominal, signature))
+        self.executions += 1
+        return executable(state, batch)
+
+    def _compile(self, signature: Signature, abstract_batch: dict, cause: str) -> CompiledStep:
+        executable = self._compile_for(abstract_batch)
+        self._by_signature[signature] = executable
+        self._book.add(CompileRecord(self.name, executable.compile_seconds, cause))
+        return executable

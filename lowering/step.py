@@ -1,8 +1,15 @@
 """Pure step functions: `train_step(state, batch) -> (state, metrics)` and `eval_step(state, batch)`.
 
 No jit, shardings or donation here (lowering/compile.py applies them once). Training batches are
-[microbatches, rows, ...]; gradients are accumulated over the microbatches with lax.scan, so the
-step equals one step on the whole batch.
+[microbatches, rows, ...] with rows split evenly over the data replicas. The step runs the AMP order
+of DESIGN.md in the order the code reads:
+
+1. each replica differentiates its *scaled* loss, accumulating float32 gradients over microbatches;
+2. the replicas' gradients are summed in the communication dtype, still scaled;
+3. the sum is unscaled, checked for inf/NaN (one check on the synchronised gradients, so every
+   replica agrees) and clipped by its global norm;
+4. the optimizer update is applied, or skipped (and the loss scale backed off) on a non-finite step;
+5. the step boundary: the function returns.
 """
 
 from __future__ import annotations
@@ -14,74 +21,148 @@ import jax.numpy as jnp
 import optax
 import optax.losses
 
+from xlatrain.precision import Policy, cast_floats, next_loss_scale
 from xlatrain.state import ModelDef, TrainState
 
 Metrics = dict[str, jax.Array]
+Tree = Any
 
 
-def loss_and_metrics(outputs: jax.Array, targets: jax.Array, loss: str) -> tuple[jax.Array, Metrics]:
+def per_position_weights(batch: dict) -> jax.Array:
+    """1 for every target value that counts towards the loss, 0 for padding (the batch's `mask`, if any)."""
+    if "mask" in batch:
+        return batch["mask"].astype(jnp.float32)
+    return jnp.ones(batch["targets"].shape, jnp.float32)
+
+
+def loss_sums(outputs: jax.Array, batch: dict, loss: str) -> Metrics:
+    """Weighted sums (not means) of the loss and accuracy, so they add up across replicas and microbatches."""
+    weights = per_position_weights(batch)
+    targets = batch["targets"]
     if loss == "mse":
-        err = jnp.mean(jnp.square(outputs.astype(jnp.float32) - targets.reshape(outputs.shape)))
-        return err, {}
-    logits = outputs.astype(jnp.float32)
-    value = jnp.mean(optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets))
-    accuracy = jnp.mean((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32))
-    return value, {"accuracy": accuracy}
+        err = jnp.square(outputs.astype(jnp.float32) - targets.reshape(outputs.shape).astype(jnp.float32))
+        return {"loss": jnp.sum(err * weights.reshape(err.shape)), "weight": jnp.sum(weights)}
+    per_position = optax.losses.softmax_cross_entropy_with_integer_labels(outputs, targets).astype(jnp.float32)
+    correct = (jnp.argmax(outputs, axis=-1) == targets).astype(jnp.float32)
+    return {"loss": jnp.sum(per_position * weights), "weight": jnp.sum(weights),
+            "accuracy": jnp.sum(correct * weights)}
+
+
+def means(sums: Metrics) -> Metrics:
+    return {k: v / sums["weight"] for k, v in sums.items() if k != "weight"}
+
+
+def make_forward(model: ModelDef, policy: Policy, compute_params: Callable[[Tree], Tree] = lambda p: p):
+    """params, inputs, key -> outputs: params and floating inputs in the compute dtype, outputs in the
+    output dtype. `compute_params` lays params out for compute (FSDP gathers them)."""
+
+    def forward(params: Tree, inputs: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        in_compute = cast_floats(compute_params(params), policy.compute)
+        return model.apply(in_compute, cast_floats(inputs, policy.compute), key).astype(policy.output)
+
+    return forward
 
 
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule, loss: str,
-                    skip_nonfinite: bool, compute_params: Callable[[Any], Any] = lambda p: p,
+                    policy: Policy, *, clip_norm: float | None, skip_nonfinite: bool, replicas: int,
+                    compute_params: Callable[[Tree], Tree] = lambda p: p,
+                    per_replica: Callable[[Tree], Tree] = lambda t: t,
                     ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
-    """`compute_params` lays params out for the forward pass (FSDP: gather them; their gradients are
-    then reduce-scattered back to the stored layout by the partitioner)."""
+    """`per_replica` pins a tree with a leading replica axis to one replica per data shard, so the
+    cross-replica sum below is where the partitioner puts the gradient all-reduce (or reduce-scatter)."""
+    forward = make_forward(model, policy, compute_params)
 
-    def objective(params, micro, key):
-        outputs = model.apply(compute_params(params), micro["inputs"], key)
-        return loss_and_metrics(outputs, micro["targets"], loss)
+    def scaled_objective(params, micro, key, scale, total_weight):
+        sums = loss_sums(forward(params, micro["inputs"], key), micro, loss)
+        return sums["loss"] * scale / total_weight, sums
 
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    grad_fn = jax.grad(scaled_objective, has_aux=True)
 
-    def accumulate(params, batch, step_key):
-        """Mean loss, metrics and f32 gradients over the microbatches (the leading batch axis)."""
+    def replica_gradients(params, batch, key, scale, total_weight):
+        """(1) One replica's scaled float32 gradients and metric sums over its microbatches."""
         count = jax.tree.leaves(batch)[0].shape[0]
+        first = jax.tree.map(lambda x: x[0], batch)
         if count == 1:
-            (value, aux), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), step_key)
-            return value, aux, grads
+            grads, sums = grad_fn(params, first, key, scale, total_weight)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums
 
         def one(total, indexed):
             index, micro = indexed
-            (value, aux), grads = grad_fn(params, micro, jax.random.fold_in(step_key, index))
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            return jax.tree.map(jnp.add, total, (value, aux, grads)), None
+            grads, sums = grad_fn(params, micro, jax.random.fold_in(key, index), scale, total_weight)
+            return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, (grads, sums)), None
 
-        _, aux_shapes = jax.eval_shape(objective, params, jax.tree.map(lambda x: x[0], batch), step_key)
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shapes),
-                 jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-        total, _ = jax.lax.scan(one, zeros, (jnp.arange(count), batch))
-        return jax.tree.map(lambda x: x / count, total)
+        shapes = jax.eval_shape(grad_fn, params, first, key, scale, total_weight)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+        return jax.lax.scan(one, zeros, (jnp.arange(count), batch))[0]
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
         step_key = jax.random.fold_in(state.rng, state.step)
-        value, aux, grads = accumulate(state.params, batch, step_key)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        scale = state.loss_scale.scale
+        total_weight = jnp.sum(per_position_weights(batch))
+        by_replica = per_replica(jax.tree.map(lambda x: split_replicas(x, replicas), batch))
+        keys = per_replica(jax.vmap(lambda r: jax.random.fold_in(step_key, r))(jnp.arange(replicas)))
+        grads_R, sums_R = jax.vmap(replica_gradients, in_axes=(None, 0, 0, None, None))(
+            state.params, by_replica, keys, scale, total_weight)
+        # (2) Synchronise across replicas in the scaled domain, in the communication dtype.
+        grads_R = per_replica(grads_R)
+        grads = jax.tree.map(lambda g: sum_replicas(g, policy.communication), grads_R)
+        sums = jax.tree.map(lambda s: jnp.sum(s, axis=0), sums_R)
+        # (3) Unscale, agree on finiteness, clip by the global norm of the synchronised gradients.
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        finite = all_finite(grads) & jnp.isfinite(sums["loss"])
         grad_norm = optax.tree.norm(grads)
+        if clip_norm is not None:
+            grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
+        # (4) Update, or keep params and optimizer state when a gradient overflowed.
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        if skip_nonfinite:
-            new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state.replace(step=state.step + 1))
-        metrics = {"loss": value, "grad_norm": grad_norm, "param_norm": optax.tree.norm(new.params),
-                   "lr": schedule(state.step), "finite": finite, **aux}
+        if skip_nonfinite or policy.dynamic_scale:
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            loss_scale=next_loss_scale(state.loss_scale, finite, policy.loss_scale))
+        metrics = {**means(sums), "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
+                   "lr": schedule(state.step), "finite": finite}
+        if policy.dynamic_scale:
+            metrics["loss_scale"] = scale
         return new, metrics
 
     return train_step
 
 
-def make_eval_step(model: ModelDef, loss: str) -> Callable[[TrainState, dict], Metrics]:
+def fuse_steps(train_step: Callable, steps: int) -> Callable:
+    """k optimizer steps in one executable: lax.scan over a leading axis of k batches; metrics stack."""
+    if steps == 1:
+        return train_step
+
+    def fused_train_step(state, batches):
+        return jax.lax.scan(train_step, state, batches)
+
+    return fused_train_step
+
+
+def split_replicas(x: jax.Array, replicas: int) -> jax.Array:
+    """[microbatches, rows, ...] -> [replicas, microbatches, rows / replicas, ...] (rows are replica-major)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], replicas, x.shape[1] // replicas, *x.shape[2:]), 1, 0)
+
+
+def sum_replicas(x_R: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Sum over the leading replica axis *in* `dtype` (jnp.sum would upcast 16-bit floats), as float32."""
+    total = jax.lax.reduce(x_R.astype(dtype), jnp.zeros((), dtype), jax.lax.add, (0,))
+    return total.astype(jnp.float32)
+
+
+def all_finite(tree: Tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def make_eval_step(model: ModelDef, loss: str, policy: Policy,
+                   compute_params: Callable[[Tree], Tree] = lambda p: p) -> Callable[[TrainState, dict], Metrics]:
+    forward = make_forward(model, policy, compute_params)
+
     def eval_step(state: TrainState, batch: dict) -> Metrics:
-        outputs = model.apply(state.params, batch["inputs"])
-        value, aux = loss_and_metrics(outputs, batch["targets"], loss)
-        return {"eval_loss": value, **{f"eval_{k}": v for k, v in aux.items()}}
+        sums = loss_sums(forward(state.params, batch["inputs"]), batch, loss)
+        return {f"eval_{k}": v for k, v in means(sums).items()}
 
     return eval_step

@@ -90,13 +90,12 @@ def test_device_loader_prefetches_sharded_batches_and_resumes_at_the_consumed_po
     config = load_config(None, ["model.name=mlp", "data.source=digits"])
     source = open_dataset(config.data).train
     sharding = train_batch_sharding(build_mesh(config))
-    shapes = {"inputs": (2, 16, 8, 8), "targets": (2, 16)}
 
     def loader(state=None):
         host = train_iterator(source, seed=3, shuffle=True, local_batch=32, process_index=0, process_count=1)
         if state is not None:
             host.set_state(state)
-        return DeviceLoader(host, lambda b: make_global(split_microbatches(b, 2), sharding, shapes), prefetch=3)
+        return DeviceLoader(host, lambda b: make_global(split_microbatches(b[0], 2), sharding, 1, 1), prefetch=3)
 
     first = loader()
     consumed = [next(first) for _ in range(4)]

@@ -93,7 +93,7 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     from xlatrain.program import build_program
 
     program = build_program(load_config(config_path, overrides))
-    step = program.train_step
+    step = program.train_step.first
     report = step_report(step.lowered, step.compiled, program.param_count)
     if args.dump:
         for path in dump(step.lowered, step.compiled, args.dump, "train_step"):

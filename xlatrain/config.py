@@ -101,11 +101,19 @@ class TextData(DataBase):
     seq_len: PositiveInt = 64
     max_bytes: PositiveInt = 8_000_000
     holdout: Fraction = 0.05
+    buckets: tuple[PositiveInt, ...] | None = None
+    """Variable-length examples (one paragraph each, up to seq_len bytes), every batch padded to the
+    shortest of these lengths (or seq_len) that fits it, with padding masked out of the loss.
+    Default: fixed windows of seq_len."""
 
     @model_validator(mode="after")
     def _path_exists(self) -> TextData:
         if self.path is not None and not Path(self.path).is_dir():
             raise ValueError(f"data.path={self.path!r} is not a directory; point it at a folder of text files")
+        if self.buckets is not None:
+            if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] > self.seq_len:
+                raise ValueError(f"data.buckets={list(self.buckets)} must be strictly increasing lengths "
+                                 f"no longer than data.seq_len={self.seq_len}")
         return self
 
 
@@ -222,6 +230,43 @@ class ParallelConfig(Strict):
         return {**DEFAULT_LOGICAL_RULES, **rules}
 
 
+FloatDtype = Literal["float32", "bfloat16", "float16"]
+
+
+class LossScaleConfig(Strict):
+    """Dynamic loss scaling (used when the compute dtype is float16)."""
+
+    initial: Annotated[float, Field(gt=0)] = 2.0**15
+    growth_factor: Annotated[float, Field(gt=1)] = 2.0
+    growth_interval: PositiveInt = 2000
+    """Grow the scale after this many consecutive steps with finite gradients."""
+    backoff_factor: Fraction = 0.5
+    min: Annotated[float, Field(gt=0)] = 1.0
+    max: Annotated[float, Field(gt=0)] = 2.0**24
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LossScaleConfig:
+        if not self.min <= self.initial <= self.max:
+            raise ValueError(f"precision.loss_scale needs min <= initial <= max (got min={self.min}, "
+                             f"initial={self.initial}, max={self.max})")
+        return self
+
+
+class PrecisionConfig(Strict):
+    policy: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32: everything float32. bf16 / fp16: float32 params, compute in bfloat16 / float16, float32
+    outputs; fp16 adds dynamic loss scaling."""
+    param_dtype: FloatDtype | None = None
+    """Stored (master) parameter dtype; default float32."""
+    compute_dtype: FloatDtype | None = None
+    """Dtype of params and floating inputs inside the forward/backward pass; default from the policy."""
+    output_dtype: FloatDtype | None = None
+    """Dtype of the model's outputs (the logits the loss sees); default float32."""
+    communication_dtype: FloatDtype | None = None
+    """Dtype of the gradient all-reduce across data replicas; default float32."""
+    loss_scale: LossScaleConfig = LossScaleConfig()
+
+
 class TrainerConfig(Strict):
     steps: PositiveInt = 300
     run_dir: str | None = None
@@ -233,6 +278,18 @@ class TrainerConfig(Strict):
     keep_checkpoints: PositiveInt = 3
     on_nonfinite: Literal["stop", "skip"] = "stop"
     progress: bool = True
+    steps_per_sync: PositiveInt = 1
+    """Optimizer steps fused into one executable (a step boundary every k steps); host work such as
+    logging, eval and checkpoints happens only at boundaries."""
+    compile_budget: PositiveInt | None = None
+    """Stop the run, with the recompile report, once the steps have been compiled more than this often."""
+
+    @model_validator(mode="after")
+    def _steps_fill_boundaries(self) -> TrainerConfig:
+        if self.steps % self.steps_per_sync:
+            raise ValueError(f"trainer.steps={self.steps} must be a multiple of trainer.steps_per_sync="
+                             f"{self.steps_per_sync} (steps run in fused groups)")
+        return self
 
 
 class DistributedConfig(Strict):
@@ -260,6 +317,7 @@ class Config(Strict):
     optimizer: OptimizerConfig = AdamWConfig(name="adamw")
     mesh: MeshConfig = MeshConfig()
     parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
     trainer: TrainerConfig = TrainerConfig()
     distributed: DistributedConfig = DistributedConfig()
 

@@ -23,9 +23,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def train_batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[microbatches, rows, ...]: rows split over the data axis, every microbatch on every replica."""
-    return NamedSharding(mesh, P(None, DATA))
+def train_batch_sharding(mesh: Mesh, fused_steps: int = 1) -> NamedSharding:
+    """[microbatches, rows, ...] (with a leading [steps] axis when steps are fused): rows split over
+    the data axis, every microbatch (and step) on every replica."""
+    return NamedSharding(mesh, P(*([None] * (2 if fused_steps > 1 else 1)), DATA))
+
+
+def per_replica(mesh: Mesh, tree):
+    """Constrain trees with a leading replica axis to one replica per `data` shard (inside jit)."""
+    return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: NamedSharding(mesh, P(DATA)), tree))
 
 
 def eval_batch_sharding(mesh: Mesh) -> NamedSharding:

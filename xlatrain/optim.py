@@ -1,7 +1,8 @@
 """Optimizer and learning-rate schedule from config, built from optax's pieces.
 
-Every optimizer is the same chain: clip by global norm -> the optimizer's scaling -> decoupled weight
-decay (not on biases and norm scales) -> multiply by the scheduled learning rate.
+Every optimizer is the same chain: the optimizer's scaling -> decoupled weight decay (not on biases
+and norm scales) -> multiply by the scheduled learning rate. Global-norm clipping (optimizer.clip_norm)
+is not in the chain: the train step applies it to the synchronised, unscaled gradients (the AMP order).
 """
 
 from __future__ import annotations
@@ -34,10 +35,7 @@ def decay_mask(params):
 
 
 def build_optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    parts = []
-    if config.clip_norm is not None:
-        parts.append(optax.clip_by_global_norm(config.clip_norm))
-    parts.extend(_scaling(config))
+    parts = _scaling(config)
     if config.weight_decay > 0:
         parts.append(optax.add_decayed_weights(config.weight_decay, mask=decay_mask))
     parts.append(optax.scale_by_learning_rate(schedule))

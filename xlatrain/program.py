@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -12,11 +12,12 @@ import optax
 
 from xlatrain.config import Config, Derived, derive
 from xlatrain.data.sources import Dataset, open_dataset
-from xlatrain.lowering.compile import CompiledStep, compile_eval_step, compile_train_step
-from xlatrain.lowering.step import make_eval_step, make_train_step
-from xlatrain.mesh import build_mesh, eval_batch_sharding, replicated, train_batch_sharding
+from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
+from xlatrain.lowering.step import fuse_steps, make_eval_step, make_train_step
+from xlatrain.mesh import build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import model_factory
 from xlatrain.optim import build_optimizer, learning_rate_schedule
+from xlatrain.precision import Policy, resolve_policy
 from xlatrain.sharding import named
 from xlatrain.state import (
     ModelDef,
@@ -42,6 +43,8 @@ class Program:
     init: Any
     abstract_state: TrainState
     specs: TrainState
+    policy: Policy
+    compile_book: CompileBook = field(default_factory=CompileBook)
 
     @property
     def state_shardings(self) -> TrainState:
@@ -51,32 +54,47 @@ class Program:
     def param_count(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.abstract_state.params))
 
+    @property
+    def steps_per_sync(self) -> int:
+        return self.config.trainer.steps_per_sync
+
     def train_batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """[microbatches, rows per microbatch, ...] per key, rows sharded over `data`."""
-        d = self.derived
-        return self._batch_shapes((d.microbatches, d.microbatch_size), train_batch_sharding(self.mesh))
+        """[steps per sync (when > 1), microbatches, rows per microbatch, ...] per key, rows over `data`."""
+        d, k = self.derived, self.steps_per_sync
+        steps = (k,) if k > 1 else ()
+        return self._batch_shapes((*steps, d.microbatches, d.microbatch_size), train_batch_sharding(self.mesh, k))
 
     def eval_batch_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
         return self._batch_shapes((self.derived.global_batch,), eval_batch_sharding(self.mesh))
 
     def _batch_shapes(self, rows: tuple[int, ...], sharding) -> dict[str, jax.ShapeDtypeStruct]:
         spec = self.dataset.spec
-        return {"inputs": jax.ShapeDtypeStruct((*rows, *spec.input_shape), spec.input_dtype, sharding=sharding),
-                "targets": jax.ShapeDtypeStruct((*rows, *spec.target_shape), spec.target_dtype, sharding=sharding)}
+        shapes = {"inputs": (spec.input_shape, spec.input_dtype), "targets": (spec.target_shape, spec.target_dtype)}
+        if spec.buckets is not None:
+            shapes["mask"] = (spec.target_shape, np.dtype(np.float32))
+        return {k: jax.ShapeDtypeStruct((*rows, *shape), dtype, sharding=sharding)
+                for k, (shape, dtype) in shapes.items()}
 
     @cached_property
-    def train_step(self) -> CompiledStep:
-        fn = make_train_step(self.model, self.tx, self.schedule, self.config.model.loss,
+    def train_step(self) -> StepExecutables:
+        """k fused optimizer steps (trainer.steps_per_sync) per call, compiled per batch shape."""
+        fn = make_train_step(self.model, self.tx, self.schedule, self.config.model.loss, self.policy,
+                             clip_norm=self.config.optimizer.clip_norm,
                              skip_nonfinite=self.config.trainer.on_nonfinite == "skip",
-                             compute_params=self._gather_params)
-        return compile_train_step(fn, self._abstract_sharded_state(), self.state_shardings,
-                                  self.train_batch_shapes(), train_batch_sharding(self.mesh))
+                             replicas=self.derived.data_parallel, compute_params=self._gather_params,
+                             per_replica=lambda tree: per_replica(self.mesh, tree))
+        fused = fuse_steps(fn, self.steps_per_sync)
+        name = "train_step" if self.steps_per_sync == 1 else f"train_step x{self.steps_per_sync}"
+        return StepExecutables(name, lambda batch: compile_train_step(
+            fused, self._abstract_sharded_state(), self.state_shardings, batch,
+            train_batch_sharding(self.mesh, self.steps_per_sync)), self.train_batch_shapes(), self.compile_book)
 
     @cached_property
-    def eval_step(self) -> CompiledStep:
-        fn = make_eval_step(self.model, self.config.model.loss)
-        return compile_eval_step(fn, self._abstract_sharded_state(), self.state_shardings,
-                                 self.eval_batch_shapes(), eval_batch_sharding(self.mesh))
+    def eval_step(self) -> StepExecutables:
+        fn = make_eval_step(self.model, self.config.model.loss, self.policy, self._gather_params)
+        return StepExecutables("eval_step", lambda batch: compile_eval_step(
+            fn, self._abstract_sharded_state(), self.state_shardings, batch, eval_batch_sharding(self.mesh)),
+            self.eval_batch_shapes(), self.compile_book)
 
     def create_state(self) -> TrainState:
         state = create_state(self.init, self.specs, self.mesh)
@@ -102,6 +120,8 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     model = describe_model(factory)
     schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
     tx = build_optimizer(config.optimizer, schedule)
-    init = make_init(factory, tx, config.seed)
+    policy = resolve_policy(config.precision)
+    init = make_init(factory, tx, config.seed, policy)
     abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh)
-    return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs)
+    return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
+                   CompileBook(config.trainer.compile_budget))

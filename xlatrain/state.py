@@ -18,6 +18,7 @@ from xlatrain import compat
 from xlatrain.errors import UserError
 from xlatrain.models import takes_rngs
 from xlatrain.models.axes import logical_axes_of
+from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.sharding import named, optimizer_specs, param_specs
 
 
@@ -28,6 +29,7 @@ class TrainState:
     opt_state: Any
     rng: jax.Array
     """Base key; step s uses fold_in(rng, s), so resuming reproduces the same randomness."""
+    loss_scale: LossScale
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,13 @@ def describe_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
 
 
 def make_init(factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
-              seed: int) -> Callable[[], TrainState]:
+              seed: int, policy: Policy) -> Callable[[], TrainState]:
     def init() -> TrainState:
         init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
         params = nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(init_key)), nnx.Param, ...)[1])
+        params = cast_floats(params, policy.param)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                          rng=train_key)
+                          rng=train_key, loss_scale=initial_loss_scale(policy))
 
     return init
 
@@ -76,7 +79,8 @@ def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.Gradi
     params = param_specs(abstract.params, model.logical_axes, strategy == "fsdp", rules, mesh)
     opt = optimizer_specs(tx, abstract.opt_state, abstract.params, model.logical_axes,
                           strategy in ("zero1", "fsdp"), rules, mesh)
-    return abstract, TrainState(step=P(), params=params, opt_state=opt, rng=P())
+    return abstract, TrainState(step=P(), params=params, opt_state=opt, rng=P(),
+                                loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale))
 
 
 def create_state(init: Callable[[], TrainState], specs: TrainState, mesh: Mesh) -> TrainState:

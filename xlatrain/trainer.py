@@ -5,23 +5,33 @@ from __future__ import annotations
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
+from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
 from xlatrain.checkpoint import Checkpoints
 from xlatrain.config import Config
-from xlatrain.data.loader import DeviceLoader, eval_batches, make_global, split_microbatches, train_iterator
+from xlatrain.data.loader import (
+    DeviceLoader,
+    eval_batches,
+    make_global,
+    split_microbatches,
+    stack_steps,
+    train_iterator,
+)
 from xlatrain.distributed import is_primary
 from xlatrain.lowering.compile import CompileLog
 from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import prepare_run_dir
+from xlatrain.run_summary import RunSummary
 from xlatrain.state import with_shardings
 
 
@@ -38,10 +48,15 @@ class TrainResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
     interrupted: bool = False
     compile_log: CompileLog = field(default_factory=CompileLog)
+    summary: RunSummary = field(default_factory=RunSummary)
 
 
-def train(config: Config, *, devices: list | None = None, echo: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume) a run. In a multi-process run only process 0 prints and writes logs."""
+def train(config: Config, *, devices: list | None = None, echo: Callable[[str], None] = print,
+          hooks: Sequence[Hook] = ()) -> TrainResult:
+    """Train (or resume) a run. In a multi-process run only process 0 prints and writes logs.
+
+    Each hook is called with a `Boundary` right after every executable is dispatched; it reads values
+    only through `boundary.add_step_closure` (see xlatrain/boundaries.py)."""
     if not is_primary():
         echo = _silent
     compile_log = CompileLog()
@@ -49,7 +64,7 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
         program = build_program(config, devices)
         run_dir = prepare_run_dir(config, program.derived)
         _describe(program, run_dir, echo)
-        result = _Run(program, run_dir, echo, compile_log).execute()
+        result = _Run(program, run_dir, echo, compile_log, hooks).execute()
     return result
 
 
@@ -62,6 +77,7 @@ def _describe(program: Program, run_dir: Path, echo: Callable[[str], None]) -> N
     echo(f"xlatrain: {program.config.name} -> {run_dir}")
     echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}, "
          f"strategy {program.config.parallel.strategy}, params {program.param_count:,}")
+    echo(f"  precision {program.config.precision.policy}: {program.policy.describe()}")
     echo(f"  global batch {d.global_batch} = {d.data_parallel} replicas x {d.per_replica_batch}, "
          f"{d.microbatches} microbatch(es) of {d.microbatch_size}; effective lr {d.effective_lr:.3g} "
          f"({program.config.optimizer.lr_scaling} scaling x{d.lr_scale:.3g})")
@@ -81,7 +97,8 @@ def _stop_signals() -> Iterator[list[int]]:
 
 
 class _Run:
-    def __init__(self, program: Program, run_dir: Path, echo: Callable[[str], None], compile_log: CompileLog):
+    def __init__(self, program: Program, run_dir: Path, echo: Callable[[str], None], compile_log: CompileLog,
+                 hooks: Sequence[Hook]):
         self.program = program
         self.config = program.config
         self.trainer = program.config.trainer
@@ -89,10 +106,15 @@ class _Run:
         self.run_dir = run_dir
         self.checkpoints = Checkpoints(run_dir / "checkpoints", self.trainer.keep_checkpoints)
         self.compile_log = compile_log
+        self.hooks = hooks
+        self.closures = StepClosures()
+        self.summary = RunSummary()
+        self.host_to_device_bytes = 0
 
     def execute(self) -> TrainResult:
         state, data_state, start = self._initial_state()
-        result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log)
+        result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log, summary=self.summary)
+        self.summary.start_step = self.summary.final_step = start
         if start >= self.trainer.steps:
             self.echo(f"  already at step {start} of trainer.steps={self.trainer.steps}; nothing to do")
             self.checkpoints.close()
@@ -102,33 +124,40 @@ class _Run:
                           else DiscardedMetrics())
         evaluation = self._eval_batches()
         train_step, eval_step = self.program.train_step, self.program.eval_step
-        self.echo(f"  compiled train step in {train_step.compile_seconds:.1f}s; training steps {start}..."
-                  f"{self.trainer.steps}")
+        k = self.trainer.steps_per_sync
+        self.echo(f"  compiled train step in {train_step.first.compile_seconds:.1f}s; training steps {start}..."
+                  f"{self.trainer.steps}" + (f", {k} steps per executable" if k > 1 else ""))
         bar = tqdm(total=self.trainer.steps, initial=start, disable=not (self.trainer.progress and is_primary()),
                    unit="step", dynamic_ncols=True)
         clock = _Throughput(self.program, start)
-        step, pending, last_saved = start, None, start
+        record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
+        step, last_saved, began = start, start, time.perf_counter()
         try:
-            with _stop_signals() as stop:
+            with _stop_signals() as stop, jax.transfer_guard("disallow"):
                 while step < self.trainer.steps and not stop:
-                    batch = next(loader)
-                    state, metrics = train_step(state, batch)
-                    step += 1
-                    if pending is not None:
-                        self._record(*pending, result, metrics_writer, bar, clock)
-                    pending = (step, metrics)
-                    if step % self.trainer.eval_every == 0 or step == self.trainer.steps:
+                    if self.closures.must_run_before_dispatch:
+                        self.closures.run()
+                    batch = self._next_batch(loader)
+                    self.closures.will_donate(state)
+                    state, metrics = self._dispatch(train_step, state, batch)
+                    first, step = step + 1, step + k
+                    boundary = Boundary(first, step, state, metrics, self.closures)
+                    boundary.add_step_closure(partial(record, first), metrics)
+                    for hook in self.hooks:
+                        call_hook(hook, boundary)
+                    self.closures.run(through_step=first - 1)
+                    self.summary.boundaries += 1
+                    if self._crossed(self.trainer.eval_every, first, step) or step == self.trainer.steps:
                         self._evaluate(step, state, eval_step, evaluation, result, metrics_writer)
-                    if step % self.trainer.checkpoint_every == 0 or step == self.trainer.steps or stop:
-                        # Check this step's loss first: a non-finite state must never become a checkpoint.
-                        self._record(*pending, result, metrics_writer, bar, clock)
-                        pending = None
-                        self.checkpoints.save(step, state, loader.state())
+                    if self._crossed(self.trainer.checkpoint_every, first, step) or step == self.trainer.steps \
+                            or stop:
+                        # Run this step's closures first: a non-finite state must never become a checkpoint.
+                        self.closures.run()
+                        self._save(step, state, loader)
                         last_saved = step
-                if pending is not None:
-                    self._record(*pending, result, metrics_writer, bar, clock)
+                self.closures.run()
                 if stop and last_saved != step:
-                    self.checkpoints.save(step, state, loader.state())
+                    self._save(step, state, loader)
                 result.interrupted = bool(stop)
         finally:
             bar.close()
@@ -136,9 +165,47 @@ class _Run:
             metrics_writer.close()
             self.checkpoints.close()
         result.final_step = step
+        self._summarise(step, began)
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
                   f"checkpoint and metrics in {self.run_dir}")
+        for line in self.summary.lines():
+            self.echo(f"  {line}")
         return result
+
+    @staticmethod
+    def _crossed(every: int, first: int, last: int) -> bool:
+        """Whether a multiple of `every` lies in the steps first..last of one boundary."""
+        return last // every > (first - 1) // every
+
+    def _next_batch(self, loader: DeviceLoader) -> dict:
+        started = time.perf_counter()
+        batch = next(loader)
+        self.summary.data_wait_seconds += time.perf_counter() - started
+        return batch
+
+    def _dispatch(self, executable: Any, state: Any, batch: Any) -> Any:
+        started = time.perf_counter()
+        out = executable(state, batch)
+        self.summary.dispatch_seconds += time.perf_counter() - started
+        return out
+
+    def _save(self, step: int, state: Any, loader: DeviceLoader) -> None:
+        with jax.transfer_guard("allow"):  # orbax copies the state to the host itself
+            self.checkpoints.save(step, state, loader.state())
+        self.closures.device_to_host_bytes += sum(x.addressable_data(0).nbytes for x in jax.tree.leaves(state))
+
+    def _summarise(self, step: int, began: float) -> None:
+        s = self.summary
+        s.final_step = step
+        s.wall_seconds = time.perf_counter() - began
+        s.compilations, s.compile_seconds = self.compile_log.count(), self.compile_log.seconds()
+        s.step_compilations = [asdict(r) for r in self.program.compile_book.records]
+        s.executions = self.program.train_step.executions + self.program.eval_step.executions
+        s.result_wait_seconds = self.closures.wait_seconds
+        s.host_to_device_bytes = self.host_to_device_bytes
+        s.device_to_host_bytes = self.closures.device_to_host_bytes
+        if is_primary():
+            s.append_to(self.run_dir)
 
     def _initial_state(self) -> tuple[Any, dict | None, int]:
         latest = self.checkpoints.latest_step()
@@ -150,51 +217,76 @@ class _Run:
         return state, data_state, latest
 
     def _loader(self, data_state: dict | None) -> DeviceLoader:
-        d = self.program.derived
+        d, k = self.program.derived, self.trainer.steps_per_sync
         host = train_iterator(self.program.dataset.train, seed=self.config.seed, shuffle=self.config.data.shuffle,
                               local_batch=d.global_batch // jax.process_count(),
-                              process_index=jax.process_index(), process_count=jax.process_count())
+                              process_index=jax.process_index(), process_count=jax.process_count(),
+                              buckets=self.program.dataset.spec.buckets)
         if data_state is not None:
             host.set_state(data_state)
-        shapes = {k: v.shape for k, v in self.program.train_batch_shapes().items()}
-        sharding = train_batch_sharding(self.program.mesh)
-        to_device = lambda b: make_global(split_microbatches(b, d.microbatches), sharding, shapes)  # noqa: E731
-        return DeviceLoader(host, to_device, self.config.data.prefetch)
+        sharding = train_batch_sharding(self.program.mesh, k)
+
+        def to_device(batches: list[dict]) -> dict:
+            split = [split_microbatches(b, d.microbatches) for b in batches]
+            local = split[0] if k == 1 else stack_steps(split)
+            self.host_to_device_bytes += sum(v.nbytes for v in local.values())
+            return make_global(local, sharding, rows_axis=2 if k > 1 else 1, process_count=jax.process_count())
+
+        return DeviceLoader(host, to_device, self.config.data.prefetch, group=k)
 
     def _eval_batches(self) -> list[dict]:
-        shapes = {k: v.shape for k, v in self.program.eval_batch_shapes().items()}
         sharding = eval_batch_sharding(self.program.mesh)
         host = eval_batches(self.program.dataset.eval, local_batch=self.program.derived.global_batch
                             // jax.process_count(), max_batches=self.trainer.eval_batches,
-                            process_index=jax.process_index(), process_count=jax.process_count())
-        return [make_global(b, sharding, shapes) for b in host]
+                            process_index=jax.process_index(), process_count=jax.process_count(),
+                            buckets=self.program.dataset.spec.buckets)
+        self.host_to_device_bytes += sum(v.nbytes for b in host for v in b.values())
+        return [make_global(b, sharding, rows_axis=0, process_count=jax.process_count()) for b in host]
 
-    def _record(self, step: int, metrics: dict, result: TrainResult, writer: MetricsWriter | DiscardedMetrics,
-                bar: tqdm, clock: _Throughput) -> None:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    def _record(self, first_step: int, metrics: dict, *, result: TrainResult,
+                writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:
+        """Step closure: the host values of the metrics of steps first_step.. (one boundary)."""
+        fused = self.trainer.steps_per_sync > 1
+        for offset in range(self.trainer.steps_per_sync):
+            values = {k: float(v[offset] if fused else v) for k, v in metrics.items()}
+            self._record_step(first_step + offset, values, result, writer, bar, clock)
+
+    def _record_step(self, step: int, values: dict[str, float], result: TrainResult,
+                     writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:
         finite = bool(values.pop("finite"))
         if not finite:
-            if self.trainer.on_nonfinite == "stop":
-                raise NonFiniteLoss(
-                    f"non-finite loss at step {step} (loss={values['loss']}, grad_norm={values['grad_norm']}); "
-                    "lower optimizer.lr, enable optimizer.clip_norm, or set trainer.on_nonfinite=skip to "
-                    "skip such updates")
-            self.echo(f"  step {step}: non-finite loss, update skipped (trainer.on_nonfinite=skip)")
+            self._nonfinite(step, values)
         result.losses[step] = values["loss"]
         bar.set_postfix(loss=f"{values['loss']:.4f}", **clock.rates(step), refresh=False)
         bar.update(1)
         if step % self.trainer.log_every == 0 or step == self.trainer.steps:
             writer.write({"step": step, **values, **clock.rates(step, numeric=True), "skipped": not finite})
 
+    def _nonfinite(self, step: int, values: dict[str, float]) -> None:
+        scaling = self.program.policy.loss_scale
+        if scaling is not None and values["loss_scale"] > scaling.min:
+            return  # a loss-scale overflow: the step skipped its update and backed the scale off
+        if self.trainer.on_nonfinite == "stop":
+            at_min = f" with the loss scale at its minimum {scaling.min:g}" if scaling is not None else ""
+            raise NonFiniteLoss(
+                f"non-finite loss at step {step}{at_min} (loss={values['loss']}, grad_norm={values['grad_norm']}); "
+                "lower optimizer.lr, enable optimizer.clip_norm, or set trainer.on_nonfinite=skip to "
+                "skip such updates")
+        self.echo(f"  step {step}: non-finite loss, update skipped (trainer.on_nonfinite=skip)")
+
     def _evaluate(self, step: int, state: Any, eval_step: Any, batches: list[dict], result: TrainResult,
                   writer: MetricsWriter | DiscardedMetrics) -> None:
         if not batches:
             return
-        outputs = jax.device_get([eval_step(state, b) for b in batches])
-        record = {k: float(np.mean([o[k] for o in outputs])) for k in outputs[0]}
-        result.eval_losses[step] = record["eval_loss"]
-        writer.write({"step": step, **record})
-        self.echo(f"  step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
+        outputs = [self._dispatch(eval_step, state, b) for b in batches]
+
+        def report(outputs: list[dict]) -> None:
+            record = {k: float(np.mean([o[k] for o in outputs])) for k in outputs[0]}
+            result.eval_losses[step] = record["eval_loss"]
+            writer.write({"step": step, **record})
+            self.echo(f"  step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
+
+        self.closures.add(step, report, (outputs,))
 
 
 class _Throughput:

@@ -1,40 +1,77 @@
 """grain pipelines for training and eval, and a device loader that prefetches sharded batches.
 
 Training batches are laid out [microbatches, global_batch / microbatches, ...] so the compiled step
-scans over the leading axis; each process reads its own slice of every global batch.
+scans over the leading axis ([steps, microbatches, ...] when steps are fused); each process reads its
+own slice of every global batch. Variable-length examples are padded per batch to a bucket length.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from functools import partial
+from typing import Any, Callable, Iterator, Sequence
 
 import grain
 import jax
 import numpy as np
 
-from xlatrain.data.sources import ArraySource, TokenWindows
+from xlatrain.data.sources import Source
 
 Batch = dict[str, Any]
 
 
-def train_iterator(source: ArraySource | TokenWindows, *, seed: int, shuffle: bool, local_batch: int,
-                   process_index: int, process_count: int) -> grain.DatasetIterator:
+def train_iterator(source: Source, *, seed: int, shuffle: bool, local_batch: int, process_index: int,
+                   process_count: int, buckets: tuple[int, ...] | None = None) -> grain.DatasetIterator:
     """An endless, epoch-reshuffled iterator of this process's batches; its state is checkpointable."""
     dataset = grain.MapDataset.source(source)
     if shuffle:
         dataset = dataset.shuffle(seed=seed)
-    dataset = dataset.repeat()[process_index::process_count].batch(local_batch, drop_remainder=True)
+    dataset = _batches(dataset.repeat(), local_batch, process_index, process_count, buckets)
     return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
 
 
-def eval_batches(source: ArraySource | TokenWindows, *, local_batch: int, max_batches: int,
-                 process_index: int, process_count: int) -> list[Batch]:
+def eval_batches(source: Source, *, local_batch: int, max_batches: int, process_index: int,
+                 process_count: int, buckets: tuple[int, ...] | None = None) -> list[Batch]:
     """The first `max_batches` held-out batches of this process, in a fixed order."""
-    dataset = grain.MapDataset.source(source)[process_index::process_count]
-    dataset = dataset.batch(local_batch, drop_remainder=True)
+    dataset = _batches(grain.MapDataset.source(source), local_batch, process_index, process_count, buckets)
     return [dataset[i] for i in range(min(max_batches, len(dataset)))]
+
+
+def _batches(dataset: grain.MapDataset, local_batch: int, process_index: int, process_count: int,
+             buckets: tuple[int, ...] | None) -> grain.MapDataset:
+    if buckets is None:
+        return dataset[process_index::process_count].batch(local_batch, drop_remainder=True)
+    # Every process pads the same global batch, so all agree on its bucket, then keeps its own rows.
+    rows = slice(process_index * local_batch, (process_index + 1) * local_batch)
+    padded = dataset.batch(local_batch * process_count, drop_remainder=True,
+                           batch_fn=partial(pad_to_bucket, buckets=buckets))
+    return padded.map(lambda batch: {k: v[rows] for k, v in batch.items()})
+
+
+def pad_to_bucket(examples: Sequence[Batch], buckets: tuple[int, ...]) -> Batch:
+    """Variable-length token examples -> one batch padded to the shortest bucket that fits the longest,
+    with `mask` marking the real targets (padding never enters the loss)."""
+    longest = max(len(e["targets"]) for e in examples)
+    length = next(b for b in buckets if b >= longest)
+    batch = {k: np.zeros((len(examples), length), np.int32) for k in ("inputs", "targets")}
+    batch["mask"] = np.zeros((len(examples), length), np.float32)
+    for row, example in enumerate(examples):
+        size = len(example["targets"])
+        batch["inputs"][row, :size] = example["inputs"]
+        batch["targets"][row, :size] = example["targets"]
+        batch["mask"][row, :size] = 1.0
+    return batch
+
+
+def stack_steps(batches: Sequence[Batch]) -> Batch:
+    """k batches -> one [k, ...] batch for fused steps; padded batches are padded to the longest first."""
+    length = max(b["targets"].shape[-1] for b in batches)
+
+    def widen(x: np.ndarray) -> np.ndarray:
+        return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, length - x.shape[-1])])
+
+    return {k: np.stack([widen(b[k]) if "mask" in b else b[k] for b in batches]) for k in batches[0]}
 
 
 def split_microbatches(batch: Batch, microbatches: int) -> Batch:
@@ -50,8 +87,11 @@ class DeviceLoader:
 
     _DONE = object()
 
-    def __init__(self, host: grain.DatasetIterator, to_device: Callable[[Batch], Batch], prefetch: int):
+    def __init__(self, host: grain.DatasetIterator, to_device: Callable[[list[Batch]], Batch], prefetch: int,
+                 group: int = 1):
+        """`to_device` receives `group` consecutive host batches (one per fused step)."""
         self._host = host
+        self._group = group
         self._to_device = to_device
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._state = host.get_state()
@@ -83,8 +123,8 @@ class DeviceLoader:
     def _fill(self) -> None:
         try:
             while not self._stop.is_set():
-                host_batch = next(self._host)
-                item = (self._to_device(host_batch), self._host.get_state())
+                host_batches = [next(self._host) for _ in range(self._group)]
+                item = (self._to_device(host_batches), self._host.get_state())
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -95,6 +135,11 @@ class DeviceLoader:
             self._queue.put(err)
 
 
-def make_global(batch: Batch, sharding: jax.sharding.Sharding, global_shapes: dict[str, tuple]) -> Batch:
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), global_shapes[k])
+def make_global(batch: Batch, sharding: jax.sharding.Sharding, rows_axis: int, process_count: int) -> Batch:
+    """This process's rows -> global arrays whose `rows_axis` holds every process's rows."""
+
+    def global_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*shape[:rows_axis], shape[rows_axis] * process_count, *shape[rows_axis + 1:])
+
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), global_shape(np.shape(v)))
             for k, v in batch.items()}

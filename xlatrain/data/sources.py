@@ -54,9 +54,29 @@ class TokenWindows:
 
 
 @dataclass(frozen=True)
+class TokenSpans:
+    """Variable-length next-token examples: token[start:stop] -> (inputs, targets), one per span."""
+
+    tokens: np.ndarray
+    spans: np.ndarray
+    """[n, 2] start/stop offsets; every span holds at least two tokens."""
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        start, stop = self.spans[index]
+        window = self.tokens[start:stop].astype(np.int32)
+        return {"inputs": window[:-1], "targets": window[1:]}
+
+
+Source = ArraySource | TokenWindows | TokenSpans
+
+
+@dataclass(frozen=True)
 class Dataset:
-    train: ArraySource | TokenWindows
-    eval: ArraySource | TokenWindows
+    train: Source
+    eval: Source
     spec: DataSpec
 
 
@@ -87,9 +107,23 @@ def read_text_corpus(directory: Path, pattern: str, max_bytes: int) -> np.ndarra
     return np.concatenate(chunks)
 
 
+def paragraph_spans(tokens: np.ndarray, max_len: int) -> np.ndarray:
+    """[n, 2] spans of the paragraphs (text between blank lines), cut into pieces of at most max_len + 1
+    bytes (inputs and shifted targets of at most max_len); pieces shorter than two bytes are dropped."""
+    blank = np.flatnonzero((tokens[:-1] == ord("\n")) & (tokens[1:] == ord("\n"))) + 1
+    starts = np.concatenate([[0], blank + 1])
+    stops = np.concatenate([blank, [len(tokens)]])
+    spans = [(begin, min(begin + max_len + 1, stop))
+             for start, stop in zip(starts, stops, strict=True) for begin in range(start, stop, max_len)]
+    spans = np.asarray(spans, np.int64).reshape(-1, 2)
+    return spans[spans[:, 1] - spans[:, 0] >= 2]
+
+
 def _text(config: TextData) -> Dataset:
     directory = Path(config.path) if config.path else default_text_dir()
     tokens = read_text_corpus(directory, config.glob, config.max_bytes)
+    if config.buckets is not None:
+        return _text_paragraphs(tokens, config, directory)
     windows = (len(tokens) - 1) // config.seq_len
     held_out = max(1, int(windows * config.holdout))
     if windows - held_out < 1:
@@ -98,6 +132,17 @@ def _text(config: TextData) -> Dataset:
     spec = DataSpec((config.seq_len,), np.dtype(np.int32), (config.seq_len,), np.dtype(np.int32), 256)
     return Dataset(TokenWindows(tokens, config.seq_len, 0, windows - held_out),
                    TokenWindows(tokens, config.seq_len, windows - held_out, held_out), spec)
+
+
+def _text_paragraphs(tokens: np.ndarray, config: TextData, directory: Path) -> Dataset:
+    spans = paragraph_spans(tokens, config.seq_len)
+    held_out = max(1, int(len(spans) * config.holdout))
+    if len(spans) - held_out < 1:
+        raise UserError(f"config: data.path={str(directory)!r} holds {len(spans)} paragraphs, too few to "
+                        "hold some out; add text")
+    buckets = tuple(sorted({*config.buckets, config.seq_len}))
+    spec = DataSpec((config.seq_len,), np.dtype(np.int32), (config.seq_len,), np.dtype(np.int32), 256, buckets)
+    return Dataset(TokenSpans(tokens, spans[:-held_out]), TokenSpans(tokens, spans[-held_out:]), spec)
 
 
 def _digits(config: DigitsData) -> Dataset:

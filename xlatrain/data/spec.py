@@ -14,3 +14,6 @@ class DataSpec:
     target_dtype: np.dtype
     num_outputs: int
     """Classes (or vocabulary) for cross-entropy; output features for mse."""
+    buckets: tuple[int, ...] | None = None
+    """Variable-length examples: batches are padded to one of these lengths (the last is input_shape[0])
+    and carry a `mask` shaped like `targets`."""

@@ -1,7 +1,6 @@
 """A small convolutional classifier for images (e.g. the 8x8 digits)."""
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from xlatrain.models.axes import axes
@@ -26,7 +25,7 @@ class CNN(nnx.Module):
                                bias_metadata=axes(None), rngs=rngs)
 
     def __call__(self, images, *, rngs: jax.Array | None = None):
-        x_BxHxWxC = images.astype(jnp.float32)
+        x_BxHxWxC = images.astype(self.head.kernel.get_value().dtype)
         if x_BxHxWxC.ndim == 3:
             x_BxHxWxC = x_BxHxWxC[..., None]
         for conv in self.convs:

@@ -21,7 +21,7 @@ class MLP(nnx.Module):
         self.dropout = nnx.Dropout(dropout)
 
     def __call__(self, x, *, rngs: jax.Array | None = None):
-        x_BxF = jnp.reshape(x, (x.shape[0], -1)).astype(jnp.float32)
+        x_BxF = jnp.reshape(x, (x.shape[0], -1)).astype(self.head.kernel.get_value().dtype)
         for layer in self.hidden:
             x_BxF = self.dropout(jax.nn.relu(layer(x_BxF)), deterministic=rngs is None, rngs=rngs)
         return self.head(x_BxF)

@@ -1,0 +1,89 @@
+"""Step boundaries and step closures: the only places where host code sees values from the device.
+
+A boundary is the end of one dispatched executable (one optimizer step, or `trainer.steps_per_sync`
+fused steps). Between boundaries the loop runs under `jax.transfer_guard("disallow")`, so reading a
+device value implicitly (`float(loss)`, `np.asarray(x)`) is an error instead of a hidden sync. Host work
+is queued with `Boundary.add_step_closure(fn, *values)`: `fn` later receives those values, fetched to
+the host in one transfer, for exactly the step they came from (torch_xla's `add_step_closure`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from xlatrain.errors import UserError
+
+
+class StepClosures:
+    """Closures queued at boundaries; run in registration order once their values are fetched."""
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[int, Callable, tuple]] = []
+        self._donated: set[int] = set()
+        self.must_run_before_dispatch = False
+        self.device_to_host_bytes = 0
+        self.wait_seconds = 0.0
+
+    def add(self, step: int, fn: Callable, args: tuple) -> None:
+        self._queue.append((step, fn, args))
+        if any(id(leaf) in self._donated for leaf in jax.tree.leaves(args)):
+            self.must_run_before_dispatch = True  # the next step consumes (donates) these buffers
+
+    def will_donate(self, tree: Any) -> None:
+        """The arrays the next dispatch will donate: closures holding them cannot wait for it."""
+        self._donated = {id(leaf) for leaf in jax.tree.leaves(tree)}
+
+    def run(self, through_step: int | None = None) -> None:
+        """Fetch and run the closures registered at boundaries up to `through_step` (all when None)."""
+        ready = [c for c in self._queue if through_step is None or c[0] <= through_step]
+        if not ready:
+            return
+        self._queue = [c for c in self._queue if through_step is not None and c[0] > through_step]
+        start = time.perf_counter()
+        values = jax.device_get([args for _, _, args in ready])
+        self.wait_seconds += time.perf_counter() - start
+        self.device_to_host_bytes += sum(np.asarray(v).nbytes for v in jax.tree.leaves(values))
+        if not self._queue:
+            self.must_run_before_dispatch = False
+        for (_, fn, _), host_args in zip(ready, values, strict=True):
+            fn(*host_args)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What a hook sees right after the executable ending at `step` was dispatched. The values are device
+    arrays that may not be computed yet: pass them to `add_step_closure` instead of reading them."""
+
+    first_step: int
+    step: int
+    state: Any
+    """The train state after `step`."""
+    metrics: dict[str, jax.Array]
+    """Per-step metrics; each has a leading axis of length steps_per_sync when steps are fused."""
+    _closures: StepClosures
+
+    def add_step_closure(self, fn: Callable[..., None], *args: Any) -> None:
+        """Call `fn(*host_args)` at a later boundary with `args` (pytrees of device arrays) on the host."""
+        self._closures.add(self.step, fn, args)
+
+
+Hook = Callable[[Boundary], None]
+
+
+def call_hook(hook: Hook, boundary: Boundary) -> None:
+    """Run a user hook between boundaries, turning an implicit device read into advice."""
+    try:
+        hook(boundary)
+    except Exception as err:
+        if "Disallowed" not in str(err) or "transfer" not in str(err):
+            raise
+        name = getattr(hook, "__qualname__", repr(hook))
+        raise UserError(
+            f"hook {name} read a device value inside the training loop at step {boundary.step} "
+            f"({str(err).splitlines()[0][:120]}). Values exist on the host only at step boundaries: register "
+            "boundary.add_step_closure(fn, value) and fn receives the value of this step") from None

@@ -1,0 +1,83 @@
+"""What a training session cost, in the spirit of torch_xla's metrics report: compilations and their
+causes, executions, time waiting for results and for data, and bytes moved between host and device.
+
+Each session appends one JSON line to RUN/summary.jsonl; `xlatrain report RUN` prints them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from xlatrain.errors import UserError
+
+SUMMARY_FILE = "summary.jsonl"
+
+
+@dataclass
+class RunSummary:
+    start_step: int = 0
+    final_step: int = 0
+    boundaries: int = 0
+    wall_seconds: float = 0.0
+    compilations: int = 0
+    """Every XLA compilation of the session (steps, init, checks)."""
+    compile_seconds: float = 0.0
+    step_compilations: list[dict] = field(default_factory=list)
+    """Each compilation of the train/eval steps, with its cause."""
+    executions: int = 0
+    """Train and eval executables dispatched."""
+    dispatch_seconds: float = 0.0
+    result_wait_seconds: float = 0.0
+    """Host time blocked until device results reached the host at boundaries."""
+    data_wait_seconds: float = 0.0
+    """Host time blocked waiting for the device loader."""
+    host_to_device_bytes: int = 0
+    device_to_host_bytes: int = 0
+
+    def lines(self) -> list[str]:
+        steps = self.final_step - self.start_step
+        per_step = f" ({1e3 * self.wall_seconds / steps:.2f} ms/step)" if steps else ""
+        lines = [
+            f"steps {self.start_step}..{self.final_step} in {self.boundaries} boundaries, "
+            f"{self.wall_seconds:.1f}s{per_step}",
+            f"compilations {self.compilations} ({self.compile_seconds:.1f}s); of the steps "
+            f"{len(self.step_compilations)}:",
+            *(f"  {c['step']} ({c['seconds']:.2f}s): {c['cause']}" for c in self.step_compilations),
+            f"executions {self.executions}, dispatch {self.dispatch_seconds:.2f}s, "
+            f"waiting for results {self.result_wait_seconds:.2f}s, waiting for data {self.data_wait_seconds:.2f}s",
+            f"host->device {_bytes(self.host_to_device_bytes)}, device->host {_bytes(self.device_to_host_bytes)}",
+        ]
+        return lines
+
+    def append_to(self, run_dir: Path) -> None:
+        with open(run_dir / SUMMARY_FILE, "a") as handle:
+            handle.write(json.dumps(asdict(self)) + "\n")
+
+
+def read_summaries(run_dir: Path) -> list[RunSummary]:
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.is_file():
+        raise UserError(f"report: {path} not found; give the run directory of a finished or stopped "
+                        "`xlatrain train` (trainer.run_dir)")
+    try:
+        return [RunSummary(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    except (json.JSONDecodeError, TypeError) as err:
+        raise UserError(f"report: {path} is not a summary written by xlatrain ({err})") from None
+
+
+def format_report(run_dir: Path) -> str:
+    sessions = read_summaries(run_dir)
+    parts = []
+    for number, session in enumerate(sessions, 1):
+        parts.append(f"session {number}:\n" + "\n".join(f"  {line}" for line in session.lines()))
+    return "\n".join(parts)
+
+
+def _bytes(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return str(count)
