@@ -104,22 +104,28 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         grads_R, sums_R = jax.vmap(replica_gradients, in_axes=(None, 0, 0, None, None))(
             state.params, by_replica, keys, scale, total_weight)
         # (2) Synchronise across replicas in the scaled domain, in the communication dtype.
-        grads_R = per_replica(grads_R)
-        grads = jax.tree.map(lambda g: sum_replicas(g, policy.communication), grads_R)
-        sums = jax.tree.map(lambda s: jnp.sum(s, axis=0), sums_R)
+        with jax.named_scope("sync"):
+            grads_R = per_replica(grads_R)
+            grads = jax.tree.map(lambda g: sum_replicas(g, policy.communication), grads_R)
+            sums = jax.tree.map(lambda s: jnp.sum(s, axis=0), sums_R)
         # (3) Unscale, agree on finiteness, clip by the global norm of the synchronised gradients.
-        grads = jax.tree.map(lambda g: g / scale, grads)
-        finite = all_finite(grads) & jnp.isfinite(sums["loss"])
-        grad_norm = optax.tree.norm(grads)
-        if clip_norm is not None:
-            grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
+        with jax.named_scope("unscale"):
+            grads = jax.tree.map(lambda g: g / scale, grads)
+        with jax.named_scope("finite_check"):
+            finite = all_finite(grads) & jnp.isfinite(sums["loss"])
+        with jax.named_scope("grad_norm"):
+            grad_norm = optax.tree.norm(grads)
+        with jax.named_scope("clip"):
+            if clip_norm is not None:
+                grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
         # (4) Update, or keep params and optimizer state when a gradient overflowed.
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        if skip_nonfinite or policy.dynamic_scale:
-            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                             (params, opt_state), (state.params, state.opt_state))
+        with jax.named_scope("update"):
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            if skip_nonfinite or policy.dynamic_scale:
+                params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                                 (params, opt_state), (state.params, state.opt_state))
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             loss_scale=next_loss_scale(state.loss_scale, finite, policy.loss_scale))
         metrics = {**means(sums), "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),

@@ -1,4 +1,4 @@
-"""`xlatrain train | config | lower`: every user error is one line on stderr and exit code 2."""
+"""`xlatrain train | config | lower | parity | report`: every user error is one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ USAGE_EXAMPLES = """examples:
   xlatrain config examples/configs/digits_mlp.yaml batch.global_size=128
   xlatrain lower --json parallel.strategy=fsdp
   xlatrain parity examples/configs/digits_mlp.yaml --a mesh.data=1 --b parallel.strategy=fsdp --steps 20
+  xlatrain report runs/gpt-stdlib
 """
 
 
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     parity.add_argument("--steps", type=int, default=20, help="steps to compare (default 20)")
     parity.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     parity.set_defaults(command=_parity, args=[])
+    report = commands.add_parser("report", help="print the run summaries (compilations, executions, transfers)")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.set_defaults(command=_report, args=[])
     return parser
 
 
@@ -95,6 +99,7 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     program = build_program(load_config(config_path, overrides))
     step = program.train_step.first
     report = step_report(step.lowered, step.compiled, program.param_count)
+    report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None
     if args.dump:
         for path in dump(step.lowered, step.compiled, args.dump, "train_step"):
             print(f"wrote {path}", file=sys.stderr)
@@ -120,12 +125,28 @@ def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Name
     return 0 if report.first is None else 1
 
 
+def _report(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.run_summary import format_report
+
+    print(format_report(args.run_dir))
+    return 0
+
+
 def _format_report(report: dict, devices: int) -> str:
     lines = [f"params             {report['params']:,}",
              f"FLOPs per step     {report['flops']:.4g} (XLA cost analysis, per device program)",
              f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)",
              "collectives        " + ("none" if not report["collectives"] else "")]
     lines += [f"  {c['kind']:<20} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
+    order = report["amp_order"]
+    if order is None:
+        lines.append("AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)")
+    elif order == ["no cross-replica reduction of the gradients (single device: nothing to order)"]:
+        lines.append("AMP order          single device: scale -> unscale, finite check, clip -> update")
+    else:
+        lines.append("AMP order          " + ("holds in the optimised HLO: scaled gradients -> all-reduce -> "
+                                              "unscale, finite check, clip -> update" if not order
+                                              else "VIOLATED: " + "; ".join(order)))
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import optax
 from xlatrain.config import Config, Derived, derive
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
+from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 from xlatrain.lowering.step import fuse_steps, make_eval_step, make_train_step
 from xlatrain.mesh import build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import model_factory
@@ -95,6 +96,15 @@ class Program:
         return StepExecutables("eval_step", lambda batch: compile_eval_step(
             fn, self._abstract_sharded_state(), self.state_shardings, batch, eval_batch_sharding(self.mesh)),
             self.eval_batch_shapes(), self.compile_book)
+
+    def amp_order_problems(self) -> list[str]:
+        """The AMP order checked on the compiled (single-step) train program; empty when it holds."""
+        leaves = jax.tree_util.tree_flatten_with_path(self.abstract_state)[0]
+        params = [i for i, (path, _) in enumerate(leaves) if jax.tree_util.keystr(path).startswith(".params")]
+        skips = self.policy.dynamic_scale or self.config.trainer.on_nonfinite == "skip"
+        return amp_order_problems(parse_hlo(self.train_step.first.compiled.as_text()), params,
+                                  sorted(self.train_batch_shapes()), skips_nonfinite=skips,
+                                  clips=self.config.optimizer.clip_norm is not None)
 
     def create_state(self) -> TrainState:
         state = create_state(self.init, self.specs, self.mesh)

@@ -1,0 +1,152 @@
+"""The dataflow of an optimised HLO module, to check properties of what XLA will run.
+
+`amp_order_problems` checks the AMP order of DESIGN.md on the compiled train step: the batch reaches
+the parameter update, the finite check and the gradient norm *only* through cross-replica reductions
+(so every replica decides on the same synchronised gradients); the loss scale is applied before those
+reductions and divided out after them; the update depends on the finite check and on the norm (skip
+and clip).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatter")
+
+_NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclass
+class Instruction:
+    name: str
+    opcode: str
+    operands: list[str]
+    called: list[str]
+    op_name: str
+    contains: set[str] = field(default_factory=set)
+    """Opcodes and op_names of this instruction and of every computation it calls (fusions, loops)."""
+
+
+@dataclass
+class HloGraph:
+    entry: dict[str, Instruction]
+    root: Instruction
+
+    def parameter(self, op_name: str) -> list[str]:
+        """Entry parameters whose metadata names `op_name` (e.g. "state.loss_scale.scale", "batch['inputs']")."""
+        return [i.name for i in self.entry.values() if i.opcode == "parameter" and i.op_name == op_name]
+
+    def in_scope(self, scope: str) -> list[str]:
+        """Instructions computing (part of) something under `jax.named_scope(scope)`."""
+        return [i.name for i in self.entry.values() if any(f"/{scope}/" in name for name in i.contains)]
+
+    def reachable(self, sources: list[str], blocked: tuple[str, ...] = ()) -> set[str]:
+        """Instructions whose value depends on any of `sources`, not passing through `blocked` opcodes."""
+        users: dict[str, list[str]] = {}
+        for instruction in self.entry.values():
+            for operand in instruction.operands:
+                users.setdefault(operand, []).append(instruction.name)
+        seen, frontier = set(sources), list(sources)
+        while frontier:
+            for user in users.get(frontier.pop(), ()):
+                if user not in seen and self.entry[user].opcode not in blocked:
+                    seen.add(user)
+                    frontier.append(user)
+        return seen
+
+
+def parse_hlo(text: str) -> HloGraph:
+    computations: dict[str, dict[str, Instruction]] = {}
+    entry_name, current = None, None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group(2), {})
+            entry_name = header.group(2) if header.group(1) else entry_name
+            continue
+        named = _NAME.match(line)
+        if named and current is not None:
+            instruction = _instruction(named.group(2), line[named.end():])
+            current[instruction.name] = instruction
+            if named.group(1):
+                current["__root__"] = instruction
+    if entry_name is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+
+    def opcodes(computation: str, visiting: frozenset = frozenset()) -> set[str]:
+        found: set[str] = set()
+        for name, instruction in computations.get(computation, {}).items():
+            if name != "__root__" and computation not in visiting:
+                found |= {instruction.opcode, instruction.op_name}
+                for called in instruction.called:
+                    found |= opcodes(called, visiting | {computation})
+        return found
+
+    entry = computations[entry_name]
+    root = entry.pop("__root__")
+    for instruction in entry.values():
+        called = (opcodes(c) for c in instruction.called)
+        instruction.contains = {instruction.opcode, instruction.op_name}.union(*called)
+    return HloGraph(entry, root)
+
+
+def _instruction(name: str, rest: str) -> Instruction:
+    """`rest` is `<shape> <opcode>(<operands>), attributes...`; tuple shapes hold parentheses too."""
+    position = _matching(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
+    rest = rest[position:].lstrip()
+    open_paren = rest.index("(")
+    opcode = rest[:open_paren].strip()
+    close = _matching(rest, open_paren)
+    operands = re.findall(r"%([\w.\-]+)", rest[open_paren:close])
+    attributes = rest[close:]
+    op_name = _OP_NAME.search(attributes)
+    label = op_name.group(1).replace("\\'", "'") if op_name else ""
+    return Instruction(name, opcode, operands, _CALLED.findall(attributes), label)
+
+
+def _matching(text: str, open_index: int) -> int:
+    depth = 0
+    for index in range(open_index, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[index], 0)
+        if depth == 0:
+            return index
+    raise ValueError(f"unbalanced parentheses in HLO: {text[:80]}")
+
+
+def amp_order_problems(graph: HloGraph, param_outputs: list[int], batch_keys: list[str], *,
+                       skips_nonfinite: bool, clips: bool) -> list[str]:
+    """What, if anything, in the compiled train step breaks the AMP order (empty: the order holds).
+
+    `param_outputs` are the indices of the updated parameters in the step's output tuple; the step's
+    phases are found by their `jax.named_scope` (lowering/step.py)."""
+    outputs = [graph.root.operands[i] for i in param_outputs]
+    batch = [p for key in batch_keys for p in graph.parameter(f"batch[{key!r}]")]
+    scale = graph.parameter("state.loss_scale.scale")
+    reductions = [name for name, i in graph.entry.items() if i.opcode in REDUCTIONS]
+    if not batch or not scale or not outputs:
+        return [f"cannot find the batch {batch_keys}, the loss scale or the parameter outputs in the HLO"]
+    if not reductions:
+        return ["no cross-replica reduction of the gradients (single device: nothing to order)"]
+    # (phase, its instructions, whether it must exist, whether the update must depend on it)
+    phases = [("the parameter update", outputs, True, False),
+              ("the finite check", graph.in_scope("finite_check"), True, skips_nonfinite),
+              ("the global-norm clip", graph.in_scope("clip"), clips, clips)]
+    from_batch = graph.reachable(batch)
+    around_sync = graph.reachable(batch, blocked=REDUCTIONS)
+    problems = []
+    for what, nodes, exists, gates_update in phases:
+        if exists and not set(nodes) & from_batch:
+            problems.append(f"{what} does not depend on the batch")
+        elif set(nodes) & around_sync:
+            problems.append(f"{what} depends on the batch without passing a cross-replica reduction")
+        if gates_update and not set(outputs) <= graph.reachable(nodes):
+            problems.append(f"the update does not depend on {what}")
+    if not set(reductions) & graph.reachable(scale):
+        problems.append("the gradients are synchronised before the loss scale is applied")
+    if not set(outputs) <= graph.reachable(scale, blocked=REDUCTIONS):
+        problems.append("the update does not unscale the synchronised gradients")
+    return problems
