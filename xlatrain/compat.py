@@ -6,6 +6,7 @@ import contextlib
 from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -61,3 +62,12 @@ def cost_analysis(compiled: Any) -> dict[str, float]:
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0] if analysis else {}
     return dict(analysis or {})
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """jax.nn.dot_product_attention(is_causal=True). XLA:CPU has no float16 x float16 -> float32 dot (the
+    precision jax asks for with f16 inputs), so there f16 attention runs in float32 and casts back."""
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+        return out.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)

@@ -126,11 +126,11 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     derived = derive(config, devices)
     mesh = build_mesh(config, devices)
     dataset = open_dataset(config.data)
-    factory = model_factory(config.model, dataset.spec)
+    policy = resolve_policy(config.precision)
+    factory = model_factory(config.model, dataset.spec, policy.compute)
     model = describe_model(factory)
     schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
     tx = build_optimizer(config.optimizer, schedule)
-    policy = resolve_policy(config.precision)
     init = make_init(factory, tx, config.seed, policy)
     abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,

@@ -4,6 +4,7 @@ import importlib
 import inspect
 from typing import Callable
 
+import jax.numpy as jnp
 from flax import nnx
 
 from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig
@@ -14,7 +15,8 @@ from xlatrain.models.gpt import GPT, GPTShape
 from xlatrain.models.mlp import MLP
 
 
-def model_factory(config: ModelConfig, spec: DataSpec) -> Callable[[nnx.Rngs], nnx.Module]:
+def model_factory(config: ModelConfig, spec: DataSpec,
+                  compute_dtype: jnp.dtype = jnp.float32) -> Callable[[nnx.Rngs], nnx.Module]:
     """A function rngs -> module, so the caller decides where (abstractly, or under jit) it runs."""
     if isinstance(config, MLPConfig):
         features = 1
@@ -28,7 +30,8 @@ def model_factory(config: ModelConfig, spec: DataSpec) -> Callable[[nnx.Rngs], n
             raise UserError(f"config: model.vocab={config.vocab} is smaller than the data's "
                             f"{spec.num_outputs} token ids")
         shape = GPTShape(config.layers, config.width, config.heads, config.mlp_ratio, config.vocab,
-                         config.max_len or spec.input_shape[0], config.dropout, config.scan_layers)
+                         config.max_len or spec.input_shape[0], config.dropout, config.scan_layers,
+                         jnp.dtype(compute_dtype))
         return lambda rngs: GPT(shape, rngs=rngs)
     return _custom_factory(config)
 

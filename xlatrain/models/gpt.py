@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xlatrain import compat
 from xlatrain.models.axes import axes
 
 
@@ -19,6 +20,8 @@ class GPTShape:
     max_len: int
     dropout: float
     scan_layers: bool
+    dtype: jnp.dtype = jnp.float32
+    """Compute dtype of the embeddings (the precision policy's); other layers follow their inputs."""
 
 
 class Block(nnx.Module):
@@ -43,7 +46,7 @@ class Block(nnx.Module):
         qkv_BxLx3xHxK = self.qkv(self.ln_attn(x_BxLxD)).reshape(
             batch, length, 3, self.heads, width // self.heads)
         q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
-        attended_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        attended_BxLxHxK = compat.causal_attention(q, k, v)
         x_BxLxD = x_BxLxD + self._drop(self.attn_out(attended_BxLxHxK.reshape(batch, length, width)), keys[0])
         hidden_BxLxF = jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD)))
         return x_BxLxD + self._drop(self.mlp_out(hidden_BxLxF), keys[1])
@@ -55,9 +58,11 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     def __init__(self, shape: GPTShape, *, rngs: nnx.Rngs):
         self.shape = shape
-        self.embed = nnx.Embed(shape.vocab, shape.width, embedding_metadata=axes("vocab", "embed"), rngs=rngs)
-        self.position = nnx.Embed(shape.max_len, shape.width, embedding_metadata=axes(None, "embed"),
-                                  rngs=rngs)
+        # nnx.Embed computes in its `dtype` (float32 unless told), not in the dtype of its table.
+        self.embed = nnx.Embed(shape.vocab, shape.width, dtype=shape.dtype, embedding_metadata=axes("vocab", "embed"),
+                               rngs=rngs)
+        self.position = nnx.Embed(shape.max_len, shape.width, dtype=shape.dtype,
+                                  embedding_metadata=axes(None, "embed"), rngs=rngs)
         if shape.scan_layers:
             self.blocks = _stacked_blocks(shape, rngs)
         else:
