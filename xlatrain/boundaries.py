@@ -1,8 +1,9 @@
 """Step boundaries and step closures: the only places where host code sees values from the device.
 
 A boundary is the end of one dispatched executable (one optimizer step, or `trainer.steps_per_sync`
-fused steps). Between boundaries the loop runs under `jax.transfer_guard("disallow")`, so reading a
-device value implicitly (`float(loss)`, `np.asarray(x)`) is an error instead of a hidden sync. Host work
+fused steps). Between boundaries the loop runs under `compat.forbid_implicit_transfers()` (jax's
+transfer guard, extended to XLA:CPU), so reading a device value implicitly (`float(loss)`,
+`np.asarray(x)`) is an error instead of a hidden sync. Host work
 is queued with `Boundary.add_step_closure(fn, *values)`: `fn` later receives those values, fetched to
 the host in one transfer, for exactly the step they came from (torch_xla's `add_step_closure`).
 """
@@ -16,6 +17,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from xlatrain import compat
 from xlatrain.errors import UserError
 
 
@@ -35,7 +37,7 @@ class StepClosures:
             self.must_run_before_dispatch = True  # the next step consumes (donates) these buffers
 
     def will_donate(self, tree: Any) -> None:
-        """The arrays the next dispatch will donate: closures holding them cannot wait for it."""
+        """The arrays the next dispatch will donate (the new state): closures holding them run before it."""
         self._donated = {id(leaf) for leaf in jax.tree.leaves(tree)}
 
     def run(self, through_step: int | None = None) -> None:
@@ -44,14 +46,15 @@ class StepClosures:
         if not ready:
             return
         self._queue = [c for c in self._queue if through_step is not None and c[0] > through_step]
-        start = time.perf_counter()
-        values = jax.device_get([args for _, _, args in ready])
-        self.wait_seconds += time.perf_counter() - start
-        self.device_to_host_bytes += sum(np.asarray(v).nbytes for v in jax.tree.leaves(values))
         if not self._queue:
             self.must_run_before_dispatch = False
-        for (_, fn, _), host_args in zip(ready, values, strict=True):
-            fn(*host_args)
+        with compat.allow_transfers():  # a boundary: the fetch, and closures are host code
+            start = time.perf_counter()
+            values = jax.device_get([args for _, _, args in ready])
+            self.wait_seconds += time.perf_counter() - start
+            self.device_to_host_bytes += sum(np.asarray(v).nbytes for v in jax.tree.leaves(values))
+            for (_, fn, _), host_args in zip(ready, values, strict=True):
+                fn(*host_args)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from xlatrain import compat
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
 from xlatrain.checkpoint import Checkpoints
 from xlatrain.config import Config
@@ -133,13 +134,13 @@ class _Run:
         record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
         step, last_saved, began = start, start, time.perf_counter()
         try:
-            with _stop_signals() as stop, jax.transfer_guard("disallow"):
+            with _stop_signals() as stop, compat.forbid_implicit_transfers():
                 while step < self.trainer.steps and not stop:
                     if self.closures.must_run_before_dispatch:
                         self.closures.run()
                     batch = self._next_batch(loader)
-                    self.closures.will_donate(state)
                     state, metrics = self._dispatch(train_step, state, batch)
+                    self.closures.will_donate(state)
                     first, step = step + 1, step + k
                     boundary = Boundary(first, step, state, metrics, self.closures)
                     boundary.add_step_closure(partial(record, first), metrics)
@@ -190,7 +191,7 @@ class _Run:
         return out
 
     def _save(self, step: int, state: Any, loader: DeviceLoader) -> None:
-        with jax.transfer_guard("allow"):  # orbax copies the state to the host itself
+        with compat.allow_transfers():  # orbax copies the state to the host itself
             self.checkpoints.save(step, state, loader.state())
         self.closures.device_to_host_bytes += sum(x.addressable_data(0).nbytes for x in jax.tree.leaves(state))
 
