@@ -53,4 +53,5 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
 def test_lower_json_is_one_object():
     result = run_cli("lower", "--json", "examples/configs/digits_mlp.yaml")
     assert result.returncode == 0, result.stderr
-    assert set(json.loads(result.stdout)) == {"params", "flops", "peak_memory_bytes", "collectives"}
+    assert set(json.loads(result.stdout)) == {"params", "flops", "peak_memory_bytes", "collectives",
+                                             "amp_order"}

@@ -20,7 +20,8 @@ def kinds(report):
 
 def test_data_parallel_step_all_reduces_gradients(capsys, devices):
     report = lower_json(capsys, *DIGITS_MLP)
-    assert set(report) == {"params", "flops", "peak_memory_bytes", "collectives"}
+    assert set(report) == {"params", "flops", "peak_memory_bytes", "collectives", "amp_order"}
+    assert report["amp_order"] == []
     assert report["params"] == 64 * 32 + 32 + 32 * 10 + 10
     assert report["flops"] > 0 and report["peak_memory_bytes"] > 0
     reduce = kinds(report)["all-reduce"]

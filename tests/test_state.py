@@ -29,7 +29,7 @@ def test_strategies_place_params_and_optimizer_state(strategy, params_sharded, m
     program = build_program(load_config(None, [*TINY_GPT, f"parallel.strategy={strategy}"]))
     state = program.create_state()
     kernel = state.params["head"]["kernel"]
-    adam = state.opt_state[1]
+    adam = state.opt_state[0]
     assert (kernel.sharding.spec != P(None, None) and kernel.sharding.spec != P()) == params_sharded
     assert (adam.mu["head"]["kernel"].sharding.spec not in (P(), P(None, None))) == moments_sharded
     assert adam.count.sharding.is_fully_replicated and len(adam.count.sharding.device_set) == 8
