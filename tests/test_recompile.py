@@ -4,11 +4,11 @@ compile budget, and the run summary behind `xlatrain report`."""
 import numpy as np
 import pytest
 from conftest import run_cli
+from xlatrain.lowering.compile import CompileBudgetExceeded
 
 from xlatrain.config import load_config
 from xlatrain.data.loader import make_global, pad_to_bucket
 from xlatrain.data.sources import paragraph_spans
-from xlatrain.lowering.compile import CompileBudgetExceeded
 from xlatrain.mesh import eval_batch_sharding
 from xlatrain.program import build_program
 from xlatrain.trainer import train
