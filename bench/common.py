@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import numpy as np
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -44,3 +45,24 @@ def write_results(name: str, command: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"environment": environment(command), **payload}, indent=2) + "\n")
     return path
+
+
+def train_runner(program) -> Callable[[], dict]:
+    """Calls of the program's compiled train step on its first training batch (stacked for fused
+    steps), each fetching that boundary's metrics to the host as the trainer does."""
+    from xlatrain.data.loader import make_global
+    from xlatrain.mesh import train_batch_sharding
+
+    k = program.steps_per_sync
+    rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
+    batch = {key: np.stack([r[key] for r in rows])[None] for key in ("inputs", "targets")}
+    if k > 1:
+        batch = {key: np.stack([v] * k) for key, v in batch.items()}
+    device_batch = make_global(batch, train_batch_sharding(program.mesh, k), 2 if k > 1 else 1, 1)
+    box = {"state": program.create_state()}
+
+    def run():
+        box["state"], metrics = program.train_step(box["state"], device_batch)
+        return jax.device_get(metrics)
+
+    return run

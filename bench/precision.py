@@ -10,12 +10,9 @@ effect (tensor cores, half the activation bytes).
 from __future__ import annotations
 
 import jax
-import numpy as np
 
-from bench.common import interleaved_medians, write_results
+from bench.common import interleaved_medians, train_runner, write_results
 from xlatrain.config import load_config
-from xlatrain.data.loader import make_global
-from xlatrain.mesh import train_batch_sharding
 from xlatrain.program import build_program
 
 POLICIES = ("fp32", "bf16", "fp16")
@@ -23,16 +20,7 @@ POLICIES = ("fp32", "bf16", "fp16")
 
 def runner(policy: str):
     program = build_program(load_config(None, ["mesh.data=1", f"precision.policy={policy}"]), jax.devices()[:1])
-    rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
-    batch = {key: np.stack([r[key] for r in rows])[None] for key in ("inputs", "targets")}
-    device_batch = make_global(batch, train_batch_sharding(program.mesh), 1, 1)
-    box = {"state": program.create_state()}
-
-    def run():
-        box["state"], metrics = program.train_step(box["state"], device_batch)
-        return metrics["loss"]
-
-    return run, program
+    return train_runner(program), program
 
 
 def main() -> None:

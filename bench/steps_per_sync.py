@@ -15,12 +15,9 @@ import statistics
 import tempfile
 
 import jax
-import numpy as np
 
-from bench.common import interleaved_medians, write_results
+from bench.common import interleaved_medians, train_runner, write_results
 from xlatrain.config import load_config
-from xlatrain.data.loader import make_global
-from xlatrain.mesh import train_batch_sharding
 from xlatrain.program import build_program
 from xlatrain.trainer import train
 
@@ -31,20 +28,8 @@ TINY_MLP = ["model.name=mlp", "data.source=digits", "model.hidden=[32]", "batch.
 
 
 def executable_runner(k: int):
-    program = build_program(load_config(None, [*TINY_MLP, f"trainer.steps_per_sync={k}", f"trainer.steps={k}"]),
-                            jax.devices()[:1])
-    rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
-    batch = {key: np.stack([r[key] for r in rows])[None] for key in ("inputs", "targets")}
-    if k > 1:
-        batch = {key: np.stack([v] * k) for key, v in batch.items()}
-    device_batch = make_global(batch, train_batch_sharding(program.mesh, k), 2 if k > 1 else 1, 1)
-    box = {"state": program.create_state()}
-
-    def run():
-        box["state"], metrics = program.train_step(box["state"], device_batch)
-        return jax.device_get(metrics)
-
-    return run
+    config = load_config(None, [*TINY_MLP, f"trainer.steps_per_sync={k}", f"trainer.steps={k}"])
+    return train_runner(build_program(config, jax.devices()[:1]))
 
 
 def trainer_seconds_per_step(k: int, steps: int) -> float:
