@@ -51,9 +51,10 @@ def test_loss_scale_backs_off_grows_and_stays_within_bounds():
     assert history == [8.0, 16.0, 16.0, 16.0, 16.0, 8.0, 4.0, 2.0]
 
 
-@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
-def test_overflow_in_one_replica_skips_the_step_on_every_replica(strategy):
-    program = program_for(["precision.policy=fp16", f"parallel.strategy={strategy}"])
+@pytest.mark.parametrize("strategy,devices", [("replicated", 8), ("zero1", 8), ("fsdp", 8), ("replicated", 1)],
+                         ids=["replicated", "zero1", "fsdp", "single-device"])
+def test_overflow_in_one_replica_skips_the_step_on_every_replica(strategy, devices):
+    program = program_for(["precision.policy=fp16", f"parallel.strategy={strategy}"], jax.devices()[:devices])
     batch = digits_batch(program)
     batch["inputs"][11] = np.inf  # row 11 belongs to replica 5
     state = program.create_state()
