@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import jax
@@ -117,3 +118,89 @@ def forbid_implicit_transfers() -> contextlib.AbstractContextManager[None]:
 def allow_transfers() -> contextlib.AbstractContextManager[None]:
     """Undo forbid_implicit_transfers inside it (step boundaries: closures, checkpoints)."""
     return _host_reads(False, "allow")
+
+
+# --- Primitives for the custom-call collectives (jax.extend and jax.interpreters are not stable API). ---
+
+def manual_axes() -> tuple[tuple[str, int], ...]:
+    """(name, size) of the mesh axes the current shard_map/pmap body is manual over, in mesh order."""
+    from jax.sharding import AxisType
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or not mesh.axis_names:
+        return ()
+    return tuple((name, size) for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types,
+                                                         strict=True) if kind == AxisType.Manual)
+
+
+def define_linear_primitive(name: str, *, abstract_eval: Callable, batch: Callable, transpose: Callable,
+                            differentiable: Callable[..., bool], lowerings: dict[str, Callable]) -> Any:
+    """A primitive `prim.bind(x, *static_operands, **params)` that is linear in `x` (its other operands are
+    integer metadata). `transpose(ct, *static_operands, **params)` returns the cotangent of x;
+    `differentiable(**params)` is False for the nonlinear variants (max, min), whose derivative is an
+    error. `batch(x, bdim, *static_operands, **params) -> (out, out_bdim)` handles an unnamed vmap axis on x.
+    `lowerings` maps a platform to an MLIR lowering rule."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive(name)
+    prim.def_impl(lambda *args, **params: jax.jit(partial(prim.bind, **params))(*args))
+    prim.def_abstract_eval(abstract_eval)
+
+    def batch_rule(args, dims, **params):
+        x, *static = args
+        if any(d is not None for d in dims[1:]):  # None: not mapped
+            raise NotImplementedError(f"{name}: vmap over the collective's own axis is not supported; run it "
+                                      "inside jax.shard_map (or pmap) over that axis instead")
+        return batch(x, dims[0], *static, **params)
+
+    batching.primitive_batchers[prim] = batch_rule
+
+    def jvp(primals, tangents, **params):
+        x, *static = primals
+        out = prim.bind(x, *static, **params)
+        if type(tangents[0]) is ad.Zero:
+            return out, ad.Zero.from_primal_value(out)
+        if not differentiable(**params):
+            raise NotImplementedError(f"{name} with {params} is not differentiable")
+        return out, prim.bind(ad.instantiate_zeros(tangents[0]), *static, **params)
+
+    def transpose_rule(ct, x, *static, **params):
+        if type(ct) is ad.Zero:
+            return [ad.Zero(x.aval), *(None for _ in static)]
+        return [transpose(ct, *static, **params), *(None for _ in static)]
+
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transpose_rule
+    for platform, rule in lowerings.items():
+        mlir.register_lowering(prim, rule, platform=platform)
+    return prim
+
+
+def ffi_lowering(target: str) -> Callable:
+    return jax.ffi.ffi_lowering(target)
+
+
+def register_ffi_targets(handlers: dict[str, Any], prefix: str, platform: str) -> None:
+    for op, capsule in handlers.items():
+        jax.ffi.register_ffi_target(f"{prefix}{op}", capsule, platform=platform)
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def _kv_client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def key_value_set(name: str, value: bytes) -> None:
+    """Publish bytes to every process (jax.distributed's key-value store; a no-op with one process)."""
+    if jax.process_count() > 1:
+        _kv_client().key_value_set_bytes(name, value)
+
+
+def key_value_get(name: str, timeout_s: float = 300) -> bytes:
+    return _kv_client().blocking_key_value_get_bytes(name, int(timeout_s * 1000))

@@ -1,0 +1,29 @@
+// Python module xlatrain.custom_calls._cpu: the CPU handlers as capsules for jax.ffi.register_ffi_target.
+
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace xlatrain {
+extern "C" {
+XLA_FFI_Error* kCpuAllReduce(XLA_FFI_CallFrame*);
+XLA_FFI_Error* kCpuReduceScatter(XLA_FFI_CallFrame*);
+XLA_FFI_Error* kCpuAllGather(XLA_FFI_CallFrame*);
+XLA_FFI_Error* kCpuPpermute(XLA_FFI_CallFrame*);
+XLA_FFI_Error* kCpuBroadcast(XLA_FFI_CallFrame*);
+}
+}  // namespace xlatrain
+
+namespace nb = nanobind;
+
+NB_MODULE(_cpu, m) {
+  m.def("handlers", []() {
+    nb::dict handlers;
+    handlers["all_reduce"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuAllReduce));
+    handlers["reduce_scatter"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuReduceScatter));
+    handlers["all_gather"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuAllGather));
+    handlers["ppermute"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuPpermute));
+    handlers["broadcast"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuBroadcast));
+    return handlers;
+  }, "FFI handlers of the CPU collectives, by op name.");
+}

@@ -1,0 +1,1 @@
+"""One module per collective: the op, its pure-JAX `reference`, and its primitive's rules."""

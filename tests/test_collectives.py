@@ -1,0 +1,233 @@
+"""The custom-call collectives against their lax references on 8 CPU devices: every op x dtype x shape
+class, gradients, vmap, a 2-D mesh, the timeout error, and the CUDA extension's compile check."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import pytest
+from conftest import REPO
+from jax.sharding import PartitionSpec as P
+from xlatrain.custom_calls.ops import all_gather, all_reduce, broadcast, ppermute, reduce_scatter
+
+from xlatrain import compat
+
+DTYPES = ["float32", "float64", "bfloat16", "float16", "int32"]
+SHAPES = {"empty": (0,), "one": (1,), "odd": (3, 7), "large": (2, 1000)}
+"""Per-device shapes: no elements, one element, 21 (not a multiple of 8), 2000."""
+RING = [(i, (i + 1) % 8) for i in range(8)]
+PARTIAL = [(0, 3), (3, 5), (6, 1)]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+
+
+def per_device(fn, mesh):
+    """Run fn on each device's block of a [8 * rows, ...] array; results are stacked the same way."""
+    return jax.jit(compat.shard_map(fn, mesh, P("d"), P("d")))
+
+
+def sample(dtype, shape, seed=0):
+    data = np.random.default_rng(seed).normal(size=(8, *shape)) * 4
+    return jnp.asarray(data.round() if dtype == "int32" else data).astype(dtype)
+
+
+def in_float32(reference, dtype):
+    """16-bit floats are reduced in float32 (then rounded once), so that is the reference."""
+    if dtype not in ("bfloat16", "float16"):
+        return reference
+    return lambda x: reference(x.astype(jnp.float32)).astype(dtype)
+
+
+def expected(reference, x):
+    """The reference's result; for empty inputs, which XLA's collectives reject, its (empty) shape."""
+    if x.size == 0:
+        out = jax.eval_shape(reference, x)
+        return jnp.zeros(out.shape, out.dtype)
+    return reference(x)
+
+
+def assert_matches(got, want, dtype):
+    got, want = np.asarray(got.astype(jnp.float64 if dtype == "float64" else jnp.float32)), \
+        np.asarray(want.astype(jnp.float64 if dtype == "float64" else jnp.float32))
+    assert got.shape == want.shape
+    if dtype == "int32":
+        np.testing.assert_array_equal(got, want)
+    else:
+        tol = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+CASES = {
+    "all_reduce-sum": (lambda x: all_reduce.all_reduce(x, "d"), lambda x: all_reduce.reference(x, "d")),
+    "all_reduce-mean": (lambda x: all_reduce.all_reduce(x, "d", "mean"),
+                        lambda x: all_reduce.reference(x, "d", "mean")),
+    "all_reduce-max": (lambda x: all_reduce.all_reduce(x, "d", "max"), lambda x: all_reduce.reference(x, "d", "max")),
+    "all_reduce-min": (lambda x: all_reduce.all_reduce(x, "d", "min"), lambda x: all_reduce.reference(x, "d", "min")),
+    "all_gather": (lambda x: all_gather.all_gather(x, "d"), lambda x: all_gather.reference(x, "d")),
+    "all_gather-tiled": (lambda x: all_gather.all_gather(x, "d", tiled=True),
+                         lambda x: all_gather.reference(x, "d", tiled=True)),
+    "ppermute-ring": (lambda x: ppermute.ppermute(x, "d", RING), lambda x: ppermute.reference(x, "d", RING)),
+    "ppermute-partial": (lambda x: ppermute.ppermute(x, "d", PARTIAL), lambda x: ppermute.reference(x, "d", PARTIAL)),
+    "broadcast": (lambda x: broadcast.broadcast(x, "d", 5), lambda x: broadcast.reference(x, "d", 5)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("case", CASES, ids=CASES.keys())
+def test_op_matches_its_reference(case, shape, dtype, mesh):
+    if case == "all_reduce-mean" and dtype == "int32":
+        pytest.skip("mean of integers: see test_integer_mean_is_refused")
+    ours, reference = CASES[case]
+    with jax.enable_x64(dtype == "float64"):
+        x = sample(dtype, shape).reshape(8 * shape[0], *shape[1:])
+        assert_matches(per_device(ours, mesh)(x), expected(per_device(in_float32(reference, dtype), mesh), x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [0, 1, 3], ids=["empty", "one-block", "odd-blocks"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_reduce_scatter_matches_psum_scatter(reduction, rows, dtype, mesh):
+    if reduction == "mean" and dtype == "int32":
+        pytest.skip("mean of integers")
+    with jax.enable_x64(dtype == "float64"):
+        x = sample(dtype, (8 * rows, 5)).reshape(64 * rows, 5)
+        ours = per_device(lambda v: reduce_scatter.reduce_scatter(v, "d", reduction), mesh)(x)
+        want = expected(per_device(in_float32(lambda v: reduce_scatter.reference(v, "d", reduction), dtype), mesh), x)
+        assert_matches(ours, want, dtype)
+
+
+def test_reduce_scatter_of_an_axis_that_does_not_split_is_a_clear_error(mesh):
+    with pytest.raises(ValueError, match=r"axis 0 of shape \(3, 2\) does not split over 8 participants"):
+        per_device(lambda v: reduce_scatter.reduce_scatter(v, "d"), mesh)(jnp.zeros((24, 2)))
+
+
+def test_integer_mean_is_refused(mesh):
+    with pytest.raises(ValueError, match="mean of integers is not defined"):
+        per_device(lambda v: all_reduce.all_reduce(v, "d", "mean"), mesh)(jnp.ones((8, 2), jnp.int32))
+
+
+GRAD_CASES = ["all_reduce-sum", "all_reduce-mean", "all_gather", "all_gather-tiled", "ppermute-ring",
+              "ppermute-partial", "broadcast"]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_gradients_match_the_reference(case, mesh):
+    ours, reference = CASES[case]
+    x = sample("float32", (3, 4))
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(8 * 3 * 8 * 4,)), jnp.float32)
+
+    def loss(fn):
+        def total(v):
+            out = per_device(fn, mesh)(v.reshape(24, 4))
+            return jnp.sum(out.reshape(-1) * weights[:out.size])
+
+        return total
+
+    np.testing.assert_allclose(jax.grad(loss(ours))(x), jax.grad(loss(reference))(x), rtol=1e-5, atol=1e-5)
+
+
+def test_reduce_scatter_and_all_gather_transpose_to_each_other(mesh):
+    x = sample("float32", (16, 3)).reshape(128, 3)
+    fn = per_device(lambda v: reduce_scatter.reduce_scatter(v, "d") * 2.0, mesh)
+    ref = per_device(lambda v: reduce_scatter.reference(v, "d") * 2.0, mesh)
+    cotangent = sample("float32", (2, 3), seed=2).reshape(16, 3)
+    ours = jax.vjp(fn, x)[1](cotangent)[0]
+    np.testing.assert_allclose(ours, jax.vjp(ref, x)[1](cotangent)[0], rtol=1e-6)
+    jaxpr = str(jax.make_jaxpr(lambda c: jax.vjp(fn, x)[1](c))(cotangent))
+    assert "xlatrain_all_gather" in jaxpr and "xlatrain_reduce_scatter" not in jaxpr.split("xlatrain_all_gather")[1]
+
+
+def test_check_grads_of_a_collective_inside_shard_map(mesh):
+    fn = per_device(lambda v: jnp.sin(all_reduce.all_reduce(v, "d", "mean")) * v, mesh)
+    jax.test_util.check_grads(fn, (sample("float32", (2,)).reshape(16) / 4,), order=1, modes=["rev"],
+                              atol=1e-2, rtol=1e-2)
+
+
+def test_max_is_not_differentiable_like_lax(mesh):
+    with pytest.raises(NotImplementedError, match="not differentiable"):
+        jax.grad(lambda v: jnp.sum(per_device(lambda u: all_reduce.all_reduce(u, "d", "max"), mesh)(v)))(
+            jnp.ones(8))
+
+
+def test_vmap_inside_and_outside_shard_map(mesh):
+    x = sample("float32", (4, 3)).reshape(32, 3)
+    inside = per_device(jax.vmap(lambda v: all_gather.all_gather(v, "d")), mesh)(x)
+    inside_ref = per_device(jax.vmap(lambda v: all_gather.reference(v, "d")), mesh)(x)
+    np.testing.assert_allclose(inside, inside_ref)
+    scattered = per_device(jax.vmap(lambda v: reduce_scatter.reduce_scatter(v, "d"), in_axes=1, out_axes=1), mesh)
+    ref = per_device(jax.vmap(lambda v: reduce_scatter.reference(v, "d"), in_axes=1, out_axes=1), mesh)
+    y = sample("float32", (16, 3)).reshape(128, 3)
+    np.testing.assert_allclose(scattered(y), ref(y), rtol=1e-6)
+    batch = jnp.stack([x, 2 * x])
+    outside = jax.vmap(per_device(lambda v: all_reduce.all_reduce(v, "d"), mesh))(batch)
+    np.testing.assert_allclose(outside[1], 2 * outside[0], rtol=1e-6)
+
+
+def test_each_row_of_a_2d_mesh_meets_on_its_own():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("rows", "cols"))
+    x = jnp.arange(8.0).reshape(2, 4)
+    run = lambda fn: jax.jit(compat.shard_map(fn, mesh, P("rows", "cols"), P("rows", "cols")))(x)  # noqa: E731
+    np.testing.assert_array_equal(run(lambda v: all_reduce.all_reduce(v, "cols")),
+                                  [[6.0] * 4, [22.0] * 4])
+    np.testing.assert_array_equal(run(lambda v: all_reduce.all_reduce(v, "rows")), [[4, 6, 8, 10]] * 2)
+
+
+def test_a_collective_called_in_a_loop_and_under_pmap_matches(mesh):
+    def looped(v):
+        return jax.lax.fori_loop(0, 3, lambda _, a: all_reduce.all_reduce(a, "d", "mean") + 1.0, v)
+
+    x = sample("float32", (2,)).reshape(16)
+    want = per_device(lambda v: jax.lax.fori_loop(0, 3, lambda _, a: jax.lax.pmean(a, "d") + 1.0, v), mesh)(x)
+    np.testing.assert_allclose(per_device(looped, mesh)(x), want, rtol=1e-6)
+    pmapped = jax.pmap(lambda v: all_reduce.all_reduce(v, "p"), axis_name="p")(x.reshape(8, 2))
+    np.testing.assert_allclose(pmapped[3], x.reshape(8, 2).sum(0), rtol=1e-6)
+
+
+def test_a_missing_participant_times_out_with_an_error_naming_the_op_and_the_ranks(mesh):
+    def rank_three_skips(v):
+        rank = jax.lax.axis_index("d")
+        return jax.lax.cond(rank == 3, lambda a: a, lambda a: all_reduce.all_reduce(a, "d", timeout_s=0.5), v)
+
+    with pytest.raises(Exception, match=r"(?s)xlatrain all_reduce .*timed out after 500 ms.*arrived ranks "
+                                        r"\[0, 1, 2, 4, 5, 6, 7\], missing ranks \[3\]"):
+        jax.block_until_ready(per_device(rank_three_skips, mesh)(jnp.ones(8)))
+
+
+def test_a_collective_outside_shard_map_is_a_clear_error():
+    with pytest.raises(ValueError, match="not a manual mesh axis here"):
+        jax.jit(lambda v: all_reduce.all_reduce(v, "d"))(jnp.ones(4))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA compiler) is not installed")
+def test_the_cuda_extension_compiles(tmp_path):
+    """No GPU needed: configure with XLATRAIN_CUDA=ON and build the NCCL extension with nvcc."""
+    pytest.importorskip("nvidia.nccl", reason="nvidia-nccl-cu13 (NCCL headers) is not installed")
+    configure = subprocess.run(["cmake", "-S", str(REPO), "-B", str(tmp_path), "-DXLATRAIN_CUDA=ON",
+                                f"-DPython_EXECUTABLE={sys.executable}"], capture_output=True, text=True)
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    build = subprocess.run(["cmake", "--build", str(tmp_path), "--target", "_cuda", "-j", str(os.cpu_count())],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+    assert list(tmp_path.glob("_cuda*.so"))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (runs on CPU-only machines as a skip)")
+def test_nccl_all_reduce_on_gpus():
+    from xlatrain.custom_calls import nccl
+
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    nccl.setup_communicators(mesh)
+    x = jnp.arange(len(devices) * 4.0)
+    got = per_device(lambda v: all_reduce.all_reduce(v, "d"), mesh)(x)
+    np.testing.assert_allclose(got, per_device(lambda v: all_reduce.reference(v, "d"), mesh)(x))
