@@ -12,12 +12,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatter")
+REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatter", "xlatrain_all_reduce",
+              "xlatrain_reduce_scatter")
+"""XLA's cross-replica reductions, and xlatrain's custom-call ones (named by their target, less the platform)."""
 
 _NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_XLATRAIN_TARGET = re.compile(r'custom_call_target="xlatrain_(?:cpu|cuda)_(\w+)"')
 
 
 @dataclass
@@ -103,6 +106,8 @@ def _instruction(name: str, rest: str) -> Instruction:
     close = _matching(rest, open_paren)
     operands = re.findall(r"%([\w.\-]+)", rest[open_paren:close])
     attributes = rest[close:]
+    target = _XLATRAIN_TARGET.search(attributes) if opcode == "custom-call" else None
+    opcode = f"xlatrain_{target.group(1)}" if target else opcode
     op_name = _OP_NAME.search(attributes)
     label = op_name.group(1).replace("\\'", "'") if op_name else ""
     return Instruction(name, opcode, operands, _CALLED.findall(attributes), label)

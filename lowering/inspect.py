@@ -20,6 +20,9 @@ _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"=\s*(\([^()]*\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+(" + "|".join(COLLECTIVES)
                           + r")(-start)?\(")
 
+_CUSTOM_COLLECTIVE = re.compile(r"=\s*([a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+custom-call\([^)]*\),\s*"
+                                r'custom_call_target="xlatrain_(?:cpu|cuda)_(\w+)"')
+
 
 def shape_bytes(shape_text: str) -> int:
     """Bytes of an HLO shape such as `f32[256,128]{1,0}` or a tuple `(f32[4], bf16[2,2])`."""
@@ -31,13 +34,17 @@ def shape_bytes(shape_text: str) -> int:
 
 
 def collectives(hlo_text: str) -> list[dict[str, Any]]:
-    """[{kind, count, bytes}] for each collective kind in the HLO text; async pairs counted once."""
+    """[{kind, count, bytes}] for each collective kind in the HLO text (XLA's own, then xlatrain's custom
+    calls as `xlatrain <op>`); async pairs counted once; bytes are the results'."""
     counts: dict[str, int] = defaultdict(int)
     sizes: dict[str, int] = defaultdict(int)
-    for shape, kind, _ in _INSTRUCTION.findall(hlo_text):
+    found = [(kind, shape) for shape, kind, _ in _INSTRUCTION.findall(hlo_text)]
+    found += [(f"xlatrain {op}", shape) for shape, op in _CUSTOM_COLLECTIVE.findall(hlo_text)]
+    for kind, shape in found:
         counts[kind] += 1
         sizes[kind] += shape_bytes(shape)
-    return [{"kind": k, "count": counts[k], "bytes": sizes[k]} for k in COLLECTIVES if counts[k]]
+    order = [k for k in COLLECTIVES if k in counts] + sorted(k for k in counts if k not in COLLECTIVES)
+    return [{"kind": k, "count": counts[k], "bytes": sizes[k]} for k in order]
 
 
 def peak_memory_bytes(compiled: Any) -> int:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import optax.losses
+from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas
 
 from xlatrain.precision import Policy, cast_floats, next_loss_scale
 from xlatrain.state import ModelDef, TrainState
@@ -64,12 +65,12 @@ def make_forward(model: ModelDef, policy: Policy, compute_params: Callable[[Tree
 
 
 def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule, loss: str,
-                    policy: Policy, *, clip_norm: float | None, skip_nonfinite: bool, replicas: int,
+                    policy: Policy, *, clip_norm: float | None, skip_nonfinite: bool,
+                    replicas: PartitionedReplicas | ExplicitReplicas,
                     compute_params: Callable[[Tree], Tree] = lambda p: p,
-                    per_replica: Callable[[Tree], Tree] = lambda t: t,
                     ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
-    """`per_replica` pins a tree with a leading replica axis to one replica per data shard, so the
-    cross-replica sum below is where the partitioner puts the gradient all-reduce (or reduce-scatter)."""
+    """`replicas` says where the data replicas live and how their gradients are summed
+    (lowering/grad_sync.py): one global program for the partitioner, or a per-device shard_map body."""
     forward = make_forward(model, policy, compute_params)
 
     def scaled_objective(params, micro, key, scale, total_weight):
@@ -98,16 +99,15 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
         step_key = jax.random.fold_in(state.rng, state.step)
         scale = state.loss_scale.scale
-        total_weight = jnp.sum(per_position_weights(batch))
-        by_replica = per_replica(jax.tree.map(lambda x: split_replicas(x, replicas), batch))
-        keys = per_replica(jax.vmap(lambda r: jax.random.fold_in(step_key, r))(jnp.arange(replicas)))
+        total_weight = replicas.total(jnp.sum(per_position_weights(batch)))
+        by_replica = replicas.split(batch)
+        keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(replicas.indices())
         grads_R, sums_R = jax.vmap(replica_gradients, in_axes=(None, 0, 0, None, None))(
             state.params, by_replica, keys, scale, total_weight)
         # (2) Synchronise across replicas in the scaled domain, in the communication dtype.
         with jax.named_scope("sync"):
-            grads_R = per_replica(grads_R)
-            grads = jax.tree.map(lambda g: sum_replicas(g, policy.communication), grads_R)
-            sums = jax.tree.map(lambda s: jnp.sum(s, axis=0), sums_R)
+            grads = replicas.sum_gradients(grads_R, policy.communication)
+            sums = replicas.sum_metrics(sums_R)
         # (3) Unscale, agree on finiteness, clip by the global norm of the synchronised gradients.
         with jax.named_scope("unscale"):
             grads = jax.tree.map(lambda g: g / scale, grads)
@@ -146,17 +146,6 @@ def fuse_steps(train_step: Callable, steps: int) -> Callable:
         return jax.lax.scan(train_step, state, batches)
 
     return fused_train_step
-
-
-def split_replicas(x: jax.Array, replicas: int) -> jax.Array:
-    """[microbatches, rows, ...] -> [replicas, microbatches, rows / replicas, ...] (rows are replica-major)."""
-    return jnp.moveaxis(x.reshape(x.shape[0], replicas, x.shape[1] // replicas, *x.shape[2:]), 1, 0)
-
-
-def sum_replicas(x_R: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Sum over the leading replica axis *in* `dtype` (jnp.sum would upcast 16-bit floats), as float32."""
-    total = jax.lax.reduce(x_R.astype(dtype), jnp.zeros((), dtype), jax.lax.add, (0,))
-    return total.astype(jnp.float32)
 
 
 def all_finite(tree: Tree) -> jax.Array:

@@ -137,7 +137,7 @@ def _format_report(report: dict, devices: int) -> str:
              f"FLOPs per step     {report['flops']:.4g} (XLA cost analysis, per device program)",
              f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)",
              "collectives        " + ("none" if not report["collectives"] else "")]
-    lines += [f"  {c['kind']:<20} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
+    lines += [f"  {c['kind']:<26} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
     order = report["amp_order"]
     if order is None:
         lines.append("AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)")

@@ -173,7 +173,8 @@ def define_linear_primitive(name: str, *, abstract_eval: Callable, batch: Callab
     ad.primitive_jvps[prim] = jvp
     ad.primitive_transposes[prim] = transpose_rule
     for platform, rule in lowerings.items():
-        mlir.register_lowering(prim, rule, platform=platform)
+        # Not cacheable: each lowered instance must get its own call-site id (see custom_calls/backend.py).
+        mlir.register_lowering(prim, rule, platform=platform, cacheable=False)
     return prim
 
 

@@ -219,6 +219,9 @@ class ParallelConfig(Strict):
     """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too."""
     logical_rules: dict[str, str | None] = DEFAULT_LOGICAL_RULES
     """Logical axis name -> mesh axis (or null), merged over the defaults; used by zero1/fsdp."""
+    mode: Literal["jit", "shard_map"] = "jit"
+    """jit: one global program, XLA's partitioner inserts the gradient all-reduce. shard_map: a
+    per-device program whose gradient sync is written out (balanced buckets, collectives.impl)."""
 
     @field_validator("logical_rules")
     @classmethod
@@ -265,6 +268,17 @@ class PrecisionConfig(Strict):
     communication_dtype: FloatDtype | None = None
     """Dtype of the gradient all-reduce across data replicas; default float32."""
     loss_scale: LossScaleConfig = LossScaleConfig()
+
+
+class CollectivesConfig(Strict):
+    impl: Literal["xla", "custom"] = "xla"
+    """Which collectives sync the gradients in parallel.mode=shard_map: XLA's own, or xlatrain's
+    custom calls (custom_calls/)."""
+    bucket_bytes: PositiveInt = 4 * 2**20
+    """Gradients are packed into buckets of at most this many bytes (in the communication dtype); each
+    bucket is reduce-scattered then all-gathered, so every replica sends and receives the same bytes."""
+    timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    """How long a custom collective waits for every participant before failing (CPU backend)."""
 
 
 class TrainerConfig(Strict):
@@ -318,6 +332,7 @@ class Config(Strict):
     mesh: MeshConfig = MeshConfig()
     parallel: ParallelConfig = ParallelConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    collectives: CollectivesConfig = CollectivesConfig()
     trainer: TrainerConfig = TrainerConfig()
     distributed: DistributedConfig = DistributedConfig()
 
@@ -334,6 +349,16 @@ class Config(Strict):
                 raise ValueError(
                     f"model.max_len={self.model.max_len} is shorter than data.seq_len={self.data.seq_len}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _collectives_fit_the_mode(self) -> Config:
+        if self.collectives.impl == "custom" and self.parallel.mode != "shard_map":
+            raise ValueError("collectives.impl=custom syncs gradients in a per-device program: set "
+                             "parallel.mode=shard_map (with parallel.mode=jit XLA's partitioner owns the collectives)")
+        if self.parallel.mode == "shard_map" and self.parallel.strategy != "replicated":
+            raise ValueError(f"parallel.mode=shard_map supports parallel.strategy=replicated, not "
+                             f"{self.parallel.strategy!r}; use parallel.mode=jit for zero1/fsdp")
         return self
 
     def run_dir(self) -> Path:

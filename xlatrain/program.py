@@ -9,13 +9,16 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
+from xlatrain import compat
 from xlatrain.config import Config, Derived, derive
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
+from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 from xlatrain.lowering.step import fuse_steps, make_eval_step, make_train_step
-from xlatrain.mesh import build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
+from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import model_factory
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.precision import Policy, resolve_policy
@@ -82,9 +85,8 @@ class Program:
         fn = make_train_step(self.model, self.tx, self.schedule, self.config.model.loss, self.policy,
                              clip_norm=self.config.optimizer.clip_norm,
                              skip_nonfinite=self.config.trainer.on_nonfinite == "skip",
-                             replicas=self.derived.data_parallel, compute_params=self._gather_params,
-                             per_replica=lambda tree: per_replica(self.mesh, tree))
-        fused = fuse_steps(fn, self.steps_per_sync)
+                             replicas=self._replicas(), compute_params=self._gather_params)
+        fused = self._per_device(fuse_steps(fn, self.steps_per_sync))
         name = "train_step" if self.steps_per_sync == 1 else f"train_step x{self.steps_per_sync}"
         return StepExecutables(name, lambda batch: compile_train_step(
             fused, self._abstract_sharded_state(), self.state_shardings, batch,
@@ -110,6 +112,19 @@ class Program:
         state = create_state(self.init, self.specs, self.mesh)
         verify_replicas_identical(state, self.specs, self.mesh)
         return state
+
+    def _replicas(self) -> PartitionedReplicas | ExplicitReplicas:
+        if self.config.parallel.mode == "jit":
+            return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree))
+        c = self.config.collectives
+        return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s)
+
+    def _per_device(self, step: Any) -> Any:
+        """parallel.mode=shard_map: the step as written is one device's program over its rows."""
+        if self.config.parallel.mode == "jit":
+            return step
+        batch_spec = train_batch_sharding(self.mesh, self.steps_per_sync).spec
+        return compat.shard_map(step, self.mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()))
 
     def _gather_params(self, params: Any) -> Any:
         """FSDP keeps params sharded at rest and gathers them for compute; other strategies store them whole."""

@@ -1,0 +1,125 @@
+"""How a train step's replicas meet: who holds which rows, and how their gradients are summed.
+
+`PartitionedReplicas` (parallel.mode=jit) keeps every replica in one global program, vmapped over a
+leading replica axis pinned to the `data` shards; the sum over that axis is where XLA's partitioner
+puts the all-reduce. `ExplicitReplicas` (parallel.mode=shard_map) is the per-device program: each
+device is one replica and the gradient sum is written out as balanced fusion buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+Tree = Any
+
+
+@dataclass(frozen=True)
+class PartitionedReplicas:
+    replicas: int
+    pin: Callable[[Tree], Tree]
+    """Lays a tree with a leading replica axis out one replica per data shard."""
+
+    def split(self, batch: dict) -> dict:
+        return self.pin(jax.tree.map(lambda x: split_replicas(x, self.replicas), batch))
+
+    def indices(self) -> jax.Array:
+        return self.pin(jnp.arange(self.replicas))
+
+    def total(self, local: jax.Array) -> jax.Array:
+        return local
+
+    def sum_gradients(self, grads_R: Tree, dtype: jnp.dtype) -> Tree:
+        grads_R = self.pin(grads_R)
+        return jax.tree.map(lambda g: sum_replicas(g, dtype), grads_R)
+
+    def sum_metrics(self, sums_R: Tree) -> Tree:
+        return jax.tree.map(lambda s: jnp.sum(s, axis=0), sums_R)
+
+
+@dataclass(frozen=True)
+class ExplicitReplicas:
+    """Inside shard_map over `axis`: this device's rows are one replica (a leading replica axis of 1)."""
+
+    axis: str
+    participants: int
+    bucket_bytes: int
+    reduce_scatter: Callable
+    all_gather: Callable
+    all_reduce: Callable
+
+    def split(self, batch: dict) -> dict:
+        return jax.tree.map(lambda x: x[None], batch)
+
+    def indices(self) -> jax.Array:
+        return jax.lax.axis_index(self.axis)[None]
+
+    def total(self, local: jax.Array) -> jax.Array:
+        return self.all_reduce(local, self.axis)
+
+    def sum_gradients(self, grads_R: Tree, dtype: jnp.dtype) -> Tree:
+        grads = jax.tree.map(lambda g: g[0], grads_R)
+        return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants,
+                            lambda b: self.all_gather(self.reduce_scatter(b, self.axis), self.axis))
+
+    def sum_metrics(self, sums_R: Tree) -> Tree:
+        return jax.tree.map(lambda s: self.all_reduce(s[0], self.axis), sums_R)
+
+
+def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str,
+                      timeout_s: float) -> ExplicitReplicas:
+    if impl == "custom":
+        from xlatrain import custom_calls as ops
+
+        return ExplicitReplicas(
+            axis, participants, bucket_bytes,
+            reduce_scatter=lambda x, a: ops.reduce_scatter(x, a, timeout_s=timeout_s),
+            all_gather=lambda x, a: ops.all_gather(x, a, tiled=True, timeout_s=timeout_s),
+            all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s))
+    return ExplicitReplicas(axis, participants, bucket_bytes,
+                            reduce_scatter=lambda x, a: jax.lax.psum_scatter(x, a, tiled=True),
+                            all_gather=lambda x, a: jax.lax.all_gather(x, a, tiled=True),
+                            all_reduce=jax.lax.psum)
+
+
+def bucket_bounds(total: int, itemsize: int, bucket_bytes: int, participants: int) -> list[tuple[int, int]]:
+    """[start, end) element ranges of a flat buffer of `total` elements, each at most bucket_bytes (but
+    never under one element per participant)."""
+    per_bucket = max(participants, bucket_bytes // itemsize)
+    return [(start, min(start + per_bucket, total)) for start in range(0, total, per_bucket)]
+
+
+def bucketed_sum(grads: Tree, bucket_bytes: int, dtype: jnp.dtype, participants: int,
+                 sum_bucket: Callable[[jax.Array], jax.Array]) -> Tree:
+    """Sum gradients across replicas in buckets: the leaves flattened in reverse order (the last layers'
+    gradients are ready first in the backward pass), cast to `dtype`, cut into buckets, each padded to
+    a multiple of the participants and summed with `sum_bucket` (reduce-scatter + all-gather);
+    returned as float32 in the original structure."""
+    leaves, treedef = jax.tree.flatten(grads)
+    order = list(reversed(range(len(leaves))))
+    flat = jnp.concatenate([leaves[i].reshape(-1).astype(dtype) for i in order])
+    summed = []
+    for start, end in bucket_bounds(flat.size, jnp.dtype(dtype).itemsize, bucket_bytes, participants):
+        padding = -(end - start) % participants
+        bucket = jnp.pad(flat[start:end], (0, padding))
+        summed.append(sum_bucket(bucket)[:end - start])
+    flat = jnp.concatenate(summed).astype(jnp.float32)
+    out, offset = [None] * len(leaves), 0
+    for i in order:
+        out[i] = flat[offset:offset + leaves[i].size].reshape(leaves[i].shape)
+        offset += leaves[i].size
+    return jax.tree.unflatten(treedef, out)
+
+
+def split_replicas(x: jax.Array, replicas: int) -> jax.Array:
+    """[microbatches, rows, ...] -> [replicas, microbatches, rows / replicas, ...] (rows are replica-major)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], replicas, x.shape[1] // replicas, *x.shape[2:]), 1, 0)
+
+
+def sum_replicas(x_R: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Sum over the leading replica axis *in* `dtype` (jnp.sum would upcast 16-bit floats), as float32."""
+    total = jax.lax.reduce(x_R.astype(dtype), jnp.zeros((), dtype), jax.lax.add, (0,))
+    return total.astype(jnp.float32)
