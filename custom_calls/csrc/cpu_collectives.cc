@@ -333,59 +333,21 @@ ffi::Error Broadcast(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> whe
 
 }  // namespace
 
+// Every CPU handler: (input, int32[rank, group]) -> output, with its own attributes, then these.
+#define XLATRAIN_CPU_BINDING \
+  ffi::Ffi::Bind().Ctx<ffi::RunId>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>()
+#define XLATRAIN_CPU_ATTRS Attr<int64_t>("participants").Attr<int64_t>("site").Attr<int64_t>("timeout_ms")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduce, AllReduce,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("reduction")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms"));
-
+                              XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction").XLATRAIN_CPU_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatter, ReduceScatter,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("reduction")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGather, AllGather,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms"));
-
+                              XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction").XLATRAIN_CPU_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGather, AllGather, XLATRAIN_CPU_BINDING.XLATRAIN_CPU_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuPpermute, Ppermute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("sources")
+                              XLATRAIN_CPU_BINDING.Attr<ffi::Span<const int64_t>>("sources")
                                   .Attr<ffi::Span<const int64_t>>("targets")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms"));
-
+                                  .XLATRAIN_CPU_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuBroadcast, Broadcast,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("root")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms"));
+                              XLATRAIN_CPU_BINDING.Attr<int64_t>("root").XLATRAIN_CPU_ATTRS);
 
 }  // namespace xlatrain

@@ -254,59 +254,31 @@ std::string NewUniqueId() {
   return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
 }
 
+// Every CUDA handler: (input, int32[rank, group] (unused: NCCL knows its rank)) -> output, with its
+// own attributes, then these.
 #define XLATRAIN_CUDA_BINDING \
   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+#define XLATRAIN_CUDA_BUFFERS Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+#define XLATRAIN_CUDA_ATTRS \
+  Attr<int64_t>("participants").Attr<int64_t>("site").Attr<int64_t>("timeout_ms").Attr<int64_t>("comm")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, AllReduce,
                               XLATRAIN_CUDA_BINDING.Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("reduction")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int64_t>("comm"));
-
+                                  .XLATRAIN_CUDA_BUFFERS.Attr<int32_t>("reduction")
+                                  .XLATRAIN_CUDA_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaReduceScatter, ReduceScatter,
                               XLATRAIN_CUDA_BINDING.Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("reduction")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int64_t>("comm"));
-
+                                  .XLATRAIN_CUDA_BUFFERS.Attr<int32_t>("reduction")
+                                  .XLATRAIN_CUDA_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllGather, AllGather,
-                              XLATRAIN_CUDA_BINDING.Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int64_t>("comm"));
-
+                              XLATRAIN_CUDA_BINDING.XLATRAIN_CUDA_BUFFERS.XLATRAIN_CUDA_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaPpermute, Ppermute,
-                              XLATRAIN_CUDA_BINDING.Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                              XLATRAIN_CUDA_BINDING.XLATRAIN_CUDA_BUFFERS
                                   .Attr<ffi::Span<const int64_t>>("sources")
                                   .Attr<ffi::Span<const int64_t>>("targets")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int64_t>("comm"));
-
+                                  .XLATRAIN_CUDA_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaBroadcast, Broadcast,
-                              XLATRAIN_CUDA_BINDING.Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("root")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int64_t>("comm"));
+                              XLATRAIN_CUDA_BINDING.XLATRAIN_CUDA_BUFFERS.Attr<int64_t>("root")
+                                  .XLATRAIN_CUDA_ATTRS);
 
 }  // namespace xlatrain
