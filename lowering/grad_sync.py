@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 
 Tree = Any
 
@@ -39,6 +40,12 @@ class PartitionedReplicas:
     def sum_metrics(self, sums_R: Tree) -> Tree:
         return jax.tree.map(lambda s: jnp.sum(s, axis=0), sums_R)
 
+    def apply_update(self, tx: optax.GradientTransformation, grads: Tree, opt_state: Tree,
+                     params: Tree) -> tuple[Tree, Tree]:
+        """The partitioner lays the update out from the state's shardings (zero1 / fsdp included)."""
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
 
 @dataclass(frozen=True)
 class ExplicitReplicas:
@@ -50,6 +57,8 @@ class ExplicitReplicas:
     reduce_scatter: Callable
     all_gather: Callable
     all_reduce: Callable
+    shard_dims: Tree | None = None
+    """ZeRO-1: per param, the dimension its optimizer state is split along over `axis` (None: whole)."""
 
     def split(self, batch: dict) -> dict:
         return jax.tree.map(lambda x: x[None], batch)
@@ -68,9 +77,33 @@ class ExplicitReplicas:
     def sum_metrics(self, sums_R: Tree) -> Tree:
         return jax.tree.map(lambda s: self.all_reduce(s[0], self.axis), sums_R)
 
+    def apply_update(self, tx: optax.GradientTransformation, grads: Tree, opt_state: Tree,
+                     params: Tree) -> tuple[Tree, Tree]:
+        """Replicated: every device updates everything. ZeRO-1: each device updates its block of each
+        split param with its block of the optimizer state, then the blocks are all-gathered."""
+        if self.shard_dims is None:
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+        index = jax.lax.axis_index(self.axis)
 
-def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str,
-                      timeout_s: float) -> ExplicitReplicas:
+        def block(x, dim):
+            if dim is None:
+                return x
+            size = x.shape[dim] // self.participants
+            return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+
+        def gather(x, dim):
+            if dim is None:
+                return x
+            return jnp.moveaxis(self.all_gather(jnp.moveaxis(x, dim, 0), self.axis), 0, dim)
+
+        local = jax.tree.map(block, params, self.shard_dims)
+        updates, opt_state = tx.update(jax.tree.map(block, grads, self.shard_dims), opt_state, local)
+        return jax.tree.map(gather, optax.apply_updates(local, updates), self.shard_dims), opt_state
+
+
+def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str, timeout_s: float,
+                      shard_dims: Tree | None = None) -> ExplicitReplicas:
     if impl == "custom":
         from xlatrain import custom_calls as ops
 
@@ -78,11 +111,11 @@ def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str
             axis, participants, bucket_bytes,
             reduce_scatter=lambda x, a: ops.reduce_scatter(x, a, timeout_s=timeout_s),
             all_gather=lambda x, a: ops.all_gather(x, a, tiled=True, timeout_s=timeout_s),
-            all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s))
+            all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s), shard_dims=shard_dims)
     return ExplicitReplicas(axis, participants, bucket_bytes,
                             reduce_scatter=lambda x, a: jax.lax.psum_scatter(x, a, tiled=True),
                             all_gather=lambda x, a: jax.lax.all_gather(x, a, tiled=True),
-                            all_reduce=jax.lax.psum)
+                            all_reduce=jax.lax.psum, shard_dims=shard_dims)
 
 
 def bucket_bounds(total: int, itemsize: int, bucket_bytes: int, participants: int) -> list[tuple[int, int]]:

@@ -121,8 +121,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         # (4) Update, or keep params and optimizer state when a gradient overflowed.
         with jax.named_scope("update"):
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params, opt_state = replicas.apply_update(tx, grads, state.opt_state, state.params)
             if skip_nonfinite or policy.dynamic_scale:
                 params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                                  (params, opt_state), (state.params, state.opt_state))

@@ -15,7 +15,8 @@ from xlatrain.trainer import train
 
 CUSTOM = ["parallel.mode=shard_map", "collectives.impl=custom", "collectives.bucket_bytes=8192"]
 MODES = {"jit": [], "shard_map-xla": ["parallel.mode=shard_map", "collectives.bucket_bytes=8192"],
-         "shard_map-custom": CUSTOM}
+         "shard_map-custom": CUSTOM, "shard_map-custom-zero1": [*CUSTOM, "parallel.strategy=zero1"],
+         "pmap": ["parallel.mode=pmap"], "pmap-custom": ["parallel.mode=pmap", "collectives.impl=custom"]}
 
 
 def test_buckets_cover_the_buffer_within_the_byte_limit():
@@ -45,7 +46,7 @@ def test_every_mode_follows_the_same_loss_trajectory_over_50_steps(tmp_path):
     losses = {}
     for name, overrides in MODES.items():
         config = load_config(None, [*DIGITS_MLP, "trainer.steps=50", f"trainer.run_dir={tmp_path / name}",
-                                    "precision.communication_dtype=bfloat16", *overrides])
+                                    "collectives.dtype=bfloat16", "precision.policy=fp16", *overrides])
         result = train(config, echo=lambda _: None)
         losses[name] = np.array([result.losses[s] for s in range(1, 51)])
     assert losses["jit"][-1] < losses["jit"][0] - 0.3
@@ -53,7 +54,7 @@ def test_every_mode_follows_the_same_loss_trajectory_over_50_steps(tmp_path):
         np.testing.assert_allclose(losses[name], losses["jit"], rtol=2e-3, err_msg=name)
 
 
-@pytest.mark.parametrize("mode", ["shard_map-xla", "shard_map-custom"])
+@pytest.mark.parametrize("mode", ["shard_map-xla", "shard_map-custom", "shard_map-custom-zero1", "pmap-custom"])
 def test_explicit_modes_keep_the_amp_order_and_skip_an_overflow_everywhere(mode):
     program = program_for(["precision.policy=fp16", *MODES[mode]])
     assert program.amp_order_problems() == []
@@ -85,7 +86,10 @@ def test_lower_shows_the_custom_calls_and_no_xla_all_reduce():
 
 @pytest.mark.parametrize("overrides,message", [
     (["collectives.impl=custom"], "collectives.impl=custom syncs gradients in a per-device program"),
-    (["parallel.mode=shard_map", "parallel.strategy=zero1"], "parallel.mode=shard_map supports"),
+    (["parallel.mode=shard_map", "parallel.strategy=fsdp"], "parallel.mode=shard_map supports parallel.strategy "
+                                                             "replicated or zero1, not 'fsdp'"),
+    (["parallel.mode=pmap", "parallel.strategy=zero1"], "parallel.mode=pmap supports"),
+    (["parallel.mode=shard_map", "parallel.strategy=zero1", "optimizer.name=adafactor"], "elementwise optimizer"),
 ])
 def test_mode_and_collectives_are_validated(overrides, message):
     with pytest.raises(UserError, match=message):

@@ -103,7 +103,7 @@ def test_communication_dtype_rounds_the_gradient_sum():
     batch = None
     norms = {}
     for dtype in ("float32", "bfloat16"):
-        program = program_for([f"precision.communication_dtype={dtype}"])
+        program = program_for([f"collectives.dtype={dtype}"])
         batch = digits_batch(program) if batch is None else batch
         _, metrics = program.train_step(program.create_state(), on_devices(program, batch))
         norms[dtype] = float(metrics["grad_norm"])
@@ -115,7 +115,7 @@ def test_communication_dtype_rounds_the_gradient_sum():
     ["precision.policy=fp16"],
     ["precision.policy=bf16", "parallel.strategy=zero1", "batch.microbatches=2"],
     ["parallel.strategy=fsdp", "trainer.on_nonfinite=skip"],
-    ["optimizer.clip_norm=null", "precision.communication_dtype=bfloat16"],
+    ["optimizer.clip_norm=null", "collectives.dtype=bfloat16"],
 ], ids=["fp16", "bf16-zero1-accumulate", "fp32-fsdp-skip", "noclip-bf16comm"])
 def test_compiled_step_keeps_the_amp_order(overrides):
     program = program_for(overrides)

@@ -179,7 +179,10 @@ def define_linear_primitive(name: str, *, abstract_eval: Callable, batch: Callab
 
 
 def ffi_lowering(target: str) -> Callable:
-    return jax.ffi.ffi_lowering(target)
+    """Lowered as side-effecting: XLA then runs these calls in program order on every device (and never
+    merges or drops one). Without it XLA:CPU may start independent collectives in a different order on
+    different devices, and participants blocked at different call sites wait for each other forever."""
+    return jax.ffi.ffi_lowering(target, has_side_effect=True)
 
 
 def register_ffi_targets(handlers: dict[str, Any], prefix: str, platform: str) -> None:
@@ -205,3 +208,16 @@ def key_value_set(name: str, value: bytes) -> None:
 
 def key_value_get(name: str, timeout_s: float = 300) -> bytes:
     return _kv_client().blocking_key_value_get_bytes(name, int(timeout_s * 1000))
+
+
+def pmap_over_rows(fn: Callable, axis_name: str, devices: list, rows_axis: int) -> Callable:
+    """fn(state, batch) through jax.pmap: state broadcast to every device, the batch's `rows_axis` split
+    into one block per device (in `devices` order, so blocks stay where the batch sharding put them),
+    outputs taken from the (identical) replicas. Callable inside jit."""
+    n = len(devices)
+    mapped = jax.pmap(fn, axis_name=axis_name, in_axes=(None, rows_axis), out_axes=None, devices=devices)
+
+    def split_rows(x: jax.Array) -> jax.Array:
+        return x.reshape(*x.shape[:rows_axis], n, x.shape[rows_axis] // n, *x.shape[rows_axis + 1:])
+
+    return lambda state, batch: mapped(state, jax.tree.map(split_rows, batch))

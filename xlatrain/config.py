@@ -219,9 +219,10 @@ class ParallelConfig(Strict):
     """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too."""
     logical_rules: dict[str, str | None] = DEFAULT_LOGICAL_RULES
     """Logical axis name -> mesh axis (or null), merged over the defaults; used by zero1/fsdp."""
-    mode: Literal["jit", "shard_map"] = "jit"
+    mode: Literal["jit", "shard_map", "pmap"] = "jit"
     """jit: one global program, XLA's partitioner inserts the gradient all-reduce. shard_map: a
-    per-device program whose gradient sync is written out (balanced buckets, collectives.impl)."""
+    per-device program whose gradient sync is written out (balanced buckets, collectives.impl). pmap:
+    the same per-device program through the legacy jax.pmap API."""
 
     @field_validator("logical_rules")
     @classmethod
@@ -265,12 +266,12 @@ class PrecisionConfig(Strict):
     """Dtype of params and floating inputs inside the forward/backward pass; default from the policy."""
     output_dtype: FloatDtype | None = None
     """Dtype of the model's outputs (the logits the loss sees); default float32."""
-    communication_dtype: FloatDtype | None = None
-    """Dtype of the gradient all-reduce across data replicas; default float32."""
     loss_scale: LossScaleConfig = LossScaleConfig()
 
 
 class CollectivesConfig(Strict):
+    dtype: FloatDtype = "float32"
+    """Dtype the gradients are summed in across data replicas (still loss-scaled), in every mode."""
     impl: Literal["xla", "custom"] = "xla"
     """Which collectives sync the gradients in parallel.mode=shard_map: XLA's own, or xlatrain's
     custom calls (custom_calls/)."""
@@ -353,12 +354,20 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _collectives_fit_the_mode(self) -> Config:
-        if self.collectives.impl == "custom" and self.parallel.mode != "shard_map":
+        mode = self.parallel.mode
+        if self.collectives.impl == "custom" and mode == "jit":
             raise ValueError("collectives.impl=custom syncs gradients in a per-device program: set "
-                             "parallel.mode=shard_map (with parallel.mode=jit XLA's partitioner owns the collectives)")
-        if self.parallel.mode == "shard_map" and self.parallel.strategy != "replicated":
-            raise ValueError(f"parallel.mode=shard_map supports parallel.strategy=replicated, not "
+                             "parallel.mode=shard_map or pmap (with parallel.mode=jit XLA's partitioner owns the "
+                             "collectives)")
+        supported = {"jit": ("replicated", "zero1", "fsdp"), "shard_map": ("replicated", "zero1"),
+                     "pmap": ("replicated",)}[mode]
+        if self.parallel.strategy not in supported:
+            raise ValueError(f"parallel.mode={mode} supports parallel.strategy {' or '.join(supported)}, not "
                              f"{self.parallel.strategy!r}; use parallel.mode=jit for zero1/fsdp")
+        if mode == "shard_map" and self.parallel.strategy == "zero1" and self.optimizer.name == "adafactor":
+            raise ValueError("parallel.mode=shard_map with parallel.strategy=zero1 updates each block of a "
+                             "parameter on its own, which needs an elementwise optimizer (adamw, sgd, lion), not "
+                             "adafactor; use parallel.mode=jit")
         return self
 
     def run_dir(self) -> Path:

@@ -40,11 +40,12 @@ class Policy:
         return text
 
 
-def resolve_policy(config: PrecisionConfig) -> Policy:
+def resolve_policy(config: PrecisionConfig, communication: str = "float32") -> Policy:
+    """The dtypes of a run; `communication` is collectives.dtype."""
     compute = jnp.dtype(config.compute_dtype or _POLICY_COMPUTE[config.policy])
     return Policy(param=jnp.dtype(config.param_dtype or "float32"), compute=compute,
                   output=jnp.dtype(config.output_dtype or "float32"),
-                  communication=jnp.dtype(config.communication_dtype or "float32"),
+                  communication=jnp.dtype(communication),
                   loss_scale=config.loss_scale if compute == jnp.float16 else None)
 
 

@@ -22,7 +22,7 @@ from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, re
 from xlatrain.models import model_factory
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.precision import Policy, resolve_policy
-from xlatrain.sharding import named
+from xlatrain.sharding import named, param_specs
 from xlatrain.state import (
     ModelDef,
     TrainState,
@@ -117,14 +117,25 @@ class Program:
         if self.config.parallel.mode == "jit":
             return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree))
         c = self.config.collectives
-        return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s)
+        return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s,
+                                 self._zero1_dims() if self.config.parallel.strategy == "zero1" else None)
+
+    def _zero1_dims(self) -> Any:
+        """Per param, the dimension its optimizer state is split along over `data` (None: not split)."""
+        specs = param_specs(self.abstract_state.params, self.model.logical_axes, True,
+                            self.config.parallel.logical_rules, self.mesh)
+        return jax.tree.map(lambda spec: spec.index(DATA) if DATA in spec else None, specs,
+                            is_leaf=lambda x: isinstance(x, P))
 
     def _per_device(self, step: Any) -> Any:
-        """parallel.mode=shard_map: the step as written is one device's program over its rows."""
-        if self.config.parallel.mode == "jit":
-            return step
+        """parallel.mode=shard_map or pmap: the step as written is one device's program over its rows."""
+        mode = self.config.parallel.mode
         batch_spec = train_batch_sharding(self.mesh, self.steps_per_sync).spec
-        return compat.shard_map(step, self.mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()))
+        if mode == "shard_map":
+            return compat.shard_map(step, self.mesh, in_specs=(self.specs, batch_spec), out_specs=(self.specs, P()))
+        if mode == "pmap":
+            return compat.pmap_over_rows(step, DATA, list(self.mesh.devices.ravel()), rows_axis=len(batch_spec) - 1)
+        return step
 
     def _gather_params(self, params: Any) -> Any:
         """FSDP keeps params sharded at rest and gathers them for compute; other strategies store them whole."""
@@ -141,7 +152,7 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     derived = derive(config, devices)
     mesh = build_mesh(config, devices)
     dataset = open_dataset(config.data)
-    policy = resolve_policy(config.precision)
+    policy = resolve_policy(config.precision, config.collectives.dtype)
     factory = model_factory(config.model, dataset.spec, policy.compute)
     model = describe_model(factory)
     schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)

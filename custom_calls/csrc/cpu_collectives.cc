@@ -1,22 +1,27 @@
-// Collectives across the devices of one process on XLA:CPU.
+// Collectives across the devices of one process on XLA:CPU, as asynchronous FFI calls.
 //
-// XLA:CPU runs every device of an execution on its own thread and gives them one RunId. Each
-// participant of a collective arrives at a meeting keyed by (run, call site, group, how many times
-// this site ran in this run), publishes its input and output pointers, and once everyone is there
-// does an equal share of the work: for a reduction it reduces its own slice of the buffer over all
-// inputs and writes that slice into every output (reduce-scatter then all-gather, in place), so no
-// thread reduces everything. A second barrier keeps buffers alive until every share is written.
-// A participant that waits longer than the timeout fails with an error naming the op and who came.
+// XLA:CPU runs the devices of an execution side by side and gives them one RunId. Each participant of
+// a collective arrives at a meeting keyed by (run, call site, group, how many times this site ran in
+// this run), leaves its input and output pointers and a promise, and returns a pending future at
+// once, so no XLA thread ever blocks (XLA's executor may run many devices on a few threads). The last
+// to arrive hands every participant's share of the work to xlatrain's worker threads: for a reduction,
+// participant r reduces slice r of the buffer over all inputs and writes it into every output
+// (reduce-scatter then all-gather, in place), so no thread reduces everything. When all shares are
+// written, every promise completes. A watchdog fails the promises of a meeting that is still missing
+// participants after the timeout, with an error naming the op and who came: never a silent hang.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -32,65 +37,8 @@ struct Participant {
   void* out = nullptr;
 };
 
-struct Meeting {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<Participant> parts;
-  std::vector<bool> arrived;
-  int64_t arrived_count = 0;
-  int64_t finished_count = 0;
-  int64_t departed_count = 0;
-  int64_t bytes = -1;  // every participant must bring the same size
-  explicit Meeting(int64_t n) : parts(n), arrived(n, false) {}
-};
-
-// (run, site, group, sequence)
-using MeetingKey = std::tuple<int64_t, int64_t, int64_t, int64_t>;
-// (site, group, rank) -> how many times it has run, per run
-using SequenceKey = std::tuple<int64_t, int64_t, int64_t>;
-
-class Rendezvous {
- public:
-  static Rendezvous& Get() {
-    static auto* instance = new Rendezvous();  // never destroyed: threads may outlive static teardown
-    return *instance;
-  }
-
-  std::pair<std::shared_ptr<Meeting>, int64_t> Join(int64_t run, int64_t site, int64_t group, int64_t rank,
-                                                    int64_t n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& sequences = SequencesOf(run);
-    int64_t sequence = sequences[{site, group, rank}]++;
-    auto& meeting = meetings_[{run, site, group, sequence}];
-    if (!meeting) meeting = std::make_shared<Meeting>(n);
-    return {meeting, sequence};
-  }
-
-  void Forget(int64_t run, int64_t site, int64_t group, int64_t sequence) {
-    std::lock_guard<std::mutex> lock(mu_);
-    meetings_.erase({run, site, group, sequence});
-  }
-
- private:
-  // Call counts are kept for the most recent runs only; a run this far behind has long finished.
-  static constexpr size_t kRunsKept = 4096;
-
-  std::map<SequenceKey, int64_t>& SequencesOf(int64_t run) {
-    auto found = sequences_.find(run);
-    if (found != sequences_.end()) return found->second;
-    runs_.push_back(run);
-    if (runs_.size() > kRunsKept) {
-      sequences_.erase(runs_.front());
-      runs_.pop_front();
-    }
-    return sequences_[run];
-  }
-
-  std::mutex mu_;
-  std::map<MeetingKey, std::shared_ptr<Meeting>> meetings_;
-  std::map<int64_t, std::map<SequenceKey, int64_t>> sequences_;
-  std::deque<int64_t> runs_;
-};
+// One participant's part of the work, given everyone's buffers.
+using Share = std::function<void(const std::vector<Participant>&)>;
 
 struct Call {
   const char* op;
@@ -117,52 +65,190 @@ std::string Ranks(const std::vector<bool>& arrived, bool which) {
   return s.str();
 }
 
-// Meets the other participants, runs `share(parts)` once all have arrived, and returns once every
-// participant's share is done. `share` must only write this participant's part of the work.
-template <typename Share>
-ffi::Error Meet(Call call, const void* in, void* out, int64_t bytes, Share share) {
-  if (call.rank < 0 || call.rank >= call.participants) {
-    return ffi::Error::InvalidArgument(Describe(call) + ": rank out of range");
+struct Meeting {
+  explicit Meeting(const Call& first)
+      : call(first), parts(first.participants), shares(first.participants), promises(first.participants),
+        arrived(first.participants, false),
+        deadline(Clock::now() + std::chrono::milliseconds(first.timeout_ms)) {}
+  Call call;  // the first arrival's, for messages
+  std::vector<Participant> parts;
+  std::vector<Share> shares;
+  std::vector<ffi::Promise> promises;
+  std::vector<bool> arrived;
+  int64_t arrived_count = 0;
+  int64_t bytes = -1;  // every participant must bring the same size
+  Clock::time_point deadline;
+};
+
+// Runs the shares of complete meetings; shares never block, so a few threads serve any number of devices.
+class Workers {
+ public:
+  static Workers& Get() {
+    static auto* instance = new Workers();  // never destroyed: threads may outlive static teardown
+    return *instance;
   }
-  auto [meeting, sequence] = Rendezvous::Get().Join(call.run, call.site, call.group, call.rank, call.participants);
-  call.sequence = sequence;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(call.timeout_ms);
-  std::unique_lock<std::mutex> lock(meeting->mu);
-  auto leave = [&]() {
-    if (++meeting->departed_count == call.participants) {
-      Rendezvous::Get().Forget(call.run, call.site, call.group, sequence);
+
+  void Run(std::shared_ptr<Meeting> meeting) {
+    auto remaining = std::make_shared<std::atomic<int64_t>>(meeting->call.participants);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& share : meeting->shares) {
+      tasks_.push_back([meeting, remaining, share] {
+        share(meeting->parts);
+        if (remaining->fetch_sub(1) == 1) {
+          for (auto& promise : meeting->promises) promise.SetAvailable();
+        }
+      });
     }
-  };
-  if (meeting->arrived[call.rank]) {
-    return ffi::Error::Internal(Describe(call) + ": this rank arrived twice");
+    cv_.notify_all();
   }
-  if (meeting->bytes >= 0 && meeting->bytes != bytes) {
-    return ffi::Error::InvalidArgument(Describe(call) + ": participants disagree on the buffer size (" +
-                                       std::to_string(meeting->bytes) + " vs " + std::to_string(bytes) +
-                                       " bytes)");
+
+ private:
+  Workers() {
+    unsigned threads = std::max(2u, std::thread::hardware_concurrency());
+    for (unsigned i = 0; i < threads; ++i) std::thread([this] { Loop(); }).detach();
   }
-  meeting->bytes = bytes;
-  meeting->parts[call.rank] = {in, out};
-  meeting->arrived[call.rank] = true;
-  if (++meeting->arrived_count == call.participants) meeting->cv.notify_all();
-  if (!meeting->cv.wait_until(lock, deadline, [&] { return meeting->arrived_count == call.participants; })) {
-    std::string message = Describe(call) + " timed out after " + std::to_string(call.timeout_ms) +
-                          " ms waiting for the other participants: arrived ranks " + Ranks(meeting->arrived, true) +
-                          ", missing ranks " + Ranks(meeting->arrived, false) +
-                          ". Every participant must run the same collectives in the same order (is one inside "
-                          "a branch that some ranks skip?); raise collectives.timeout_s for slow steps";
-    leave();
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message);
+
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return !tasks_.empty(); });
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
   }
-  std::vector<Participant> parts = meeting->parts;
-  lock.unlock();
-  share(parts);
-  lock.lock();
-  if (++meeting->finished_count == call.participants) meeting->cv.notify_all();
-  // Everyone has arrived, so everyone is running its share: no deadline for the finish.
-  meeting->cv.wait(lock, [&] { return meeting->finished_count == call.participants; });
-  leave();
-  return ffi::Error::Success();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+};
+
+// (run, site, group, sequence)
+using MeetingKey = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+// (site, group, rank) -> how many times it has run, per run
+using SequenceKey = std::tuple<int64_t, int64_t, int64_t>;
+
+class Rendezvous {
+ public:
+  static Rendezvous& Get() {
+    static auto* instance = new Rendezvous();
+    return *instance;
+  }
+
+  // Registers one participant; returns its future, already complete if it was the last to arrive
+  // and its share is done, or failed if the call does not fit the meeting.
+  ffi::Future Arrive(Call call, const void* in, void* out, int64_t bytes, Share share) {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    std::shared_ptr<Meeting> complete;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      call.sequence = SequencesOf(call.run)[{call.site, call.group, call.rank}]++;
+      auto& meeting = meetings_[{call.run, call.site, call.group, call.sequence}];
+      if (!meeting) {
+        meeting = std::make_shared<Meeting>(call);
+        watchdog_cv_.notify_all();
+      }
+      if (meeting->arrived[call.rank]) {
+        promise.SetError(ffi::Error::Internal(Describe(call) + ": this rank arrived twice"));
+        return future;
+      }
+      if (meeting->bytes >= 0 && meeting->bytes != bytes) {
+        promise.SetError(ffi::Error::InvalidArgument(
+            Describe(call) + ": participants disagree on the buffer size (" + std::to_string(meeting->bytes) +
+            " vs " + std::to_string(bytes) + " bytes)"));
+        return future;
+      }
+      meeting->bytes = bytes;
+      meeting->parts[call.rank] = {in, out};
+      meeting->shares[call.rank] = std::move(share);
+      meeting->promises[call.rank] = promise;
+      meeting->arrived[call.rank] = true;
+      if (++meeting->arrived_count == call.participants) {
+        complete = meeting;
+        meetings_.erase({call.run, call.site, call.group, call.sequence});
+      }
+    }
+    if (complete) Workers::Get().Run(std::move(complete));
+    return future;
+  }
+
+ private:
+  // Call counts are kept for the most recent runs only; a run this far behind has long finished.
+  static constexpr size_t kRunsKept = 4096;
+
+  Rendezvous() { std::thread([this] { Watch(); }).detach(); }
+
+  std::map<SequenceKey, int64_t>& SequencesOf(int64_t run) {
+    auto found = sequences_.find(run);
+    if (found != sequences_.end()) return found->second;
+    runs_.push_back(run);
+    if (runs_.size() > kRunsKept) {
+      sequences_.erase(runs_.front());
+      runs_.pop_front();
+    }
+    return sequences_[run];
+  }
+
+  // Fails the meetings whose deadline passed with participants still missing.
+  void Watch() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      auto next = Clock::time_point::max();
+      for (auto it = meetings_.begin(); it != meetings_.end();) {
+        Meeting& m = *it->second;
+        if (m.deadline > Clock::now()) {
+          next = std::min(next, m.deadline);
+          ++it;
+          continue;
+        }
+        Call call = m.call;
+        call.sequence = std::get<3>(it->first);
+        std::string message = Describe(call) + " timed out after " + std::to_string(call.timeout_ms) +
+                              " ms waiting for the other participants: arrived ranks " + Ranks(m.arrived, true) +
+                              ", missing ranks " + Ranks(m.arrived, false) +
+                              ". Every participant must run the same collectives in the same order (is one "
+                              "inside a branch that some ranks skip?); raise collectives.timeout_s for slow steps";
+        for (size_t r = 0; r < m.arrived.size(); ++r) {
+          if (m.arrived[r]) m.promises[r].SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message));
+        }
+        it = meetings_.erase(it);
+      }
+      if (next == Clock::time_point::max()) {
+        watchdog_cv_.wait(lock);
+      } else {
+        watchdog_cv_.wait_until(lock, next);
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable watchdog_cv_;
+  std::map<MeetingKey, std::shared_ptr<Meeting>> meetings_;
+  std::map<int64_t, std::map<SequenceKey, int64_t>> sequences_;
+  std::deque<int64_t> runs_;
+};
+
+ffi::Future Ready() {
+  ffi::Promise promise;
+  promise.SetAvailable();
+  return ffi::Future(promise);
+}
+
+ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  promise.SetError(std::move(error));
+  return ffi::Future(promise);
+}
+
+ffi::Future Meet(const Call& call, const void* in, void* out, int64_t bytes, Share share) {
+  if (call.rank < 0 || call.rank >= call.participants) {
+    return Failed(ffi::Error::InvalidArgument(Describe(call) + ": rank out of range"));
+  }
+  return Rendezvous::Get().Arrive(call, in, out, bytes, std::move(share));
 }
 
 // 16-bit floats are reduced in float32: widen, combine, round back to nearest even.
@@ -214,30 +300,28 @@ void ReduceRange(const std::vector<Participant>& parts, int64_t begin, int64_t e
   }
 }
 
-// Reduces [begin, end) of every input and writes the result to out(i) for each target element.
-template <typename Targets>
+// Reduces elements [begin, end) over every input; element i goes to each of `outs` at index i - shift.
 void ReduceShare(ffi::DataType type, const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r,
-                 Targets targets) {
-  auto store = [&](auto value_type_tag, int64_t i, auto value) {
-    using T = decltype(value_type_tag);
-    for (void* out : targets(i)) static_cast<T*>(out)[0] = value;
+                 const std::vector<void*>& outs, int64_t shift) {
+  auto write_all = [&](auto value, int64_t i) {
+    for (void* out : outs) static_cast<decltype(value)*>(out)[i - shift] = value;
   };
   switch (type) {
     case ffi::F32:
       ReduceRange<float, float>(parts, begin, end, r, [](float v) { return v; },
-                                [&](int64_t i, float v) { store(float{}, i, v); });
+                                [&](int64_t i, float v) { write_all(v, i); });
       break;
     case ffi::F64:
       ReduceRange<double, double>(parts, begin, end, r, [](double v) { return v; },
-                                  [&](int64_t i, double v) { store(double{}, i, v); });
+                                  [&](int64_t i, double v) { write_all(v, i); });
       break;
     case ffi::S32:
       ReduceRange<int32_t, int32_t>(parts, begin, end, r, [](int32_t v) { return v; },
-                                    [&](int64_t i, int32_t v) { store(int32_t{}, i, v); });
+                                    [&](int64_t i, int32_t v) { write_all(v, i); });
       break;
     default:  // F16, BF16
       ReduceRange<uint16_t, float>(parts, begin, end, r, [type](uint16_t v) { return Widen(v, type); },
-                                   [&](int64_t i, float v) { store(uint16_t{}, i, Narrow(v, type)); });
+                                   [&](int64_t i, float v) { write_all(Narrow(v, type), i); });
   }
 }
 
@@ -247,88 +331,94 @@ Call MakeCall(const char* op, ffi::RunId run, ffi::Buffer<ffi::S32> where, int64
   return Call{op, run.run_id, site, rank_group[1], rank_group[0], participants, -1, timeout_ms};
 }
 
-ffi::Error AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
-                     int32_t reduction, int64_t participants, int64_t site, int64_t timeout_ms) {
-  if (!IsSupportedType(x.element_type())) return UnsupportedType("all_reduce", x.element_type());
-  const auto r = static_cast<Reduction>(reduction);
-  if (r == Reduction::kMean && x.element_type() == ffi::S32) {
-    return ffi::Error::InvalidArgument("xlatrain all_reduce: mean of integers is not defined; use sum");
-  }
-  const int64_t count = static_cast<int64_t>(x.element_count());
-  if (count == 0) return ffi::Error::Success();
-  Call call = MakeCall("all_reduce", run, where, participants, site, timeout_ms);
-  const size_t width = ffi::ByteWidth(x.element_type());
-  return Meet(call, x.untyped_data(), out->untyped_data(), x.size_bytes(), [&](const std::vector<Participant>& parts) {
-    std::vector<void*> outs(parts.size());
-    ReduceShare(x.element_type(), parts, ShareBegin(count, participants, call.rank),
-                ShareBegin(count, participants, call.rank + 1), r, [&](int64_t i) {
-                  for (size_t p = 0; p < parts.size(); ++p) outs[p] = static_cast<char*>(parts[p].out) + i * width;
-                  return outs;
-                });
-  });
+std::vector<void*> Outputs(const std::vector<Participant>& parts) {
+  std::vector<void*> outs;
+  for (const auto& p : parts) outs.push_back(p.out);
+  return outs;
 }
 
-ffi::Error ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
-                         ffi::Result<ffi::AnyBuffer> out, int32_t reduction, int64_t participants, int64_t site,
-                         int64_t timeout_ms) {
-  if (!IsSupportedType(x.element_type())) return UnsupportedType("reduce_scatter", x.element_type());
+// The shares capture plain values: the FFI buffer views are only valid while the handler runs.
+
+ffi::Future AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
+                      ffi::Result<ffi::AnyBuffer> out, int32_t reduction, int64_t participants, int64_t site,
+                      int64_t timeout_ms) {
+  const ffi::DataType type = x.element_type();
+  if (!IsSupportedType(type)) return Failed(UnsupportedType("all_reduce", type));
+  const auto r = static_cast<Reduction>(reduction);
+  if (r == Reduction::kMean && type == ffi::S32) {
+    return Failed(ffi::Error::InvalidArgument("xlatrain all_reduce: mean of integers is not defined; use sum"));
+  }
+  const int64_t count = static_cast<int64_t>(x.element_count());
+  if (count == 0) return Ready();
+  const Call call = MakeCall("all_reduce", run, where, participants, site, timeout_ms);
+  const int64_t begin = ShareBegin(count, participants, call.rank), end = ShareBegin(count, participants, call.rank + 1);
+  return Meet(call, x.untyped_data(), out->untyped_data(), x.size_bytes(),
+              [=](const std::vector<Participant>& parts) { ReduceShare(type, parts, begin, end, r, Outputs(parts), 0); });
+}
+
+ffi::Future ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
+                          ffi::Result<ffi::AnyBuffer> out, int32_t reduction, int64_t participants, int64_t site,
+                          int64_t timeout_ms) {
+  const ffi::DataType type = x.element_type();
+  if (!IsSupportedType(type)) return Failed(UnsupportedType("reduce_scatter", type));
   const auto r = static_cast<Reduction>(reduction);
   const int64_t count = static_cast<int64_t>(x.element_count());
   if (count % participants != 0) {
-    return ffi::Error::InvalidArgument("xlatrain reduce_scatter: " + std::to_string(count) +
-                                       " elements do not split over " + std::to_string(participants) +
-                                       " participants");
+    return Failed(ffi::Error::InvalidArgument("xlatrain reduce_scatter: " + std::to_string(count) +
+                                              " elements do not split over " + std::to_string(participants) +
+                                              " participants"));
   }
-  if (count == 0) return ffi::Error::Success();
-  Call call = MakeCall("reduce_scatter", run, where, participants, site, timeout_ms);
-  const int64_t chunk = count / participants;
-  const size_t width = ffi::ByteWidth(x.element_type());
-  char* mine = static_cast<char*>(out->untyped_data());
-  return Meet(call, x.untyped_data(), out->untyped_data(), x.size_bytes(), [&](const std::vector<Participant>& parts) {
-    std::vector<void*> target(1);
-    ReduceShare(x.element_type(), parts, call.rank * chunk, (call.rank + 1) * chunk, r, [&](int64_t i) {
-      target[0] = mine + (i - call.rank * chunk) * width;
-      return target;
-    });
+  if (count == 0) return Ready();
+  const Call call = MakeCall("reduce_scatter", run, where, participants, site, timeout_ms);
+  const int64_t chunk = count / participants, begin = call.rank * chunk;
+  void* mine = out->untyped_data();
+  return Meet(call, x.untyped_data(), mine, x.size_bytes(), [=](const std::vector<Participant>& parts) {
+    ReduceShare(type, parts, begin, begin + chunk, r, {mine}, begin);
   });
 }
 
-ffi::Error AllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
-                     int64_t participants, int64_t site, int64_t timeout_ms) {
-  if (!IsSupportedType(x.element_type())) return UnsupportedType("all_gather", x.element_type());
+ffi::Future AllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t participants, int64_t site, int64_t timeout_ms) {
+  if (!IsSupportedType(x.element_type())) return Failed(UnsupportedType("all_gather", x.element_type()));
   const size_t bytes = x.size_bytes();
-  if (bytes == 0) return ffi::Error::Success();
-  Call call = MakeCall("all_gather", run, where, participants, site, timeout_ms);
-  return Meet(call, x.untyped_data(), out->untyped_data(), bytes, [&](const std::vector<Participant>& parts) {
-    for (const auto& p : parts) std::memcpy(static_cast<char*>(p.out) + call.rank * bytes, x.untyped_data(), bytes);
+  if (bytes == 0) return Ready();
+  const Call call = MakeCall("all_gather", run, where, participants, site, timeout_ms);
+  const void* in = x.untyped_data();
+  const int64_t rank = call.rank;
+  return Meet(call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts) {
+    for (const auto& p : parts) std::memcpy(static_cast<char*>(p.out) + rank * bytes, in, bytes);
   });
 }
 
-ffi::Error Ppermute(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets, int64_t participants,
-                    int64_t site, int64_t timeout_ms) {
-  if (!IsSupportedType(x.element_type())) return UnsupportedType("ppermute", x.element_type());
+ffi::Future Ppermute(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets, int64_t participants,
+                     int64_t site, int64_t timeout_ms) {
+  if (!IsSupportedType(x.element_type())) return Failed(UnsupportedType("ppermute", x.element_type()));
   const size_t bytes = x.size_bytes();
-  if (bytes == 0) return ffi::Error::Success();
-  Call call = MakeCall("ppermute", run, where, participants, site, timeout_ms);
-  const bool receives = std::find(targets.begin(), targets.end(), call.rank) != targets.end();
-  return Meet(call, x.untyped_data(), out->untyped_data(), bytes, [&](const std::vector<Participant>& parts) {
-    if (!receives) std::memset(parts[call.rank].out, 0, bytes);
-    for (size_t i = 0; i < sources.size(); ++i) {
-      if (sources[i] == call.rank) std::memcpy(parts[targets[i]].out, x.untyped_data(), bytes);
-    }
+  if (bytes == 0) return Ready();
+  const Call call = MakeCall("ppermute", run, where, participants, site, timeout_ms);
+  const int64_t rank = call.rank;
+  const bool receives = std::find(targets.begin(), targets.end(), rank) != targets.end();
+  int64_t target = -1;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (sources[i] == rank) target = targets[i];
+  }
+  const void* in = x.untyped_data();
+  return Meet(call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts) {
+    if (!receives) std::memset(parts[rank].out, 0, bytes);
+    if (target >= 0) std::memcpy(parts[target].out, in, bytes);
   });
 }
 
-ffi::Error Broadcast(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
-                     int64_t root, int64_t participants, int64_t site, int64_t timeout_ms) {
-  if (!IsSupportedType(x.element_type())) return UnsupportedType("broadcast", x.element_type());
+ffi::Future Broadcast(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t root, int64_t participants, int64_t site, int64_t timeout_ms) {
+  if (!IsSupportedType(x.element_type())) return Failed(UnsupportedType("broadcast", x.element_type()));
   const size_t bytes = x.size_bytes();
-  if (bytes == 0) return ffi::Error::Success();
-  Call call = MakeCall("broadcast", run, where, participants, site, timeout_ms);
-  return Meet(call, x.untyped_data(), out->untyped_data(), bytes, [&](const std::vector<Participant>& parts) {
-    std::memcpy(out->untyped_data(), parts[root].in, bytes);
-  });
+  if (bytes == 0) return Ready();
+  const Call call = MakeCall("broadcast", run, where, participants, site, timeout_ms);
+  void* mine = out->untyped_data();
+  return Meet(call, x.untyped_data(), mine, bytes,
+              [=](const std::vector<Participant>& parts) { std::memcpy(mine, parts[root].in, bytes); });
 }
 
 }  // namespace
