@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from xlatrain import compat
 from xlatrain.config import Config, Derived, derive
 from xlatrain.data.sources import Dataset, open_dataset
+from xlatrain.errors import UserError
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
@@ -147,10 +148,24 @@ class Program:
         return with_shardings(self.abstract_state, self.specs, self.mesh)
 
 
+def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
+    """The CPU backend meets in one process; the CUDA one needs its NCCL communicators before the first step."""
+    platform = mesh.devices.flat[0].platform
+    if platform == "cpu" and jax.process_count() > 1:
+        raise UserError("collectives.impl=custom on CPU runs across the devices of one process; this run has "
+                        f"{jax.process_count()} processes: use collectives.impl=xla (gloo) for multi-process CPU runs")
+    if platform in ("gpu", "cuda"):
+        from xlatrain.custom_calls.nccl import setup_communicators
+
+        setup_communicators(mesh, (DATA,))
+
+
 def build_program(config: Config, devices: list | None = None) -> Program:
     devices = jax.devices() if devices is None else devices
     derived = derive(config, devices)
     mesh = build_mesh(config, devices)
+    if config.collectives.impl == "custom":
+        prepare_custom_collectives(mesh)
     dataset = open_dataset(config.data)
     policy = resolve_policy(config.precision, config.collectives.dtype)
     factory = model_factory(config.model, dataset.spec, policy.compute)

@@ -23,6 +23,7 @@
 #include <sstream>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "collectives.h"
@@ -278,50 +279,71 @@ uint16_t Narrow(float f, ffi::DataType type) {
   return static_cast<uint16_t>(wide >> 16);
 }
 
-template <typename Acc>
-Acc Combine(Acc a, Acc b, Reduction r) {
-  switch (r) {
-    case Reduction::kMax: return std::max(a, b);
-    case Reduction::kMin: return std::min(a, b);
-    default: return a + b;
+// `in` as Acc values: itself when T is Acc, else widened into `scratch`.
+template <typename T, typename Acc>
+const Acc* AsAcc(const T* in, Acc* scratch, int64_t len, ffi::DataType type) {
+  if constexpr (std::is_same_v<T, Acc>) {
+    return in;
+  } else {
+    for (int64_t i = 0; i < len; ++i) scratch[i] = Widen(in[i], type);
+    return scratch;
   }
 }
 
-// Reduces elements [begin, end) over every participant's input; `write(i, value)` stores element i.
-template <typename T, typename Acc, typename Load, typename Write>
-void ReduceRange(const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r, Load load,
-                 Write write) {
+template <typename Acc>
+void Accumulate(Acc* acc, const Acc* values, int64_t len, Reduction r) {
+  switch (r) {  // one loop per reduction, so each vectorises
+    case Reduction::kMax:
+      for (int64_t i = 0; i < len; ++i) acc[i] = std::max(acc[i], values[i]);
+      break;
+    case Reduction::kMin:
+      for (int64_t i = 0; i < len; ++i) acc[i] = std::min(acc[i], values[i]);
+      break;
+    default:
+      for (int64_t i = 0; i < len; ++i) acc[i] += values[i];
+  }
+}
+
+// Reduces elements [begin, end) over every participant's input, a cache-sized block at a time, in Acc
+// (float32 for 16-bit floats); each reduced block is copied to every one of `outs` at index i - shift.
+template <typename T, typename Acc>
+void ReduceBlocks(const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r,
+                  const std::vector<void*>& outs, int64_t shift, ffi::DataType type) {
+  constexpr int64_t kBlock = 4096;
+  constexpr bool kWiden = !std::is_same_v<T, Acc>;
+  std::vector<Acc> acc(kBlock), widened(kWiden ? kBlock : 0);
+  std::vector<T> narrowed(kWiden ? kBlock : 0);
   const auto n = static_cast<int64_t>(parts.size());
-  for (int64_t i = begin; i < end; ++i) {
-    Acc acc = load(static_cast<const T*>(parts[0].in)[i]);
-    for (int64_t p = 1; p < n; ++p) acc = Combine<Acc>(acc, load(static_cast<const T*>(parts[p].in)[i]), r);
-    if (r == Reduction::kMean) acc = acc / static_cast<Acc>(n);
-    write(i, acc);
+  for (int64_t start = begin; start < end; start += kBlock) {
+    const int64_t len = std::min(kBlock, end - start);
+    for (int64_t p = 0; p < n; ++p) {
+      const Acc* values = AsAcc<T, Acc>(static_cast<const T*>(parts[p].in) + start, widened.data(), len, type);
+      if (p == 0) {
+        std::copy(values, values + len, acc.data());
+      } else {
+        Accumulate(acc.data(), values, len, r);
+      }
+    }
+    if (r == Reduction::kMean) {
+      for (int64_t i = 0; i < len; ++i) acc[i] /= static_cast<Acc>(n);
+    }
+    const void* result = acc.data();
+    if constexpr (kWiden) {
+      for (int64_t i = 0; i < len; ++i) narrowed[i] = Narrow(acc[i], type);
+      result = narrowed.data();
+    }
+    for (void* out : outs) std::memcpy(static_cast<T*>(out) + (start - shift), result, len * sizeof(T));
   }
 }
 
 // Reduces elements [begin, end) over every input; element i goes to each of `outs` at index i - shift.
 void ReduceShare(ffi::DataType type, const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r,
                  const std::vector<void*>& outs, int64_t shift) {
-  auto write_all = [&](auto value, int64_t i) {
-    for (void* out : outs) static_cast<decltype(value)*>(out)[i - shift] = value;
-  };
   switch (type) {
-    case ffi::F32:
-      ReduceRange<float, float>(parts, begin, end, r, [](float v) { return v; },
-                                [&](int64_t i, float v) { write_all(v, i); });
-      break;
-    case ffi::F64:
-      ReduceRange<double, double>(parts, begin, end, r, [](double v) { return v; },
-                                  [&](int64_t i, double v) { write_all(v, i); });
-      break;
-    case ffi::S32:
-      ReduceRange<int32_t, int32_t>(parts, begin, end, r, [](int32_t v) { return v; },
-                                    [&](int64_t i, int32_t v) { write_all(v, i); });
-      break;
-    default:  // F16, BF16
-      ReduceRange<uint16_t, float>(parts, begin, end, r, [type](uint16_t v) { return Widen(v, type); },
-                                   [&](int64_t i, float v) { write_all(Narrow(v, type), i); });
+    case ffi::F32: return ReduceBlocks<float, float>(parts, begin, end, r, outs, shift, type);
+    case ffi::F64: return ReduceBlocks<double, double>(parts, begin, end, r, outs, shift, type);
+    case ffi::S32: return ReduceBlocks<int32_t, int32_t>(parts, begin, end, r, outs, shift, type);
+    default: return ReduceBlocks<uint16_t, float>(parts, begin, end, r, outs, shift, type);  // F16, BF16
   }
 }
 
