@@ -207,6 +207,18 @@ def test_a_collective_outside_shard_map_is_a_clear_error():
         jax.jit(lambda v: all_reduce.all_reduce(v, "d"))(jnp.ones(4))
 
 
+def test_lowering_for_a_gpu_without_the_cuda_extension_says_how_to_build_it(mesh):
+    from xlatrain.custom_calls.backend import extension
+
+    from xlatrain.errors import UserError
+
+    if extension("cuda") is not None:
+        pytest.skip("the CUDA extension is built here")
+    step = per_device(lambda v: all_reduce.all_reduce(v, "d"), mesh)
+    with pytest.raises(UserError, match=r"needs the CUDA extension.*XLATRAIN_CUDA=ON"):
+        step.trace(jnp.ones(8)).lower(lowering_platforms=("cuda",))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA compiler) is not installed")
 def test_the_cuda_extension_compiles(tmp_path):

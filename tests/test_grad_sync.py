@@ -15,6 +15,7 @@ from xlatrain.trainer import train
 
 CUSTOM = ["parallel.mode=shard_map", "collectives.impl=custom", "collectives.bucket_bytes=8192"]
 MODES = {"jit": [], "shard_map-xla": ["parallel.mode=shard_map", "collectives.bucket_bytes=8192"],
+         "shard_map-xla-zero1": ["parallel.mode=shard_map", "parallel.strategy=zero1"],
          "shard_map-custom": CUSTOM, "shard_map-custom-zero1": [*CUSTOM, "parallel.strategy=zero1"],
          "pmap": ["parallel.mode=pmap"], "pmap-custom": ["parallel.mode=pmap", "collectives.impl=custom"]}
 

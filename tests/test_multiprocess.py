@@ -23,17 +23,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(run_dir, port, steps):
+def start(run_dir, port, steps, extra=()):
+    """Both processes' (returncode, stdout, stderr)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     args = [sys.executable, "-m", "xlatrain.cli", "train", "examples/configs/digits_mlp.yaml", *COMMON,
             f"trainer.steps={steps}", f"trainer.run_dir={run_dir}", f"distributed.coordinator=127.0.0.1:{port}",
-            "distributed.num_processes=2"]
+            "distributed.num_processes=2", *extra]
     processes = [subprocess.Popen([*args, f"distributed.process_id={i}"], cwd=REPO, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     outputs = [p.communicate(timeout=300) for p in processes]
-    for process, (_, err) in zip(processes, outputs, strict=True):
-        assert process.returncode == 0, err[-3000:]
-    return outputs
+    return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs, strict=True)]
+
+
+def launch(run_dir, port, steps):
+    outputs = start(run_dir, port, steps)
+    for returncode, _, err in outputs:
+        assert returncode == 0, err[-3000:]
+    return [(out, err) for _, out, err in outputs]
 
 
 @pytest.mark.slow
@@ -53,3 +59,11 @@ def test_two_processes_match_one_process_and_resume(tmp_path, devices):
                                rtol=1e-5)
     np.testing.assert_allclose([evals[6], evals[12]], [reference.eval_losses[6], reference.eval_losses[12]],
                                rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_custom_cpu_collectives_refuse_a_multi_process_run(tmp_path):
+    outputs = start(tmp_path / "custom", free_port(), steps=2,
+                    extra=["parallel.mode=shard_map", "collectives.impl=custom"])
+    for returncode, _, err in outputs:
+        assert returncode == 2 and "collectives.impl=custom on CPU runs across the devices of one process" in err
