@@ -5,6 +5,7 @@ the communicator on first use, on XLA's stream, and keep it."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from xlatrain.custom_calls.backend import communicator_key, extension
 
@@ -23,12 +24,12 @@ def setup_communicators(mesh, axes: tuple[str, ...] | None = None) -> None:
         for number, group in enumerate(groups):
             unique_id = _shared_unique_id(cuda, f"xlatrain/nccl/{axis}/{number}", group)
             for rank, device in enumerate(group):
-                if device.process_index == compat.process_index():
+                if device.process_index == jax.process_index():
                     cuda.register_communicator(communicator_key(axis), device.id, unique_id, rank, len(group))
 
 
 def _shared_unique_id(cuda, name: str, group) -> bytes:
-    if group[0].process_index == compat.process_index():
+    if group[0].process_index == jax.process_index():
         unique_id = cuda.new_unique_id()
         compat.key_value_set(name, unique_id)
         return unique_id

@@ -190,10 +190,6 @@ def register_ffi_targets(handlers: dict[str, Any], prefix: str, platform: str) -
         jax.ffi.register_ffi_target(f"{prefix}{op}", capsule, platform=platform)
 
 
-def process_index() -> int:
-    return jax.process_index()
-
-
 def _kv_client():
     from jax._src import distributed
 
