@@ -1,0 +1,54 @@
+"""Pipeline schedules as data: every built table keeps its dependencies, its bubble equals theory,
+1F1B holds at most p microbatches of activations, and impossible schedules are clear errors."""
+
+import dataclasses
+
+import pytest
+
+from xlatrain.pipeline.schedule import Action, ScheduleError, build, dependency_problems
+
+CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b") for p in (2, 4) for m in (p, 2 * p, p + 1, 1)]
+CASES += [("interleaved", p, m, 2) for p in (2, 4) for m in (p, 2 * p)] + [("interleaved", 2, 4, 3)]
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
+def test_schedules_keep_dependencies_and_meet_the_theoretical_bubble(name, p, m, v):
+    schedule = build(name, p, m, v)
+    assert dependency_problems(schedule) == []
+    assert schedule.bubble() == pytest.approx((p - 1) / (v * m + p - 1))
+    assert all(len(row) == p for row in schedule.table)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 5), (2, 6)])
+def test_1f1b_holds_at_most_p_microbatches_where_gpipe_holds_m(p, m):
+    assert max(build("1f1b", p, m).peak_in_flight()) == min(p, m)
+    assert build("gpipe", p, m).peak_in_flight() == [m] * p
+
+
+def test_interleaving_shrinks_the_bubble_by_v():
+    plain, interleaved = build("1f1b", 4, 8), build("interleaved", 4, 8, 2)
+    assert plain.bubble() == pytest.approx(3 / 11) and interleaved.bubble() == pytest.approx(3 / 19)
+
+
+def test_a_table_that_breaks_a_dependency_is_caught():
+    schedule = build("1f1b", 2, 2)
+    rows = [list(row) for row in schedule.table]
+    first_backward = next(i for i, row in enumerate(rows) if any(a is not None and a.kind == "B" for a in row))
+    rows[0], rows[first_backward] = rows[first_backward], rows[0]
+    broken = dataclasses.replace(schedule, table=tuple(tuple(row) for row in rows))
+    assert any("runs before" in problem for problem in dependency_problems(broken))
+    missing = dataclasses.replace(schedule, table=schedule.table[:-1])
+    assert f"{Action('B', 1, 0)} never runs" in dependency_problems(missing) or \
+        f"{Action('B', 0, 0)} never runs" in dependency_problems(missing)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("interleaved", 4, 6, 2), "multiple of the stages"),
+    (("interleaved", 4, 8, 1), "virtual_stages >= 2"),
+    (("gpipe", 4, 8, 2), "interleaved schedule only"),
+    (("zigzag", 4, 8, 1), "unknown schedule"),
+    (("1f1b", 0, 8, 1), "stages >= 1"),
+])
+def test_impossible_schedules_are_clear_errors(args, message):
+    with pytest.raises(ScheduleError, match=message):
+        build(*args)

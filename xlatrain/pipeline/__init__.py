@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data (this package's schedule.py)."""

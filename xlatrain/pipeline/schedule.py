@@ -1,0 +1,193 @@
+"""Pipeline schedules as data: a table of time slot x stage -> action, built, checked and measured.
+
+An action is the forward (F) or backward (B) pass of one microbatch through one virtual stage. With
+`v` virtual stages per device, the model's blocks form p * v chunks; chunk c runs on device c % p
+(Megatron's interleaving), so a microbatch visits every device v times. Each action takes one time
+slot of 1/v of a device's share of the model, so tables of different v are comparable: the bubble is
+the fraction of device-slots left idle, which theory puts at (p - 1) / (v * m + p - 1) (v = 1 for
+GPipe and 1F1B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["F", "B"]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    microbatch: int
+    chunk: int
+    """The virtual stage (model chunk), 0 .. p * v - 1; it runs on device chunk % p."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    stages: int
+    microbatches: int
+    virtual_stages: int
+    table: tuple[tuple[Action | None, ...], ...]
+    """table[slot][stage]: what each device does in each time slot (None: idle)."""
+
+    @property
+    def slots(self) -> int:
+        return len(self.table)
+
+    def bubble(self) -> float:
+        busy = sum(action is not None for row in self.table for action in row)
+        return 1 - busy / (self.slots * self.stages)
+
+    def theoretical_bubble(self) -> float:
+        p, m, v = self.stages, self.microbatches, self.virtual_stages
+        return (p - 1) / (v * m + p - 1)
+
+    def peak_in_flight(self) -> list[int]:
+        """Per device, the most microbatch-chunks whose forward ran and whose backward has not: the
+        activations it must hold at once."""
+        live, peak = [0] * self.stages, [0] * self.stages
+        for row in self.table:
+            for stage, action in enumerate(row):
+                if action is not None:
+                    live[stage] += 1 if action.kind == "F" else -1
+                    peak[stage] = max(peak[stage], live[stage])
+        return peak
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be built (too few microbatches, ...) or that breaks a dependency."""
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """Every forward, then every backward (the "simple" schedule): m microbatches of activations live."""
+    p, m = stages, microbatches
+    orders = [[Action("F", j, s) for j in range(m)] + [Action("B", j, s) for j in reversed(range(m))]
+              for s in range(p)]
+    return _place("gpipe", p, m, 1, orders)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """1F1B: p - 1 - s warm-up forwards on stage s, then alternate forward and backward, then drain.
+    Same bubble as GPipe; at most p microbatches of activations live per stage."""
+    p, m = stages, microbatches
+    orders = []
+    for s in range(p):
+        warmup = min(p - 1 - s, m)
+        order = [Action("F", j, s) for j in range(warmup)]
+        for j in range(m - warmup):
+            order += [Action("F", warmup + j, s), Action("B", j, s)]
+        order += [Action("B", j, s) for j in range(m - warmup, m)]
+        orders.append(order)
+    return _place("1f1b", p, m, 1, orders)
+
+
+def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """Interleaved 1F1B (Megatron): v chunks per device, microbatches in groups of p through each chunk;
+    the bubble shrinks by v. Needs m to be a multiple of p."""
+    p, m, v = stages, microbatches, virtual_stages
+    if v < 2:
+        raise ScheduleError(f"interleaved needs virtual_stages >= 2 (got {v}); use 1f1b for one chunk per stage")
+    if m % p:
+        raise ScheduleError(f"interleaved needs microbatches to be a multiple of the stages: m={m}, p={p}")
+    total = m * v
+
+    def forward_unit(s: int, k: int) -> Action:
+        group, within = divmod(k, p * v)
+        chunk_round, lane = divmod(within, p)
+        return Action("F", group * p + lane, chunk_round * p + s)
+
+    def backward_unit(s: int, k: int) -> Action:
+        group, within = divmod(k, p * v)
+        chunk_round, lane = divmod(within, p)
+        return Action("B", group * p + lane, (v - 1 - chunk_round) * p + s)
+
+    orders = []
+    for s in range(p):
+        warmup = min((p - 1 - s) * 2 + (v - 1) * p, total)
+        order = [forward_unit(s, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward_unit(s, warmup + k), backward_unit(s, k)]
+        order += [backward_unit(s, k) for k in range(total - warmup, total)]
+        orders.append(order)
+    return _place("interleaved", p, m, v, orders)
+
+
+def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    if stages < 1 or microbatches < 1:
+        raise ScheduleError(f"a pipeline needs stages >= 1 and microbatches >= 1 (got p={stages}, m={microbatches})")
+    if name == "interleaved":
+        return interleaved(stages, microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ScheduleError(f"virtual_stages={virtual_stages} applies to the interleaved schedule only, not {name}")
+    builders = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    if name not in builders:
+        raise ScheduleError(f"unknown schedule {name!r}: use gpipe, 1f1b or interleaved")
+    return builders[name](stages, microbatches)
+
+
+def dependency_problems(schedule: Schedule) -> list[str]:
+    """Empty when every action runs once, on its chunk's device, after what it needs: F(c, j) after
+    F(c - 1, j); B(c, j) after F(c, j) and B(c + 1, j)."""
+    p, chunks = schedule.stages, schedule.stages * schedule.virtual_stages
+    when: dict[Action, int] = {}
+    problems = []
+    for slot, row in enumerate(schedule.table):
+        for stage, action in enumerate(row):
+            if action is None:
+                continue
+            if action in when:
+                problems.append(f"{action} runs twice")
+            if action.chunk % p != stage:
+                problems.append(f"{action} runs on stage {stage}, not {action.chunk % p}")
+            when[action] = slot
+    for j in range(schedule.microbatches):
+        for c in range(chunks):
+            for kind in ("F", "B"):
+                if Action(kind, j, c) not in when:
+                    problems.append(f"{Action(kind, j, c)} never runs")
+    for action, slot in when.items():
+        needs = ([Action("F", action.microbatch, action.chunk - 1)] if action.kind == "F" and action.chunk else
+                 [Action("F", action.microbatch, action.chunk)] +
+                 ([Action("B", action.microbatch, action.chunk + 1)] if action.chunk + 1 < chunks else [])
+                 if action.kind == "B" else [])
+        for need in needs:
+            if need in when and when[need] >= slot:
+                problems.append(f"{action} at slot {slot} runs before {need} (slot {when[need]}) finishes")
+    return problems
+
+
+def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]]) -> Schedule:
+    """Run each device's actions in its order, each as early as its dependencies allow (one slot each)."""
+    chunks = p * v
+    done: dict[Action, int] = {}
+    position = [0] * p
+    rows: list[list[Action | None]] = []
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        row: list[Action | None] = [None] * p
+        for s in range(p):
+            if position[s] == len(orders[s]):
+                continue
+            action = orders[s][position[s]]
+            if _ready(action, done, chunks):
+                row[s] = action
+        if not any(row):
+            raise ScheduleError(f"{name} with p={p}, m={m}, v={v} cannot make progress (its order deadlocks)")
+        slot = len(rows)
+        for s, action in enumerate(row):
+            if action is not None:
+                done[action] = slot
+                position[s] += 1
+        rows.append(row)
+    return Schedule(name, p, m, v, tuple(tuple(row) for row in rows))
+
+
+def _ready(action: Action, done: dict[Action, int], chunks: int) -> bool:
+    """Whether everything the action needs finished in an earlier slot."""
+    if action.kind == "F":
+        return action.chunk == 0 or Action("F", action.microbatch, action.chunk - 1) in done
+    after_forward = Action("F", action.microbatch, action.chunk) in done
+    last = action.chunk == chunks - 1
+    return after_forward and (last or Action("B", action.microbatch, action.chunk + 1) in done)
