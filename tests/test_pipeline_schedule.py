@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from xlatrain.pipeline.schedule import Action, ScheduleError, build, dependency_problems
+from xlatrain.pipeline.gantt import draw
+from xlatrain.pipeline.schedule import Action, ScheduleError, build, dependency_problems, simulate
 
 CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b") for p in (2, 4) for m in (p, 2 * p, p + 1, 1)]
 CASES += [("interleaved", p, m, 2) for p in (2, 4) for m in (p, 2 * p)] + [("interleaved", 2, 4, 3)]
@@ -52,3 +53,21 @@ def test_a_table_that_breaks_a_dependency_is_caught():
 def test_impossible_schedules_are_clear_errors(args, message):
     with pytest.raises(ScheduleError, match=message):
         build(*args)
+
+
+def test_simulated_step_time_follows_the_costs_and_the_bubble():
+    timeline = simulate(build("1f1b", 4, 8), forward=[1.0] * 4, backward=[2.0] * 4)
+    assert timeline.step_time == pytest.approx((8 + 4 - 1) * 3.0)
+    assert timeline.bubble() == pytest.approx(3 / 11)
+    slow_last = simulate(build("1f1b", 4, 8), forward=[1.0, 1.0, 1.0, 2.0], backward=[2.0, 2.0, 2.0, 4.0])
+    assert slow_last.step_time > timeline.step_time and slow_last.busy[3] == pytest.approx(8 * 6.0)
+    with pytest.raises(ScheduleError, match="a forward and a backward cost per chunk"):
+        simulate(build("interleaved", 2, 4, 2), forward=[1.0] * 2, backward=[1.0] * 2)
+
+
+def test_gantt_chart_is_written(tmp_path):
+    from PIL import Image
+
+    path = draw(build("interleaved", 4, 8, 2), tmp_path / "schedule.png")
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.width > 600

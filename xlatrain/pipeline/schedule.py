@@ -149,11 +149,7 @@ def dependency_problems(schedule: Schedule) -> list[str]:
                 if Action(kind, j, c) not in when:
                     problems.append(f"{Action(kind, j, c)} never runs")
     for action, slot in when.items():
-        needs = ([Action("F", action.microbatch, action.chunk - 1)] if action.kind == "F" and action.chunk else
-                 [Action("F", action.microbatch, action.chunk)] +
-                 ([Action("B", action.microbatch, action.chunk + 1)] if action.chunk + 1 < chunks else [])
-                 if action.kind == "B" else [])
-        for need in needs:
+        for need in _needs(action, chunks):
             if need in when and when[need] >= slot:
                 problems.append(f"{action} at slot {slot} runs before {need} (slot {when[need]}) finishes")
     return problems
@@ -186,8 +182,58 @@ def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]]) -> Sch
 
 def _ready(action: Action, done: dict[Action, int], chunks: int) -> bool:
     """Whether everything the action needs finished in an earlier slot."""
+    return all(need in done for need in _needs(action, chunks))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """When each action ran, in time units of the given costs."""
+
+    start: dict[Action, float]
+    finish: dict[Action, float]
+    step_time: float
+    busy: list[float]
+    """Per device, the time it spent computing."""
+
+    def bubble(self) -> float:
+        return 1 - sum(self.busy) / (self.step_time * len(self.busy))
+
+
+def simulate(schedule: Schedule, forward: list[float], backward: list[float]) -> Timeline:
+    """Replay each device's actions in the table's order with per-chunk costs (forward[c], backward[c]
+    for chunk c), each starting when its device is free and its dependencies have finished."""
+    chunks = schedule.stages * schedule.virtual_stages
+    if len(forward) != chunks or len(backward) != chunks:
+        raise ScheduleError(f"need a forward and a backward cost per chunk ({chunks}); got {len(forward)} and "
+                            f"{len(backward)}")
+    orders = [[row[s] for row in schedule.table if row[s] is not None] for s in range(schedule.stages)]
+    start: dict[Action, float] = {}
+    finish: dict[Action, float] = {}
+    free, position, busy = [0.0] * schedule.stages, [0] * schedule.stages, [0.0] * schedule.stages
+    while any(position[s] < len(orders[s]) for s in range(schedule.stages)):
+        progressed = False
+        for s in range(schedule.stages):
+            if position[s] == len(orders[s]):
+                continue
+            action = orders[s][position[s]]
+            needs = _needs(action, chunks)
+            if any(need not in finish for need in needs):
+                continue
+            cost = (forward if action.kind == "F" else backward)[action.chunk]
+            start[action] = max([free[s], *(finish[need] for need in needs)])
+            finish[action] = free[s] = start[action] + cost
+            busy[s] += cost
+            position[s] += 1
+            progressed = True
+        if not progressed:
+            raise ScheduleError(f"{schedule.name}: the table's order deadlocks")
+    return Timeline(start, finish, max(free), busy)
+
+
+def _needs(action: Action, chunks: int) -> list[Action]:
     if action.kind == "F":
-        return action.chunk == 0 or Action("F", action.microbatch, action.chunk - 1) in done
-    after_forward = Action("F", action.microbatch, action.chunk) in done
-    last = action.chunk == chunks - 1
-    return after_forward and (last or Action("B", action.microbatch, action.chunk + 1) in done)
+        return [Action("F", action.microbatch, action.chunk - 1)] if action.chunk else []
+    needs = [Action("F", action.microbatch, action.chunk)]
+    if action.chunk + 1 < chunks:
+        needs.append(Action("B", action.microbatch, action.chunk + 1))
+    return needs
