@@ -2,8 +2,8 @@
 
 `PartitionedReplicas` (parallel.mode=jit) keeps every replica in one global program, vmapped over a
 leading replica axis pinned to the `data` shards; the sum over that axis is where XLA's partitioner
-puts the all-reduce. `ExplicitReplicas` (parallel.mode=shard_map) is the per-device program: each
-device is one replica and the gradient sum is written out as balanced fusion buffers.
+puts the all-reduce. `ExplicitReplicas` (parallel.mode=shard_map or pmap) is the per-device program:
+each device is one replica and the gradient sum is written out as balanced fusion buffers.
 """
 
 from __future__ import annotations
