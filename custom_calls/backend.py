@@ -38,6 +38,15 @@ def cpu_extension() -> Any:
     return module
 
 
+def cuda_extension() -> Any:
+    module = extension("cuda")
+    if module is None:
+        raise UserError("collectives.impl=custom on GPU needs the CUDA extension, which was not built: reinstall "
+                        "with `python3 -m pip install -e '.[cuda]' -Ccmake.define.XLATRAIN_CUDA=ON`, or set "
+                        "collectives.impl=xla")
+    return module
+
+
 def communicator_key(axis_name: str) -> int:
     """The same int64 on every process for a mesh axis (Python's hash of a str is salted per process)."""
     return int.from_bytes(hashlib.blake2b(axis_name.encode(), digest_size=8).digest(), "little", signed=True)
@@ -51,10 +60,8 @@ def lowering(op: str, attributes: Callable[..., dict[str, Any]]) -> dict[str, Ca
         def rule(ctx, x, where, **params):
             if platform == "cpu":
                 cpu_extension()
-            elif extension(platform) is None:
-                raise UserError(f"collectives.impl=custom on {platform} needs the CUDA extension, which was not "
-                                "built: reinstall with `python3 -m pip install -e '.[cuda]' "
-                                "-Ccmake.define.XLATRAIN_CUDA=ON`, or set collectives.impl=xla")
+            else:
+                cuda_extension()
             axis_name = params.pop("axis_name")
             attrs = {**attributes(**params), "site": np.int64(next(_sites))}
             if platform == "cuda":

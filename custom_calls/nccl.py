@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from xlatrain.custom_calls.backend import communicator_key, extension
+from xlatrain.custom_calls.backend import communicator_key, cuda_extension
 
 from xlatrain import compat
-from xlatrain.errors import UserError
 
 
 def setup_communicators(mesh, axes: tuple[str, ...] | None = None) -> None:
-    cuda = extension("cuda")
-    if cuda is None:
-        raise UserError("collectives.impl=custom on GPU needs the CUDA extension: reinstall with "
-                        "`python3 -m pip install -e '.[cuda]' -Ccmake.define.XLATRAIN_CUDA=ON`")
+    cuda = cuda_extension()
     for axis in axes or mesh.axis_names:
         position = mesh.axis_names.index(axis)
         groups = np.moveaxis(mesh.devices, position, -1).reshape(-1, mesh.devices.shape[position])

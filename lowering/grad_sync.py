@@ -43,8 +43,7 @@ class PartitionedReplicas:
     def apply_update(self, tx: optax.GradientTransformation, grads: Tree, opt_state: Tree,
                      params: Tree) -> tuple[Tree, Tree]:
         """The partitioner lays the update out from the state's shardings (zero1 / fsdp included)."""
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return update(tx, grads, opt_state, params)
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,7 @@ class ExplicitReplicas:
         """Replicated: every device updates everything. ZeRO-1: each device updates its block of each
         split param with its block of the optimizer state, then the blocks are all-gathered."""
         if self.shard_dims is None:
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            return update(tx, grads, opt_state, params)
         index = jax.lax.axis_index(self.axis)
 
         def block(x, dim):
@@ -97,9 +95,15 @@ class ExplicitReplicas:
                 return x
             return jnp.moveaxis(self.all_gather(jnp.moveaxis(x, dim, 0), self.axis), 0, dim)
 
-        local = jax.tree.map(block, params, self.shard_dims)
-        updates, opt_state = tx.update(jax.tree.map(block, grads, self.shard_dims), opt_state, local)
-        return jax.tree.map(gather, optax.apply_updates(local, updates), self.shard_dims), opt_state
+        local, opt_state = update(tx, jax.tree.map(block, grads, self.shard_dims), opt_state,
+                                  jax.tree.map(block, params, self.shard_dims))
+        return jax.tree.map(gather, local, self.shard_dims), opt_state
+
+
+def update(tx: optax.GradientTransformation, grads: Tree, opt_state: Tree, params: Tree) -> tuple[Tree, Tree]:
+    """(new params, new optimizer state) from one optimizer step."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str, timeout_s: float,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from xlatrain.lowering.inspect import XLATRAIN_TARGET
+
 REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatter", "xlatrain_all_reduce",
               "xlatrain_reduce_scatter")
 """XLA's cross-replica reductions, and xlatrain's custom-call ones (named by their target, less the platform)."""
@@ -20,7 +22,7 @@ _NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_XLATRAIN_TARGET = re.compile(r'custom_call_target="xlatrain_(?:cpu|cuda)_(\w+)"')
+_XLATRAIN_TARGET = re.compile(XLATRAIN_TARGET)
 
 
 @dataclass

@@ -20,8 +20,10 @@ _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"=\s*(\([^()]*\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+(" + "|".join(COLLECTIVES)
                           + r")(-start)?\(")
 
+XLATRAIN_TARGET = r'custom_call_target="xlatrain_(?:cpu|cuda)_(\w+)"'
+"""An xlatrain custom-call collective in HLO text; the group is its op (all_reduce, ...)."""
 _CUSTOM_COLLECTIVE = re.compile(r"=\s*([a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+custom-call\([^)]*\),\s*"
-                                r'custom_call_target="xlatrain_(?:cpu|cuda)_(\w+)"')
+                                + XLATRAIN_TARGET)
 
 
 def shape_bytes(shape_text: str) -> int:

@@ -179,9 +179,9 @@ def define_linear_primitive(name: str, *, abstract_eval: Callable, batch: Callab
 
 
 def ffi_lowering(target: str) -> Callable:
-    """Lowered as side-effecting: XLA then runs these calls in program order on every device (and never
-    merges or drops one). Without it XLA:CPU may start independent collectives in a different order on
-    different devices, and participants blocked at different call sites wait for each other forever."""
+    """Lowered as side-effecting: XLA then issues these calls in program order on every device and never
+    merges or drops one. NCCL needs every rank to issue its collectives in the same order; the CPU
+    backend tells calls apart by call site and does not depend on it."""
     return jax.ffi.ffi_lowering(target, has_side_effect=True)
 
 
