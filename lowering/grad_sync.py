@@ -27,6 +27,10 @@ class PartitionedReplicas:
     def split(self, batch: dict) -> dict:
         return self.pin(jax.tree.map(lambda x: split_replicas(x, self.replicas), batch))
 
+    def each(self, per_replica: Callable) -> Callable:
+        """per_replica(params, batch, key, *shared) over the leading replica axis of batch and keys."""
+        return jax.vmap(per_replica, in_axes=(None, 0, 0, None, None))
+
     def indices(self) -> jax.Array:
         return self.pin(jnp.arange(self.replicas))
 
@@ -61,6 +65,15 @@ class ExplicitReplicas:
 
     def split(self, batch: dict) -> dict:
         return jax.tree.map(lambda x: x[None], batch)
+
+    def each(self, per_replica: Callable) -> Callable:
+        """This device's one replica: per_replica(params, batch, key, *shared), outputs given the replica axis."""
+
+        def one(params, batch_R, keys_R, *shared):
+            first = jax.tree.map(lambda x: x[0], (batch_R, keys_R))
+            return jax.tree.map(lambda x: x[None], per_replica(params, *first, *shared))
+
+        return one
 
     def indices(self) -> jax.Array:
         return jax.lax.axis_index(self.axis)[None]

@@ -64,13 +64,25 @@ def make_forward(model: ModelDef, policy: Policy, compute_params: Callable[[Tree
     return forward
 
 
-def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule, loss: str,
-                    policy: Policy, *, clip_norm: float | None, skip_nonfinite: bool,
-                    replicas: PartitionedReplicas | ExplicitReplicas,
-                    compute_params: Callable[[Tree], Tree] = lambda p: p,
-                    ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
-    """`replicas` says where the data replicas live and how their gradients are summed
-    (lowering/grad_sync.py): one global program for the partitioner, or a per-device shard_map body."""
+class WholeTrees:
+    """Parameter-shaped trees that every device holds whole (or that the partitioner sees whole)."""
+
+    @staticmethod
+    def norm(tree: Tree) -> jax.Array:
+        return optax.tree.norm(tree)
+
+    @staticmethod
+    def all_finite(tree: Tree) -> jax.Array:
+        return all_finite(tree)
+
+
+def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
+                       replicas: PartitionedReplicas | ExplicitReplicas,
+                       compute_params: Callable[[Tree], Tree] = lambda p: p, gradients: Callable | None = None,
+                       ) -> Callable[[TrainState, dict], tuple[Tree, Metrics]]:
+    """Steps (1) and (2) of the AMP order and the unscale: the replicas' synchronised float32 gradients and
+    the metric sums. `gradients(params, batch, key, scale, total_weight)` replaces the microbatch loop
+    below for one replica (a pipeline: lowering/pipeline_step.py)."""
     forward = make_forward(model, policy, compute_params)
 
     def scaled_objective(params, micro, key, scale, total_weight):
@@ -96,28 +108,49 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
         return jax.lax.scan(one, zeros, (jnp.arange(count), batch))[0]
 
-    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
+    def gradient_step(state: TrainState, batch: dict) -> tuple[Tree, Metrics]:
         step_key = jax.random.fold_in(state.rng, state.step)
         scale = state.loss_scale.scale
         total_weight = replicas.total(jnp.sum(per_position_weights(batch)))
         by_replica = replicas.split(batch)
         keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(replicas.indices())
-        grads_R, sums_R = jax.vmap(replica_gradients, in_axes=(None, 0, 0, None, None))(
-            state.params, by_replica, keys, scale, total_weight)
+        grads_R, sums_R = replicas.each(gradients or replica_gradients)(state.params, by_replica, keys, scale,
+                                                                        total_weight)
         # (2) Synchronise across replicas in the scaled domain, in the communication dtype.
         with jax.named_scope("sync"):
             grads = replicas.sum_gradients(grads_R, policy.communication)
             sums = replicas.sum_metrics(sums_R)
-        # (3) Unscale, agree on finiteness, clip by the global norm of the synchronised gradients.
         with jax.named_scope("unscale"):
             grads = jax.tree.map(lambda g: g / scale, grads)
+        return grads, sums
+
+    return gradient_step
+
+
+def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule, loss: str,
+                    policy: Policy, *, clip_norm: float | None, skip_nonfinite: bool,
+                    replicas: PartitionedReplicas | ExplicitReplicas,
+                    compute_params: Callable[[Tree], Tree] = lambda p: p,
+                    gradients: Callable | None = None, trees: Any = WholeTrees(),
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
+    """`replicas` says where the data replicas live and how their gradients are summed
+    (lowering/grad_sync.py): one global program for the partitioner, or a per-device shard_map body.
+    `gradients`: see make_gradient_step. `trees` takes norms and finite checks of trees that may be split
+    over devices (WholeTrees, or a pipeline's StagedTrees)."""
+    gradient_step = make_gradient_step(model, loss, policy, replicas=replicas, compute_params=compute_params,
+                                       gradients=gradients)
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
+        scale = state.loss_scale.scale
+        grads, sums = gradient_step(state, batch)
+        # (3) Agree on finiteness, clip by the global norm of the synchronised, unscaled gradients.
         with jax.named_scope("finite_check"):
-            finite = all_finite(grads) & jnp.isfinite(sums["loss"])
+            finite = trees.all_finite(grads) & jnp.isfinite(sums["loss"])
         with jax.named_scope("grad_norm"):
-            grad_norm = optax.tree.norm(grads)
+            grad_norm = trees.norm(grads)
         with jax.named_scope("clip"):
             if clip_norm is not None:
-                grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
+                grads = clip_to_norm(grads, grad_norm, clip_norm)
         # (4) Update, or keep params and optimizer state when a gradient overflowed.
         with jax.named_scope("update"):
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
@@ -127,7 +160,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                                                  (params, opt_state), (state.params, state.opt_state))
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             loss_scale=next_loss_scale(state.loss_scale, finite, policy.loss_scale))
-        metrics = {**means(sums), "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
+        metrics = {**means(sums), "grad_norm": grad_norm, "param_norm": trees.norm(params),
                    "lr": schedule(state.step), "finite": finite}
         if policy.dynamic_scale:
             metrics["loss_scale"] = scale
@@ -145,6 +178,12 @@ def fuse_steps(train_step: Callable, steps: int) -> Callable:
         return jax.lax.scan(train_step, state, batches)
 
     return fused_train_step
+
+
+def clip_to_norm(grads: Tree, norm: jax.Array, max_norm: float) -> Tree:
+    """optax.clip_by_global_norm with the norm given (it may add parts held on other devices)."""
+    keep = norm < max_norm
+    return jax.tree.map(lambda g: jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm), grads)
 
 
 def all_finite(tree: Tree) -> jax.Array:

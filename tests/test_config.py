@@ -37,7 +37,7 @@ def test_config_command_prints_derived_values(capsys, devices):
     assert main(["config", "examples/configs/digits_cnn.yaml", "batch.microbatches=2"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["derived"] == {"devices": 8, "data_parallel": 8, "global_batch": 128, "per_replica_batch": 16,
-                                  "microbatches": 2, "microbatch_size": 64, "lr_scale": 4.0,
+                                  "microbatches": 2, "microbatch_size": 64, "lr_scale": 4.0, "stages": 1,
                                   "effective_lr": pytest.approx(0.2)}
     assert printed["optimizer"]["name"] == "sgd"
 

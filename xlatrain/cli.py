@@ -16,6 +16,7 @@ USAGE_EXAMPLES = """examples:
   xlatrain lower --json parallel.strategy=fsdp
   xlatrain parity examples/configs/digits_mlp.yaml --a mesh.data=1 --b parallel.strategy=fsdp --steps 20
   xlatrain report runs/gpt-stdlib
+  xlatrain pipeline mesh.stage=4 parallel.mode=shard_map parallel.pipeline.schedule=interleaved
 """
 
 
@@ -52,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     parity.add_argument("--steps", type=int, default=20, help="steps to compare (default 20)")
     parity.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     parity.set_defaults(command=_parity, args=[])
+    pipeline = commands.add_parser("pipeline", help="print a pipeline's schedule table, partition and bubble, and "
+                                   "draw its Gantt chart")
+    pipeline.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
+                          help="optional YAML file, then dotted overrides such as mesh.stage=4")
+    pipeline.add_argument("--out", type=Path, default=Path("pipeline_schedule.png"), metavar="PATH",
+                          help="where to write the PNG chart (default: pipeline_schedule.png)")
+    pipeline.set_defaults(command=_pipeline)
     report = commands.add_parser("report", help="print the run summaries (compilations, executions, transfers)")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.set_defaults(command=_report, args=[])
@@ -100,6 +108,8 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     step = program.train_step.first
     report = step_report(step.lowered, step.compiled, program.param_count)
     report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None
+    if program.pipeline is not None:
+        report["pipeline"] = program.pipeline_report(step.compiled)
     if args.dump:
         for path in dump(step.lowered, step.compiled, args.dump, "train_step"):
             print(f"wrote {path}", file=sys.stderr)
@@ -125,6 +135,26 @@ def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Name
     return 0 if report.first is None else 1
 
 
+def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.config import load_config
+    from xlatrain.pipeline.gantt import draw
+    from xlatrain.program import build_program
+
+    config = load_config(config_path, overrides)
+    if config.mesh.stage == 1:
+        raise UserError("pipeline: this config runs no pipeline (mesh.stage=1); set mesh.stage to the number of "
+                        "stages, e.g. mesh.stage=4 parallel.mode=shard_map")
+    program = build_program(config)
+    plan = program.pipeline
+    print("\n".join(plan.summary(program.derived.pipeline_microbatch_size)))
+    print(plan.table_text())
+    if args.out.parent and not args.out.parent.is_dir():
+        raise UserError(f"pipeline: --out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
+    draw(plan.schedule, args.out, plan.simulated(), "time (mean chunk forward = 1), from XLA's FLOPs per chunk")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _report(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.run_summary import format_report
 
@@ -138,6 +168,16 @@ def _format_report(report: dict, devices: int) -> str:
              f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)",
              "collectives        " + ("none" if not report["collectives"] else "")]
     lines += [f"  {c['kind']:<26} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
+    if "pipeline" in report:
+        p = report["pipeline"]
+        lines += [f"pipeline           {p['schedule']}: {p['stages']} stages x {p['virtual_stages']} chunk(s), "
+                  f"{p['microbatches']} microbatches, bubble {p['bubble']:.1%}",
+                  f"  partition        {p['partition_source']} {p['partition']}: max/mean per stage compute "
+                  f"{p['compute_balance']:.2f}, memory {p['memory_balance']:.2f}",
+                  f"  activations      {p['activation_buffers']} microbatch(es) x "
+                  f"{p['activation_bytes_per_microbatch'] / 2**10:.1f} KiB held per stage (gpipe holds "
+                  f"{p['gpipe_activation_buffers']}); XLA temporaries {p['temp_bytes'] / 2**20:.2f} MiB per device",
+                  "  FLOPs            of one time slot: XLA counts the body of the slot loop once"]
     order = report["amp_order"]
     if order is None:
         lines.append("AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)")

@@ -66,6 +66,14 @@ def cost_analysis(compiled: Any) -> dict[str, float]:
     return dict(analysis or {})
 
 
+def used_inputs(fn: Callable, *args: Any) -> list[bool]:
+    """Per flattened input of fn(*args): whether the traced program reads it (jaxpr variables)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    read = {id(v) for eqn in closed.jaxpr.eqns for v in eqn.invars}
+    read |= {id(v) for v in closed.jaxpr.outvars}
+    return [id(v) in read for v in closed.jaxpr.invars]
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """jax.nn.dot_product_attention(is_causal=True). XLA:CPU has no float16 x float16 -> float32 dot (the
     precision jax asks for with f16 inputs), so there f16 attention runs in float32 and casts back."""

@@ -200,7 +200,9 @@ OptimizerConfig = Annotated[
 
 class MeshConfig(Strict):
     data: Annotated[int, Field(ge=-1)] = -1
-    """Data-parallel size; -1 uses every device present."""
+    """Data-parallel size; -1 uses every device present (divided by mesh.stage)."""
+    stage: PositiveInt = 1
+    """Pipeline stages; more than 1 runs the model as a pipeline (parallel.pipeline) on a data x stage mesh."""
 
     @model_validator(mode="after")
     def _not_zero(self) -> MeshConfig:
@@ -210,8 +212,35 @@ class MeshConfig(Strict):
 
 
 MESH_AXES = ("data",)
+"""Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
 DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
                          "heads": "data", "hidden": "data", "channels": "data"}
+
+
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+
+
+class PipelineConfig(Strict):
+    """How the model runs as a pipeline over the `stage` mesh axis (used when mesh.stage > 1)."""
+
+    schedule: PipelineSchedule = "1f1b"
+    """gpipe: every forward, then every backward. 1f1b: one forward one backward, at most mesh.stage
+    microbatches of activations per stage. interleaved: 1f1b over virtual_stages model chunks per stage."""
+    microbatches: PositiveInt | None = None
+    """Pipeline microbatches each gradient-accumulation microbatch is split into; null = 2 x mesh.stage."""
+    virtual_stages: PositiveInt | None = None
+    """Model chunks per stage (interleaved only); null = 2 for interleaved, 1 otherwise."""
+    partition: Literal["auto"] | tuple[PositiveInt, ...] = "auto"
+    """auto: blocks per chunk chosen from XLA's cost and memory analysis; or a list of block counts, one per
+    chunk (mesh.stage x virtual_stages of them), in model order."""
+
+    def chunks_per_stage(self) -> int:
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule == "interleaved" else 1
+
+    def microbatches_for(self, stages: int) -> int:
+        return self.microbatches if self.microbatches is not None else 2 * stages
 
 
 class ParallelConfig(Strict):
@@ -223,6 +252,7 @@ class ParallelConfig(Strict):
     """jit: one global program, XLA's partitioner inserts the gradient all-reduce. shard_map: a
     per-device program whose gradient sync is written out (balanced buckets, collectives.impl). pmap:
     the same per-device program through the legacy jax.pmap API."""
+    pipeline: PipelineConfig = PipelineConfig()
 
     @field_validator("logical_rules")
     @classmethod
@@ -370,8 +400,62 @@ class Config(Strict):
                              "adafactor; use parallel.mode=jit")
         return self
 
+    @model_validator(mode="after")
+    def _pipeline_fits(self) -> Config:
+        pipe, stages = self.parallel.pipeline, self.mesh.stage
+        if stages == 1:
+            changed = [k for k in PipelineConfig.model_fields if getattr(pipe, k) != getattr(PipelineConfig(), k)]
+            if changed:
+                raise ValueError(f"parallel.pipeline.{changed[0]} is set but mesh.stage=1: set mesh.stage to the "
+                                 "number of pipeline stages (2 or more) to run a pipeline")
+            return self
+        if isinstance(self.model, (MLPConfig, CNNConfig)):
+            raise ValueError(f"model.name={self.model.name} cannot be pipelined (mesh.stage={stages}): it is not a "
+                             "stack of repeated blocks. Pipelines take model.name=gpt or a custom model built on "
+                             "xlatrain.models.BlockStack; or set mesh.stage=1")
+        if self.parallel.mode != "shard_map":
+            raise ValueError(f"mesh.stage={stages} runs a pipeline, a per-device program whose stages pass "
+                             f"activations to each other: set parallel.mode=shard_map (not {self.parallel.mode})")
+        if self.parallel.strategy != "replicated":
+            raise ValueError(f"a pipeline (mesh.stage={stages}) keeps each stage's blocks on that stage and "
+                             "replicates them over `data`: use parallel.strategy=replicated, not "
+                             f"{self.parallel.strategy}")
+        if self.optimizer.name == "adafactor":
+            raise ValueError("a pipeline updates each stage's blocks on their own, which needs an elementwise "
+                             "optimizer (adamw, sgd, lion), not adafactor")
+        v, m = pipe.chunks_per_stage(), pipe.microbatches_for(stages)
+        if pipe.schedule != "interleaved" and v != 1:
+            raise ValueError(f"parallel.pipeline.virtual_stages={v} applies to schedule=interleaved only, not "
+                             f"{pipe.schedule}")
+        if pipe.schedule == "interleaved" and v < 2:
+            raise ValueError("parallel.pipeline.schedule=interleaved needs virtual_stages >= 2 (model chunks per "
+                             "stage); use schedule=1f1b for one chunk per stage")
+        if m < stages:
+            raise ValueError(f"parallel.pipeline.microbatches={m} is fewer than mesh.stage={stages}: the "
+                             f"{pipe.schedule} schedule needs at least one microbatch per stage to fill the "
+                             f"pipeline; use {stages} or more")
+        if pipe.schedule == "interleaved" and m % stages:
+            raise ValueError(f"parallel.pipeline.schedule=interleaved sends microbatches through the stages in "
+                             f"groups of mesh.stage={stages}: microbatches={m} must be a multiple of {stages}")
+        if isinstance(self.model, GPTConfig):
+            check_block_partition(pipe, stages, self.model.layers, "model.layers")
+        return self
+
     def run_dir(self) -> Path:
         return Path(self.trainer.run_dir or f"runs/{self.name}")
+
+
+def check_block_partition(pipe: PipelineConfig, stages: int, blocks: int, counted_by: str) -> None:
+    """The model's blocks must fill mesh.stage x virtual_stages chunks, one block or more each."""
+    chunks = stages * pipe.chunks_per_stage()
+    if blocks < chunks:
+        raise ValueError(f"{counted_by}={blocks} blocks cannot fill mesh.stage={stages} x virtual_stages="
+                         f"{pipe.chunks_per_stage()} = {chunks} pipeline chunks (one block or more each); use fewer "
+                         "stages or virtual stages")
+    if pipe.partition != "auto" and (len(pipe.partition) != chunks or sum(pipe.partition) != blocks):
+        raise ValueError(f"parallel.pipeline.partition={list(pipe.partition)} must give {chunks} block counts "
+                         f"(mesh.stage={stages} x virtual_stages={pipe.chunks_per_stage()}) that add up to "
+                         f"{counted_by}={blocks}; or use partition=auto")
 
 
 # --- derived values ----------------------------------------------------------------------------
@@ -389,9 +473,14 @@ class Derived:
     microbatch_size: int
     lr_scale: float
     effective_lr: float
+    stages: int = 1
+    pipeline_microbatches: int | None = None
+    """Per gradient-accumulation microbatch and replica (pipelines only)."""
+    pipeline_microbatch_size: int | None = None
+    """Rows of one pipeline microbatch on one replica (pipelines only)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def derive(config: Config, devices: list) -> Derived:
@@ -426,24 +515,53 @@ def derive(config: Config, devices: list) -> Derived:
         microbatch_size=global_batch // micro,
         lr_scale=lr_scale,
         effective_lr=config.optimizer.lr * lr_scale,
+        **_pipeline_sizes(config, global_batch // data_parallel),
     )
 
 
+def _pipeline_sizes(config: Config, per_replica_batch: int) -> dict[str, int]:
+    """A replica's batch is cut into batch.microbatches accumulation microbatches, and each of those into
+    parallel.pipeline.microbatches pipeline microbatches."""
+    stages = config.mesh.stage
+    if stages == 1:
+        return {}
+    accumulation = config.batch.microbatches
+    pipelined = config.parallel.pipeline.microbatches_for(stages)
+    if per_replica_batch % (accumulation * pipelined):
+        raise UserError(
+            f"config: the per-replica batch {per_replica_batch} is not divisible by batch.microbatches "
+            f"{accumulation} x parallel.pipeline.microbatches {pipelined} = {accumulation * pipelined}; "
+            "change the batch size or either count"
+        )
+    return {"stages": stages, "pipeline_microbatches": pipelined,
+            "pipeline_microbatch_size": per_replica_batch // (accumulation * pipelined)}
+
+
 def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
-    if mesh.data == -1 or mesh.data == len(devices):
-        return len(devices)
+    """mesh.data x mesh.stage must be the devices present; -1 for mesh.data takes what the stages leave."""
+    present, stages = len(devices), mesh.stage
+    data = present // stages if mesh.data == -1 else mesh.data
+    if data >= 1 and data * stages == present:
+        return data
     platform = devices[0].platform if devices else "cpu"
     found = ", ".join(str(d) for d in devices[:8]) + (" ..." if len(devices) > 8 else "")
+    wanted = (mesh.data if mesh.data != -1 else max(data, 1)) * stages
     how = (
-        f"run with XLA_FLAGS=--xla_force_host_platform_device_count={mesh.data} "
+        f"run with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} "
         "(set before JAX starts) to get that many CPU devices"
         if platform == "cpu"
         else "choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=0,1,2,3)"
     )
+    if stages == 1:
+        asked, fix = f"mesh.data={mesh.data} needs {mesh.data}", f"Set mesh.data={present} (or -1 for all)"
+    elif mesh.data == -1:
+        asked = f"mesh.stage={stages} needs a multiple of {stages}"
+        fix = f"Set mesh.stage to a divisor of {present}"
+    else:
+        asked = f"mesh.data={mesh.data} x mesh.stage={stages} needs {wanted}"
+        fix = f"Set mesh.data x mesh.stage to {present} (mesh.data=-1 takes what the stages leave)"
     raise UserError(
-        f"config: mesh.data={mesh.data} needs {mesh.data} devices but {len(devices)} "
-        f"{platform} device(s) are present: [{found}]. Set mesh.data={len(devices)} (or -1 for all), "
-        f"or {how}."
+        f"config: {asked} devices but {present} {platform} device(s) are present: [{found}]. {fix}, or {how}."
     )
 
 

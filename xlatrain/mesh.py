@@ -10,12 +10,16 @@ from jax.sharding import PartitionSpec as P
 from xlatrain.config import Config, resolve_data_parallel
 
 DATA = "data"
+STAGE = "stage"
 
 
 def build_mesh(config: Config, devices: list | None = None) -> Mesh:
-    """A mesh over every device, with axis `data`; fails clearly when config and devices disagree."""
+    """A mesh over every device, with axis `data` (and `stage` for a pipeline, neighbouring stages on
+    consecutive devices); fails clearly when config and devices disagree."""
     devices = jax.devices() if devices is None else devices
     data = resolve_data_parallel(config.mesh, devices)
+    if config.mesh.stage > 1:
+        return Mesh(np.asarray(devices).reshape(data, config.mesh.stage), (DATA, STAGE))
     return Mesh(np.asarray(devices).reshape(data), (DATA,))
 
 

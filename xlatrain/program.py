@@ -14,15 +14,19 @@ from jax.sharding import PartitionSpec as P
 from xlatrain import compat
 from xlatrain.config import Config, Derived, derive
 from xlatrain.data.sources import Dataset, open_dataset
+from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
+from xlatrain.lowering.block_costs import measure_block_costs
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
-from xlatrain.lowering.step import fuse_steps, make_eval_step, make_train_step
+from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_gradients, stage_link
+from xlatrain.lowering.step import fuse_steps, make_eval_step, make_gradient_step, make_train_step
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import model_factory
 from xlatrain.optim import build_optimizer, learning_rate_schedule
-from xlatrain.precision import Policy, resolve_policy
+from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
+from xlatrain.precision import Policy, cast_floats, resolve_policy
 from xlatrain.sharding import named, param_specs
 from xlatrain.state import (
     ModelDef,
@@ -50,6 +54,7 @@ class Program:
     specs: TrainState
     policy: Policy
     compile_book: CompileBook = field(default_factory=CompileBook)
+    pipeline: PipelinePlan | None = None
 
     @property
     def state_shardings(self) -> TrainState:
@@ -57,6 +62,8 @@ class Program:
 
     @property
     def param_count(self) -> int:
+        if self.pipeline is not None:
+            return self.pipeline.layout.real_size(self.abstract_state.params)
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.abstract_state.params))
 
     @property
@@ -73,12 +80,7 @@ class Program:
         return self._batch_shapes((self.derived.global_batch,), eval_batch_sharding(self.mesh))
 
     def _batch_shapes(self, rows: tuple[int, ...], sharding) -> dict[str, jax.ShapeDtypeStruct]:
-        spec = self.dataset.spec
-        shapes = {"inputs": (spec.input_shape, spec.input_dtype), "targets": (spec.target_shape, spec.target_dtype)}
-        if spec.buckets is not None:
-            shapes["mask"] = (spec.target_shape, np.dtype(np.float32))
-        return {k: jax.ShapeDtypeStruct((*rows, *shape), dtype, sharding=sharding)
-                for k, (shape, dtype) in shapes.items()}
+        return batch_structs(self.dataset.spec, rows, sharding)
 
     @cached_property
     def train_step(self) -> StepExecutables:
@@ -86,7 +88,8 @@ class Program:
         fn = make_train_step(self.model, self.tx, self.schedule, self.config.model.loss, self.policy,
                              clip_norm=self.config.optimizer.clip_norm,
                              skip_nonfinite=self.config.trainer.on_nonfinite == "skip",
-                             replicas=self._replicas(), compute_params=self._gather_params)
+                             replicas=self._replicas(), compute_params=self._gather_params,
+                             **self._pipelined())
         fused = self._per_device(fuse_steps(fn, self.steps_per_sync))
         name = "train_step" if self.steps_per_sync == 1 else f"train_step x{self.steps_per_sync}"
         return StepExecutables(name, lambda batch: compile_train_step(
@@ -109,10 +112,41 @@ class Program:
                                   sorted(self.train_batch_shapes()), skips_nonfinite=skips,
                                   clips=self.config.optimizer.clip_norm is not None)
 
+    def pipeline_report(self, compiled: Any) -> dict[str, Any]:
+        """The pipeline of a compiled train step: schedule, partition, bubble, and the activations a stage
+        holds, beside XLA's temporaries (memory analysis) that hold them."""
+        plan, s = self.pipeline, self.pipeline.schedule
+        micro = batch_structs(self.dataset.spec, (self.derived.pipeline_microbatch_size,))
+        activation = jax.eval_shape(lambda params, inputs: self.model.blocks.before(
+            cast_floats(params, self.policy.compute), cast_floats(inputs, self.policy.compute)),
+            self.abstract_state.params, micro["inputs"])
+        memory = compiled.memory_analysis()
+        return {"schedule": s.name, "stages": s.stages, "virtual_stages": s.virtual_stages,
+                "microbatches": s.microbatches, "partition": list(plan.layout.partition),
+                "partition_source": plan.partition_source, "compute_balance": plan.balance.compute_ratio,
+                "memory_balance": plan.balance.memory_ratio,
+                "bubble": s.bubble(), "theoretical_bubble": s.theoretical_bubble(),
+                "activation_buffers": plan.slots.activation_buffers,
+                "gpipe_activation_buffers": plan.gpipe_activation_buffers(),
+                "activation_bytes_per_microbatch": activation.size * activation.dtype.itemsize,
+                "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else 0}
+
     def create_state(self) -> TrainState:
         state = create_state(self.init, self.specs, self.mesh)
         verify_replicas_identical(state, self.specs, self.mesh)
         return state
+
+    def _pipelined(self) -> dict[str, Any]:
+        """A pipeline's gradient computation and its stage-split norms, for make_train_step."""
+        if self.pipeline is None:
+            return {}
+        c = self.config.collectives
+        link = stage_link(self.derived.stages, c.impl, c.timeout_s)
+        plan = self.pipeline
+        return {"gradients": make_pipeline_gradients(self.model.blocks, plan.layout, plan.slots,
+                                                     self.derived.pipeline_microbatches, self.config.model.loss,
+                                                     self.policy, link),
+                "trees": StagedTrees(link)}
 
     def _replicas(self) -> PartitionedReplicas | ExplicitReplicas:
         if self.config.parallel.mode == "jit":
@@ -128,24 +162,44 @@ class Program:
         return jax.tree.map(lambda spec: spec.index(DATA) if DATA in spec else None, specs,
                             is_leaf=lambda x: isinstance(x, P))
 
-    def _per_device(self, step: Any) -> Any:
+    def gradients(self, state: TrainState, batch: dict) -> tuple[Any, dict]:
+        """One batch's gradients as the train step computes them (synchronised over the replicas, unscaled,
+        float32, in the state's parameter layout) and the metric sums: for checks against a reference."""
+        fn = make_gradient_step(self.model, self.config.model.loss, self.policy, replicas=self._replicas(),
+                                compute_params=self._gather_params,
+                                gradients=self._pipelined().get("gradients"))
+        return jax.jit(self._per_device(fn, out_specs=(self.specs.params, P()), steps=1))(state, batch)
+
+    def _per_device(self, step: Any, out_specs: Any = None, steps: int | None = None) -> Any:
         """parallel.mode=shard_map or pmap: the step as written is one device's program over its rows."""
         mode = self.config.parallel.mode
-        batch_spec = train_batch_sharding(self.mesh, self.steps_per_sync).spec
+        batch_spec = train_batch_sharding(self.mesh, steps or self.steps_per_sync).spec
         if mode == "shard_map":
-            return compat.shard_map(step, self.mesh, in_specs=(self.specs, batch_spec), out_specs=(self.specs, P()))
+            return compat.shard_map(step, self.mesh, in_specs=(self.specs, batch_spec),
+                                    out_specs=out_specs or (self.specs, P()))
         if mode == "pmap":
             return compat.pmap_over_rows(step, DATA, list(self.mesh.devices.ravel()), rows_axis=len(batch_spec) - 1)
         return step
 
     def _gather_params(self, params: Any) -> Any:
-        """FSDP keeps params sharded at rest and gathers them for compute; other strategies store them whole."""
+        """FSDP keeps params sharded at rest and gathers them for compute; a pipeline's eval step puts the
+        stages' blocks back in model order; other strategies store them whole."""
+        if self.pipeline is not None:
+            return self.pipeline.layout.layer_params(params)
         if self.config.parallel.strategy != "fsdp":
             return params
         return jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: replicated(self.mesh), params))
 
     def _abstract_sharded_state(self) -> TrainState:
         return with_shardings(self.abstract_state, self.specs, self.mesh)
+
+
+def batch_structs(spec: DataSpec, rows: tuple[int, ...], sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract batch entries [*rows, *example shape] (with a `mask` when examples are padded)."""
+    shapes = {"inputs": (spec.input_shape, spec.input_dtype), "targets": (spec.target_shape, spec.target_dtype)}
+    if spec.buckets is not None:
+        shapes["mask"] = (spec.target_shape, np.dtype(np.float32))
+    return {k: jax.ShapeDtypeStruct((*rows, *shape), dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
 
 
 def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
@@ -157,7 +211,7 @@ def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
     if platform in ("gpu", "cuda"):
         from xlatrain.custom_calls.nccl import setup_communicators
 
-        setup_communicators(mesh, (DATA,))
+        setup_communicators(mesh, tuple(mesh.axis_names))
 
 
 def build_program(config: Config, devices: list | None = None) -> Program:
@@ -172,7 +226,32 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     model = describe_model(factory)
     schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
     tx = build_optimizer(config.optimizer, schedule)
-    init = make_init(factory, tx, config.seed, policy)
-    abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh)
+    plain_init = make_init(factory, tx, config.seed, policy)
+    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, plain_init)
+    if pipeline is None:
+        init = plain_init
+        abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh)
+    else:
+        init = make_init(factory, tx, config.seed, policy, arrange=pipeline.layout.stage_params)
+        abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh,
+                                      fixed_param_specs=pipeline.layout.param_specs)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
-                   CompileBook(config.trainer.compile_budget))
+                   CompileBook(config.trainer.compile_budget), pipeline)
+
+
+def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy,
+                   init: Any) -> PipelinePlan | None:
+    if derived.stages == 1:
+        return None
+    if model.blocks is None:
+        raise UserError(f"config: model.target={getattr(config.model, 'target', config.model.name)!r} cannot be "
+                        f"pipelined (mesh.stage={derived.stages}): it is not a xlatrain.models.BlockStack (see README, "
+                        "\"Pipelines\"); or set mesh.stage=1")
+
+    def measure():
+        abstract_params = jax.eval_shape(init).params
+        micro = batch_structs(spec, (derived.pipeline_microbatch_size,))
+        return measure_block_costs(model.blocks, abstract_params, micro, config.model.loss, policy)
+
+    return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
+                         model.blocks.layers, measure)

@@ -41,6 +41,12 @@ def optimizer_specs(tx: optax.GradientTransformation, abstract_opt_state: Any, a
     if not sharded:
         return jax.tree.map(lambda _: P(), abstract_opt_state)
     wanted = param_specs(abstract_params, logical_axes, True, rules, mesh)
+    return specs_following_params(tx, abstract_opt_state, abstract_params, wanted)
+
+
+def specs_following_params(tx: optax.GradientTransformation, abstract_opt_state: Any, abstract_params: Any,
+                           wanted: Any) -> Any:
+    """Optimizer leaves shaped like their param take the param's spec `wanted`; the rest is replicated."""
 
     def for_leaf(leaf, spec, param):
         return spec if getattr(leaf, "shape", None) == param.shape else P()

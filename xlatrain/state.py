@@ -18,8 +18,9 @@ from xlatrain import compat
 from xlatrain.errors import UserError
 from xlatrain.models import takes_rngs
 from xlatrain.models.axes import logical_axes_of
+from xlatrain.models.blocks import BlockParts, BlockStack
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
-from xlatrain.sharding import named, optimizer_specs, param_specs
+from xlatrain.sharding import named, optimizer_specs, param_specs, specs_following_params
 
 
 @flax.struct.dataclass
@@ -39,6 +40,8 @@ class ModelDef:
     graphdef: Any
     logical_axes: Any
     uses_rngs: bool
+    blocks: BlockParts | None = None
+    """How to run the model piece by piece, when it is a BlockStack (it can then be pipelined)."""
 
     def apply(self, params: Any, inputs: jax.Array, key: jax.Array | None = None) -> jax.Array:
         module = nnx.merge(self.graphdef, params)
@@ -57,15 +60,19 @@ def describe_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
     pure = nnx.to_pure_dict(params)
     axes = jax.tree_util.tree_map_with_path(
         lambda path, _: logical_axes_of(flat[tuple(_key(k) for k in path)]), pure)
-    return ModelDef(graphdef, axes, takes_rngs(abstract))
+    return ModelDef(graphdef, axes, takes_rngs(abstract),
+                    BlockParts(abstract) if isinstance(abstract, BlockStack) else None)
 
 
 def make_init(factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
-              seed: int, policy: Policy) -> Callable[[], TrainState]:
+              seed: int, policy: Policy, arrange: Callable[[Any], Any] = lambda params: params,
+              ) -> Callable[[], TrainState]:
+    """`arrange` lays the model's params out for training (a pipeline's stage layout)."""
+
     def init() -> TrainState:
         init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
         params = nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(init_key)), nnx.Param, ...)[1])
-        params = cast_floats(params, policy.param)
+        params = arrange(cast_floats(params, policy.param))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                           rng=train_key, loss_scale=initial_loss_scale(policy))
 
@@ -73,12 +80,18 @@ def make_init(factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTrans
 
 
 def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.GradientTransformation,
-                strategy: str, rules: dict, mesh: Mesh) -> tuple[TrainState, TrainState]:
-    """(abstract state, PartitionSpecs of the state) for replicated, zero1 or fsdp."""
+                strategy: str, rules: dict, mesh: Mesh,
+                fixed_param_specs: Callable[[Any], Any] | None = None) -> tuple[TrainState, TrainState]:
+    """(abstract state, PartitionSpecs of the state) for replicated, zero1 or fsdp; or, when given,
+    `fixed_param_specs(abstract params)` with the optimizer state following the params (pipelines)."""
     abstract = jax.eval_shape(init)
-    params = param_specs(abstract.params, model.logical_axes, strategy == "fsdp", rules, mesh)
-    opt = optimizer_specs(tx, abstract.opt_state, abstract.params, model.logical_axes,
-                          strategy in ("zero1", "fsdp"), rules, mesh)
+    if fixed_param_specs is not None:
+        params = fixed_param_specs(abstract.params)
+        opt = specs_following_params(tx, abstract.opt_state, abstract.params, params)
+    else:
+        params = param_specs(abstract.params, model.logical_axes, strategy == "fsdp", rules, mesh)
+        opt = optimizer_specs(tx, abstract.opt_state, abstract.params, model.logical_axes,
+                              strategy in ("zero1", "fsdp"), rules, mesh)
     return abstract, TrainState(step=P(), params=params, opt_state=opt, rng=P(),
                                 loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale))
 

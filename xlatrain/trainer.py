@@ -82,6 +82,11 @@ def _describe(program: Program, run_dir: Path, echo: Callable[[str], None]) -> N
     echo(f"  global batch {d.global_batch} = {d.data_parallel} replicas x {d.per_replica_batch}, "
          f"{d.microbatches} microbatch(es) of {d.microbatch_size}; effective lr {d.effective_lr:.3g} "
          f"({program.config.optimizer.lr_scaling} scaling x{d.lr_scale:.3g})")
+    if program.pipeline is not None:
+        echo(f"  pipeline: {d.stages} stages, each accumulation microbatch cut into {d.pipeline_microbatches} "
+             f"pipeline microbatches of {d.pipeline_microbatch_size}")
+        for line in program.pipeline.summary():
+            echo(f"    {line}")
 
 
 @contextmanager

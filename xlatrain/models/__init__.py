@@ -10,9 +10,13 @@ from flax import nnx
 from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
+from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.cnn import CNN
 from xlatrain.models.gpt import GPT, GPTShape
 from xlatrain.models.mlp import MLP
+
+
+__all__ = ["BlockStack", "model_factory", "stack_blocks", "takes_rngs"]
 
 
 def model_factory(config: ModelConfig, spec: DataSpec,

@@ -1,4 +1,4 @@
-"""A decoder-only transformer over tokens, with causal attention and optional scan over layers."""
+"""A decoder-only transformer over tokens, with causal attention; a BlockStack, so it can be pipelined."""
 
 from dataclasses import dataclass
 
@@ -8,6 +8,7 @@ from flax import nnx
 
 from xlatrain import compat
 from xlatrain.models.axes import axes
+from xlatrain.models.blocks import BlockStack, stack_blocks
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ class Block(nnx.Module):
                                   bias_metadata=axes("embed"), rngs=rngs)
         self.dropout = nnx.Dropout(shape.dropout)
 
-    def __call__(self, x_BxLxD, key: jax.Array | None):
+    def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None):
         batch, length, width = x_BxLxD.shape
-        keys = (None, None) if key is None else tuple(jax.random.split(key))
+        keys = (None, None) if rngs is None else tuple(jax.random.split(rngs))
         qkv_BxLx3xHxK = self.qkv(self.ln_attn(x_BxLxD)).reshape(
             batch, length, 3, self.heads, width // self.heads)
         q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
@@ -55,7 +56,7 @@ class Block(nnx.Module):
         return self.dropout(x, deterministic=key is None, rngs=key)
 
 
-class GPT(nnx.Module):
+class GPT(BlockStack):
     def __init__(self, shape: GPTShape, *, rngs: nnx.Rngs):
         self.shape = shape
         # nnx.Embed computes in its `dtype` (float32 unless told), not in the dtype of its table.
@@ -63,43 +64,15 @@ class GPT(nnx.Module):
                                rngs=rngs)
         self.position = nnx.Embed(shape.max_len, shape.width, dtype=shape.dtype,
                                   embedding_metadata=axes(None, "embed"), rngs=rngs)
-        if shape.scan_layers:
-            self.blocks = _stacked_blocks(shape, rngs)
-        else:
-            self.blocks = nnx.List([Block(shape, rngs=rngs) for _ in range(shape.layers)])
+        self.blocks = stack_blocks(lambda layer_rngs: Block(shape, rngs=layer_rngs), shape.layers, rngs)
+        self.scan_blocks = shape.scan_layers
         self.ln_final = nnx.LayerNorm(shape.width, scale_metadata=axes("embed"), bias_metadata=axes("embed"),
                                       rngs=rngs)
         self.head = nnx.Linear(shape.width, shape.vocab, kernel_metadata=axes("embed", "vocab"),
                                bias_metadata=axes("vocab"), rngs=rngs)
 
-    def __call__(self, tokens_BxL, *, rngs: jax.Array | None = None):
-        length = tokens_BxL.shape[1]
-        x_BxLxD = self.embed(tokens_BxL) + self.position(jnp.arange(length))[None]
-        layer_keys = None if rngs is None else jax.random.split(rngs, self.shape.layers)
-        if self.shape.scan_layers:
-            x_BxLxD = _scan_blocks(self.blocks, x_BxLxD, layer_keys)
-        else:
-            for i, block in enumerate(self.blocks):
-                x_BxLxD = block(x_BxLxD, None if layer_keys is None else layer_keys[i])
+    def before_blocks(self, tokens_BxL):
+        return self.embed(tokens_BxL) + self.position(jnp.arange(tokens_BxL.shape[1]))[None]
+
+    def after_blocks(self, x_BxLxD):
         return self.head(self.ln_final(x_BxLxD))
-
-
-def _stacked_blocks(shape: GPTShape, rngs: nnx.Rngs) -> Block:
-    """One Block whose parameters carry a leading `layers` axis, for lax.scan."""
-
-    @nnx.split_rngs(splits=shape.layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(layer_rngs: nnx.Rngs) -> Block:
-        return Block(shape, rngs=layer_rngs)
-
-    return make(rngs)
-
-
-def _scan_blocks(stacked: Block, x_BxLxD, layer_keys):
-    graphdef, params_Lx = nnx.split(stacked)
-
-    def body(x, layer):
-        params, key = layer
-        return nnx.merge(graphdef, params)(x, key), None
-
-    return jax.lax.scan(body, x_BxLxD, (params_Lx, layer_keys))[0]

@@ -10,7 +10,7 @@ _COLOURS = {"F": ("#4c78a8", "#9ecae9"), "B": ("#e45756", "#ff9d98")}
 """Per kind, the colours of even and odd virtual-stage rounds."""
 
 
-def draw(schedule: Schedule, path: Path, timeline: Timeline | None = None) -> Path:
+def draw(schedule: Schedule, path: Path, timeline: Timeline | None = None, time_unit: str = "time slots") -> Path:
     """Write the chart; without a timeline, each action takes one slot (the table as it stands)."""
     import matplotlib
 
@@ -28,7 +28,7 @@ def draw(schedule: Schedule, path: Path, timeline: Timeline | None = None) -> Pa
         axes.text(begin + width / 2, stage, label, ha="center", va="center", fontsize=7)
     axes.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
     axes.invert_yaxis()
-    axes.set_xlabel("time")
+    axes.set_xlabel(time_unit)
     v = f", v={schedule.virtual_stages}" if schedule.virtual_stages > 1 else ""
     axes.set_title(f"{schedule.name}: p={schedule.stages}, m={schedule.microbatches}{v}; bubble "
                    f"{timeline.bubble():.1%} (theory {schedule.theoretical_bubble():.1%})")

@@ -1,0 +1,103 @@
+"""Pipeline schedules: simulated step time and bubble from XLA's per-chunk costs, beside measured step
+times on fake CPU devices.
+
+1. Simulation. The costs of one microbatch through `before_blocks`, one block and `after_blocks` + loss
+   come from XLA's cost analysis (lowering/block_costs.py) for a GPT of LAYERS blocks; for each p, m, v
+   the blocks are partitioned automatically and the schedule's table is replayed with each chunk's
+   forward and backward FLOPs as durations (xlatrain.pipeline.schedule.simulate). The global batch is
+   fixed, so a microbatch costs 1/m of the batch. Reported per case: the simulated bubble beside theory's
+   (p-1)/(v*m+p-1), and the efficiency: one device's sequential time / (p x the pipelined step time),
+   1.0 being a perfect p-fold speedup.
+2. Measurement. The compiled train step on 8 CPU devices, for each schedule (data 2 x stage 4, and data
+   4 x stage 2), against plain data parallel over the same 8 devices, interleaved A/B rounds, medians.
+   Fake CPU devices share this machine's cores, so these times show the pipeline's *overheads*
+   (recomputed forwards, per-slot switch and ppermute, idle branches), never a speedup.
+
+    python3 -m bench.pipeline                  # writes bench/results/pipeline.json
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
+
+import jax  # noqa: E402
+
+from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
+from xlatrain.config import load_config  # noqa: E402
+from xlatrain.pipeline.partition import auto_partition  # noqa: E402
+from xlatrain.pipeline.schedule import build, simulate  # noqa: E402
+from xlatrain.program import build_program  # noqa: E402
+
+LAYERS = 8
+GPT = [f"model.layers={LAYERS}", "model.width=64", "model.heads=4", "data.seq_len=64", "data.max_bytes=400000",
+       "batch.global_size=32", "trainer.progress=false"]
+BATCH_ROWS = 64
+SIMULATED = [(name, p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p, 8 * p)
+             for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)) if p * v <= LAYERS]
+MEASURED = {
+    "data parallel 8": ["parallel.mode=shard_map"],
+    "gpipe p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.microbatches=8"],
+    "1f1b p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=8"],
+    "interleaved p=4 v=2 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=interleaved",
+                                          "parallel.pipeline.microbatches=8"],
+    "1f1b p=2 m=4 (x4 data)": ["mesh.stage=2", "parallel.pipeline.microbatches=4"],
+}
+
+
+def simulated_cases() -> list[dict]:
+    """Costs measured for a microbatch of one row (8 rows per replica in 8 microbatches); a replica's
+    batch of BATCH_ROWS rows in m microbatches makes each microbatch cost BATCH_ROWS / m times that."""
+    program = build_program(load_config(None, [*GPT, "parallel.mode=shard_map", "mesh.stage=2",
+                                               "parallel.pipeline.microbatches=8"]))
+    assert program.derived.pipeline_microbatch_size == 1
+    costs = program.pipeline.costs
+    cases = []
+    for name, p, m, v in SIMULATED:
+        partition = auto_partition(costs, p * v)
+        scale = BATCH_ROWS / m
+        chunks = costs.chunks(partition)
+        timeline = simulate(build(name, p, m, v), [c.forward_flops * scale for c in chunks],
+                            [c.backward_flops * scale for c in chunks])
+        sequential = sum(c.flops for c in chunks) * scale * m
+        cases.append({"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
+                      "partition": list(partition), "simulated_bubble": timeline.bubble(),
+                      "theoretical_bubble": (p - 1) / (v * m + p - 1),
+                      "efficiency": sequential / (p * timeline.step_time)})
+    return cases
+
+
+def measured_cases() -> dict[str, float]:
+    runners = {}
+    for name, overrides in MEASURED.items():
+        config = load_config(None, [*GPT, "parallel.mode=shard_map", *overrides])
+        runners[name] = train_runner(build_program(config))
+    return interleaved_medians(runners, rounds=4, steps_per_round=5, warmup=2)
+
+
+def main() -> None:
+    assert jax.device_count() == 8, "bench.pipeline sets 8 CPU devices before JAX starts; unset JAX_PLATFORMS"
+    cases = simulated_cases()
+    for c in cases:
+        print(f"simulated {c['schedule']:<11} p={c['stages']} m={c['microbatches']:<2} v={c['virtual_stages']}: "
+              f"bubble {c['simulated_bubble']:.1%} (theory {c['theoretical_bubble']:.1%}), "
+              f"efficiency {c['efficiency']:.2f}, partition {c['partition']}")
+    medians = measured_cases()
+    reference = medians["data parallel 8"]
+    measured = {name: {"median_seconds_per_step": seconds, "ratio_to_data_parallel": seconds / reference}
+                for name, seconds in medians.items()}
+    for name, values in measured.items():
+        print(f"measured {name:<34} {values['median_seconds_per_step'] * 1e3:8.1f} ms/step  "
+              f"x{values['ratio_to_data_parallel']:.2f} of data parallel (overheads only: fake devices)")
+    path = write_results("pipeline", "python3 -m bench.pipeline", {
+        "model": f"GPT {LAYERS} layers, width 64, seq 64, global batch 32, fp32, adamw",
+        "simulated": cases, "measured_on_fake_cpu_devices": measured,
+        "note": "Simulated: XLA FLOPs per chunk replayed through each schedule's table (fixed global batch). "
+                "Measured: 8 fake CPU devices on 2 shared cores; the ratios show pipeline overheads "
+                "(recomputed forwards, per-slot switch and ppermute), not speedups."})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""What one microbatch costs in each piece of a BlockStack model, measured by XLA.
+
+Two small programs per piece, compiled (not run) from abstract shapes: the forward, and the gradient
+(the forward recomputed plus the backward, which is what a pipeline's backward action runs). FLOPs come
+from XLA's cost analysis; activation bytes from the temporaries of the gradient program (XLA memory
+analysis); parameter bytes from the parameters the piece reads (`before_blocks` and `after_blocks` see
+the whole parameter tree but are charged only for what they use).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlatrain import compat
+from xlatrain.lowering.step import loss_sums
+from xlatrain.models.blocks import BLOCKS, BlockParts
+from xlatrain.pipeline.partition import ModelCosts, PieceCost
+from xlatrain.precision import Policy, cast_floats
+
+
+def measure_block_costs(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct],
+                        loss: str, policy: Policy) -> ModelCosts:
+    """`micro`: one pipeline microbatch's abstract batch (inputs, targets, and mask when padded)."""
+    one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract_params[BLOCKS])
+    rest = {**abstract_params, BLOCKS: one_block}
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # a raw dropout key, as the train step passes
+
+    def before(params, inputs):
+        return parts.before(cast_floats(params, policy.compute), cast_floats(inputs, policy.compute))
+
+    def block(params, x, key):
+        return parts.layer(cast_floats(params, policy.compute), x, key)
+
+    def after(params, x, batch):
+        outputs = parts.after(cast_floats(params, policy.compute), x).astype(policy.output)
+        return loss_sums(outputs, batch, loss)["loss"]
+
+    x = jax.eval_shape(before, rest, micro["inputs"])
+    return ModelCosts(before=_piece(before, (rest, micro["inputs"]), _total(before)),
+                      block=_piece(block, (one_block, x, key), _total(block)),
+                      after=_piece(after, (rest, x, micro), after),
+                      blocks=parts.layers)
+
+
+def _total(fn: Callable) -> Callable:
+    """A scalar of fn's output, to take a gradient of."""
+    return lambda params, *args: jnp.sum(fn(params, *args).astype(jnp.float32))
+
+
+def _piece(forward: Callable, args: tuple, objective: Callable) -> PieceCost:
+    """args[0] is the params; the gradient is taken with respect to the params and args[1] (the input)."""
+    fwd = jax.jit(forward).lower(*args).compile()
+    grad = jax.jit(jax.grad(objective, argnums=(0, 1) if _differentiable(args[1]) else 0)).lower(*args).compile()
+    used = compat.used_inputs(forward, *args)[:len(jax.tree.leaves(args[0]))]
+    memory = grad.memory_analysis()
+    return PieceCost(forward_flops=_flops(fwd), backward_flops=_flops(grad),
+                     param_bytes=float(sum(_bytes(leaf) for leaf, read in zip(jax.tree.leaves(args[0]), used,
+                                                                               strict=True) if read)),
+                     activation_bytes=float(memory.temp_size_in_bytes) if memory is not None else 0.0)
+
+
+def _differentiable(x: Any) -> bool:
+    return all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree.leaves(x))
+
+
+def _flops(compiled: Any) -> float:
+    return float(compat.cost_analysis(compiled).get("flops", 0.0))
+
+
+def _bytes(tree: Any) -> int:
+    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))

@@ -1,0 +1,268 @@
+"""Pipelines: a pipelined step's loss and gradients equal the unpipelined model's, for GPipe, 1F1B and
+interleaved schedules, over data x stage meshes, with accumulation and in bf16; training tracks the
+unpipelined run; 1F1B holds p microbatches of activations where GPipe holds m (XLA memory analysis);
+plans, slot programs and layouts are checked on their own; every misconfiguration is a config error."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, TINY_GPT, run_cli
+
+from xlatrain.cli import main
+from xlatrain.config import load_config
+from xlatrain.data.loader import make_global, split_microbatches
+from xlatrain.mesh import train_batch_sharding
+from xlatrain.pipeline.layout import StageLayout
+from xlatrain.pipeline.partition import ModelCosts, PieceCost, auto_partition
+from xlatrain.pipeline.schedule import build
+from xlatrain.pipeline.slots import Branch, slot_program
+from xlatrain.program import build_program
+from xlatrain.trainer import train
+
+PIPELINE = ["parallel.mode=shard_map", "model.width=16", "data.seq_len=16", "batch.global_size=32"]
+
+
+def program_for(overrides, devices=None):
+    return build_program(load_config(None, [*TINY_GPT, *PIPELINE, *overrides]), devices)
+
+
+def token_batch(program):
+    rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
+    batch = {k: np.stack([r[k] for r in rows]) for k in ("inputs", "targets")}
+    return make_global(split_microbatches(batch, program.derived.microbatches), train_batch_sharding(program.mesh),
+                       1, 1)
+
+
+def relative_errors(reference, pipelined):
+    """Per leaf, the largest difference relative to the largest reference value."""
+    return jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))
+                                           / max(float(np.max(np.abs(np.asarray(a)))), 1e-12)), reference, pipelined)
+
+
+def reference_for(program, overrides):
+    """The same model unpipelined on one device, accumulating gradients over the same microbatches."""
+    d = program.derived
+    plain = [o for o in overrides if not o.startswith(("mesh.", "parallel.", "collectives.", "batch.microbatches"))]
+    return program_for([*plain, "parallel.mode=jit", "mesh.data=1",
+                        f"batch.microbatches={d.data_parallel * d.microbatches * d.pipeline_microbatches}"],
+                       jax.devices()[:1])
+
+
+CASES = {
+    "p2-1f1b-m=p": ["mesh.stage=2", "parallel.pipeline.microbatches=2"],
+    "p2-gpipe-m=2p": ["mesh.stage=2", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.microbatches=4"],
+    "p2-1f1b-m3-accumulate-uneven": ["mesh.stage=2", "parallel.pipeline.microbatches=3", "batch.global_size=48",
+                                     "batch.microbatches=2", "model.layers=5", "parallel.pipeline.partition=[3,2]"],
+    "p4-1f1b-m=p-dp2": ["mesh.stage=4", "model.layers=4", "parallel.pipeline.microbatches=4"],
+    "p4-gpipe-m=2p-dp2": ["mesh.stage=4", "model.layers=4", "parallel.pipeline.schedule=gpipe",
+                          "parallel.pipeline.microbatches=8"],
+    "p4-1f1b-m5-dp2-auto-uneven": ["mesh.stage=4", "model.layers=6", "parallel.pipeline.microbatches=5",
+                                   "batch.global_size=40"],
+    "p4-interleaved-v2-dp2": ["mesh.stage=4", "model.layers=8", "parallel.pipeline.schedule=interleaved",
+                              "parallel.pipeline.microbatches=4"],
+    "p2-interleaved-v2-custom-collectives": ["mesh.stage=2", "model.layers=4", "parallel.pipeline.schedule=interleaved",
+                                             "parallel.pipeline.microbatches=4", "collectives.impl=custom"],
+    "p4-1f1b-bf16-dp2": ["mesh.stage=4", "model.layers=4", "precision.policy=bf16"],
+    "p2-gpipe-fp16-dp4": ["mesh.stage=2", "parallel.pipeline.schedule=gpipe", "precision.policy=fp16"],
+}
+
+
+FAST_CASE = "p2-1f1b-m=p"
+"""Not marked slow, so the jax 0.12 smoke run in CI executes a pipeline too."""
+
+
+@pytest.mark.parametrize("overrides", [pytest.param(o, id=name, marks=() if name == FAST_CASE else pytest.mark.slow)
+                                       for name, o in CASES.items()])
+def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, devices):
+    pipelined = program_for(overrides)
+    reference = reference_for(pipelined, overrides)
+    grads, sums = pipelined.gradients(pipelined.create_state(), token_batch(pipelined))
+    expected_grads, expected_sums = jax.jit(reference.gradients)(reference.create_state(), token_batch(reference))
+    tolerance = 1e-5 if pipelined.policy.compute == np.float32 else 1e-2
+    np.testing.assert_allclose(sums["loss"], expected_sums["loss"], rtol=tolerance)
+    assert float(sums["weight"]) == float(expected_sums["weight"]) == 16 * pipelined.derived.global_batch
+    errors = relative_errors(expected_grads, pipelined.pipeline.layout.layer_params(grads))
+    assert max(jax.tree.leaves(errors)) < tolerance, errors
+    assert all(float(np.max(np.abs(np.asarray(g)))) > 0 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.slow
+def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, devices):
+    common = [*TINY_GPT, *PIPELINE, "model.layers=4", "optimizer.schedule=constant", "trainer.eval_every=30",
+              "trainer.checkpoint_every=15"]
+    plain = train(load_config(None, [*common, "mesh.data=1", "parallel.mode=jit", "trainer.steps=30",
+                                     f"trainer.run_dir={tmp_path / 'plain'}"]), devices=devices[:1], echo=lambda _: None)
+    pipelined = [*common, "mesh.stage=4", "parallel.pipeline.microbatches=4", f"trainer.run_dir={tmp_path / 'pipe'}"]
+    first = train(load_config(None, [*pipelined, "trainer.steps=15"]), echo=lambda _: None)
+    second = train(load_config(None, [*pipelined, "trainer.steps=30"]), echo=lambda _: None)
+    assert second.start_step == 15
+    losses = {**first.losses, **second.losses}
+    trajectory = np.array([losses[s] for s in range(1, 31)])
+    expected = np.array([plain.losses[s] for s in range(1, 31)])
+    assert expected[-1] < expected[0] - 0.5
+    np.testing.assert_allclose(trajectory, expected, rtol=2e-4)
+    np.testing.assert_allclose(second.eval_losses[30], plain.eval_losses[30], rtol=2e-4)
+
+
+@pytest.mark.slow
+def test_1f1b_holds_p_microbatches_of_activations_where_gpipe_holds_m(devices):
+    common = ["mesh.stage=4", "model.layers=4", "parallel.pipeline.microbatches=16", "batch.global_size=128",
+              "parallel.pipeline.partition=[1,1,1,1]"]
+    reports = {}
+    for schedule in ("gpipe", "1f1b"):
+        program = program_for([*common, f"parallel.pipeline.schedule={schedule}"])
+        reports[schedule] = program.pipeline_report(program.train_step.first.compiled)
+    assert reports["1f1b"]["activation_buffers"] == 4 and reports["gpipe"]["activation_buffers"] == 16
+    one_microbatch = reports["1f1b"]["activation_bytes_per_microbatch"]
+    assert one_microbatch == 4 * 16 * 16 * 4  # rows x seq_len x width x float32
+    saved = reports["gpipe"]["temp_bytes"] - reports["1f1b"]["temp_bytes"]
+    assert saved == pytest.approx((16 - 4) * one_microbatch, rel=0.05)
+
+
+# --- plans, slot programs, layouts and partitions, without compiling a step -------------------------
+
+
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 5, 1), ("1f1b", 2, 2, 1),
+                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)])
+def test_slot_program_delivers_every_input_to_its_action(name, p, m, v):
+    """Run the slot program symbolically: each buffer holds a tag of what arrived; every action must read
+    its own chunk's input activation and incoming gradient."""
+    schedule, program = build(name, p, m, v), slot_program(build(name, p, m, v))
+    chunks = p * v
+    activations = [[None] * (program.activation_buffers + 1) for _ in range(p)]
+    cotangents = [[None] * (program.cotangent_buffers + 1) for _ in range(p)]
+    for slot, row in enumerate(schedule.table):
+        sent_forward, sent_backward = [None] * p, [None] * p
+        for stage, action in enumerate(row):
+            if action is None:
+                assert program.branch[slot, stage] == Branch.IDLE
+                continue
+            c, j = action.chunk, action.microbatch
+            part = "_FIRST" if c == 0 else "_LAST" if c == chunks - 1 else ""
+            assert program.branch[slot, stage] == Branch[("FORWARD" if action.kind == "F" else "BACKWARD") + part]
+            assert (program.microbatch[slot, stage], program.round[slot, stage]) == (j, c // p)
+            if c > 0:
+                assert activations[stage][program.activation_read[slot, stage]] == ("x", c, j)
+            if action.kind == "B" and c < chunks - 1:
+                assert cotangents[stage][program.cotangent_read[slot, stage]] == ("dy", c, j)
+            if action.kind == "F" and c < chunks - 1:
+                sent_forward[stage] = ("x", c + 1, j)
+            if action.kind == "B" and c > 0:
+                sent_backward[stage] = ("dy", c - 1, j)
+        for stage in range(p):
+            source_forward = sent_forward[stage - 1] if stage > 0 or v > 1 else None
+            activations[stage][program.activation_write[slot, stage]] = source_forward
+            cotangents[stage][program.cotangent_write[slot, stage]] = sent_backward[(stage + 1) % p]
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 16), (2, 6), (4, 4)])
+def test_1f1b_needs_p_activation_buffers_and_gpipe_m(p, m):
+    assert slot_program(build("1f1b", p, m)).activation_buffers == p
+    assert slot_program(build("gpipe", p, m)).activation_buffers == m
+
+
+def test_stage_layout_round_trips_and_pads_with_zeros():
+    layout = StageLayout(stages=2, virtual_stages=2, partition=(1, 2, 2, 1))
+    blocks = np.arange(6 * 3, dtype=np.float32).reshape(6, 3) + 1
+    staged = layout.to_stages(blocks)
+    assert staged.shape == (2, 2, 2, 3)
+    np.testing.assert_array_equal(staged[0, 0, 1], 0)  # chunk 0 holds one block and one padding slot
+    np.testing.assert_array_equal(staged[1, 0], blocks[3:5])  # chunk 2 (round 1 on stage 0): blocks 3, 4
+    np.testing.assert_array_equal(layout.to_layers(staged), blocks)
+    assert "2 padding block slot(s)" in layout.describe()
+
+
+def test_auto_partition_balances_and_is_optimal():
+    block = PieceCost(10.0, 20.0, 100.0, 10.0)
+    heavy_head = ModelCosts(PieceCost(1.0, 1.0, 5.0, 1.0), block, PieceCost(25.0, 50.0, 100.0, 20.0), blocks=8)
+    partition = auto_partition(heavy_head, 4)
+    assert sum(partition) == 8 and partition[-1] < partition[0]
+
+    def bottleneck(counts):
+        chunks = heavy_head.chunks(counts)
+        mean_flops = sum(c.flops for c in chunks) / 4
+        mean_bytes = sum(c.bytes for c in chunks) / 4
+        return max(max(c.flops / mean_flops, c.bytes / mean_bytes) for c in chunks)
+
+    every = [c for c in itertools.product(range(1, 6), repeat=4) if sum(c) == 8]
+    assert bottleneck(partition) == pytest.approx(min(bottleneck(c) for c in every))
+
+
+def test_pipeline_command_prints_the_plan_and_draws_the_chart(tmp_path, capsys, devices):
+    out = tmp_path / "chart.png"
+    assert main(["pipeline", *TINY_GPT, *PIPELINE, "mesh.stage=4", "model.layers=8",
+                 "parallel.pipeline.schedule=interleaved", "parallel.pipeline.microbatches=4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "interleaved: 4 stages, 4 microbatches of 4 rows, 2 chunks per stage" in printed
+    assert "partition        auto: blocks per chunk [1, 1, 1, 1, 1, 1, 1, 1]" in printed
+    assert "theory (p-1)/(v*m+p-1) = 27.3%" in printed and "max/mean" in printed
+    assert "F0.0" in printed and "B3.1" in printed
+    from PIL import Image
+
+    with Image.open(out) as image:
+        assert image.format == "PNG"
+
+
+ERRORS = {
+    "partition-count": (["mesh.stage=2", "parallel.pipeline.partition=[1,1,2]"], "must give 2 block counts"),
+    "partition-sum": (["mesh.stage=2", "parallel.pipeline.partition=[1,2]"], "add up to model.layers=2"),
+    "too-few-blocks": (["mesh.stage=4", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.microbatches=4"],
+                       "model.layers=2 blocks cannot fill mesh.stage=4 x virtual_stages=2"),
+    "too-few-microbatches": (["mesh.stage=2", "parallel.pipeline.microbatches=1"], "fewer than mesh.stage=2"),
+    "interleaved-groups": (["mesh.stage=2", "model.layers=4", "parallel.pipeline.schedule=interleaved",
+                            "parallel.pipeline.microbatches=3"], "must be a multiple of 2"),
+    "virtual-without-interleaving": (["mesh.stage=2", "parallel.pipeline.virtual_stages=2"],
+                                     "applies to schedule=interleaved only"),
+    "stage-does-not-divide": (["mesh.stage=3", "model.layers=3"], "mesh.stage=3 needs a multiple of 3 devices but 8 cpu device(s)"),
+    "mesh-too-small": (["mesh.stage=2", "mesh.data=2"], "mesh.data=2 x mesh.stage=2 needs 4 devices but 8"),
+    "jit-mode": (["mesh.stage=2", "parallel.mode=jit"], "set parallel.mode=shard_map"),
+    "zero1": (["mesh.stage=2", "parallel.strategy=zero1"], "use parallel.strategy=replicated"),
+    "pipeline-without-stages": (["parallel.pipeline.schedule=gpipe"], "is set but mesh.stage=1"),
+    "batch-split": (["mesh.stage=2", "parallel.pipeline.microbatches=3"], "not divisible by batch.microbatches 1 x "
+                    "parallel.pipeline.microbatches 3"),
+}
+
+
+@pytest.mark.parametrize("overrides,message", ERRORS.values(), ids=ERRORS.keys())
+def test_pipeline_misconfigurations_are_config_errors(overrides, message, capsys, devices):
+    assert main(["pipeline", *TINY_GPT, *PIPELINE, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xlatrain: error: config: ") and message in err and "Traceback" not in err
+
+
+def test_models_that_are_not_block_stacks_are_refused(capsys):
+    assert main(["config", "model.name=mlp", "data.source=digits", "mesh.stage=2", "parallel.mode=shard_map"]) == 2
+    assert "model.name=mlp cannot be pipelined (mesh.stage=2): it is not a stack of repeated blocks" in \
+        capsys.readouterr().err
+
+
+def test_a_custom_model_that_is_not_a_block_stack_is_refused_in_a_real_process():
+    result = run_cli("train", "model.name=custom", "model.target=flax.nnx:Linear", "data.source=digits",
+                     "model.kwargs={in_features: 64, out_features: 10}", "mesh.stage=2", "parallel.mode=shard_map",
+                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert result.returncode == 2, result.stderr
+    assert "model.target='flax.nnx:Linear' cannot be pipelined (mesh.stage=2)" in result.stderr
+    assert "BlockStack" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bring_your_own_block_stack_is_pipelined(devices, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "examples/custom_model"))
+    overrides = ["model.name=custom", "model.target=residual_mlp:ResidualMLP", "data.source=digits",
+                 "model.kwargs={in_features: 64, width: 16, depth: 4, classes: 10}", "batch.global_size=32",
+                 "parallel.mode=shard_map", "mesh.stage=2", "parallel.pipeline.microbatches=2"]
+    pipelined = build_program(load_config(None, overrides))
+    assert sum(pipelined.pipeline.layout.partition) == 4
+    state = pipelined.create_state()
+    batch = {k: np.stack([pipelined.dataset.train[i][k] for i in range(32)]) for k in ("inputs", "targets")}
+    grads, sums = pipelined.gradients(state, make_global({k: v[None] for k, v in batch.items()},
+                                                         train_batch_sharding(pipelined.mesh), 1, 1))
+    reference = build_program(load_config(None, [o for o in overrides if not o.startswith(("mesh", "parallel"))]
+                                          + ["mesh.data=1", "batch.microbatches=8"]), devices[:1])
+    expected, expected_sums = jax.jit(reference.gradients)(
+        reference.create_state(), make_global({k: v.reshape(8, 4, *v.shape[1:]) for k, v in batch.items()},
+                                              train_batch_sharding(reference.mesh), 1, 1))
+    np.testing.assert_allclose(sums["loss"], expected_sums["loss"], rtol=1e-5)
+    errors = relative_errors(expected, pipelined.pipeline.layout.layer_params(grads))
+    assert max(jax.tree.leaves(errors)) < 1e-5, errors

@@ -1,0 +1,115 @@
+"""Models made of repeated blocks: `before_blocks` -> L identical blocks -> `after_blocks`.
+
+Such a model runs as one program (its blocks under `lax.scan`, or unrolled) or as a pipeline, where
+xlatrain cuts the stacked blocks into chunks and places the chunks on the stages (xlatrain/pipeline).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+BLOCKS = "blocks"
+"""The attribute (and top-level parameter key) that holds the stacked blocks."""
+
+ApplyLayer = Callable[[Any, jax.Array, "jax.Array | None"], jax.Array]
+
+
+class BlockStack(nnx.Module):
+    """Base class of a model that can be pipelined. In `__init__` a subclass sets
+
+        self.blocks = stack_blocks(make_block, layers, rngs)   # every param gets a leading [layers] axis
+        self.scan_blocks = True                                # optional: False unrolls the layers
+
+    and defines `before_blocks(inputs) -> x` and `after_blocks(x) -> outputs`. A block is an nnx.Module
+    called as `block(x, rngs=key) -> x` with the shape and dtype of x unchanged; `key` is a dropout key
+    while training (one per layer) and None at evaluation. `before_blocks` and `after_blocks` take no key.
+    """
+
+    scan_blocks: bool = True
+
+    def before_blocks(self, inputs: jax.Array) -> jax.Array:
+        raise NotImplementedError(f"{type(self).__name__} must define before_blocks(inputs)")
+
+    def after_blocks(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError(f"{type(self).__name__} must define after_blocks(x)")
+
+    def __call__(self, inputs: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
+        graphdef, params_Lx = nnx.split(getattr(self, BLOCKS))
+        x = run_blocks(layer_applier(graphdef), params_Lx, self.before_blocks(inputs),
+                       layer_keys(rngs, block_count(params_Lx)), scan=self.scan_blocks)
+        return self.after_blocks(x)
+
+
+def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`layers` blocks as one module whose parameters carry a leading [layers] axis."""
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(layer_rngs: nnx.Rngs) -> nnx.Module:
+        return make_block(layer_rngs)
+
+    return make(rngs)
+
+
+def layer_applier(block_graphdef: Any) -> ApplyLayer:
+    """(one layer's params, x, key) -> x for the blocks described by `block_graphdef`."""
+    return lambda params, x, key: nnx.merge(block_graphdef, params)(x, rngs=key)
+
+
+def block_count(params_Lx: Any) -> int:
+    return jax.tree.leaves(params_Lx)[0].shape[0]
+
+
+def layer_keys(key: jax.Array | None, layers: int) -> jax.Array | None:
+    """One dropout key per layer (None at evaluation); a pipeline derives a chunk's keys the same way."""
+    return None if key is None else jax.random.split(key, layers)
+
+
+def run_blocks(apply_layer: ApplyLayer, params_Lx: Any, x: jax.Array, keys_L: jax.Array | None, *,
+               scan: bool, active: jax.Array | None = None) -> jax.Array:
+    """x through the layers of `params_Lx` in order. `active`: how many leading layers run (the rest are
+    a pipeline chunk's padding), or None for all of them."""
+    layers = block_count(params_Lx)
+
+    def one(x, index, params, key):
+        if active is None:
+            return apply_layer(params, x, key)
+        return jax.lax.cond(index < active, lambda: apply_layer(params, x, key), lambda: x)
+
+    if scan:
+        def body(x, layer):
+            return one(x, *layer), None
+
+        return jax.lax.scan(body, x, (jnp.arange(layers), params_Lx, keys_L))[0]
+    for index in range(layers):
+        x = one(x, index, jax.tree.map(lambda p, i=index: p[i], params_Lx), None if keys_L is None else keys_L[index])
+    return x
+
+
+class BlockParts:
+    """A BlockStack model run piece by piece (a pipeline's chunks): `before`, a run of blocks, `after`.
+
+    Every method takes a params pytree in the model's structure; `before` and `after` ignore what sits
+    under "blocks" (any arrays of the right tree structure will do, e.g. one chunk's blocks)."""
+
+    def __init__(self, abstract_model: BlockStack):
+        self.graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
+        block_graphdef, params_Lx = nnx.split(getattr(abstract_model, BLOCKS), nnx.Param, ...)[:2]
+        self.layer = layer_applier(block_graphdef)
+        self.layers = block_count(params_Lx)
+        self.scan = abstract_model.scan_blocks
+
+    def before(self, params: dict, inputs: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, params).before_blocks(inputs)
+
+    def after(self, params: dict, x: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, params).after_blocks(x)
+
+    def run(self, params_Nx: Any, x: jax.Array, keys_N: jax.Array | None, active: jax.Array | None = None,
+            ) -> jax.Array:
+        """A chunk: x through the blocks of `params_Nx` (the first `active` of them, when given)."""
+        return run_blocks(self.layer, params_Nx, x, keys_N, scan=self.scan, active=active)

@@ -1,0 +1,98 @@
+"""Where a pipelined model's parameters live: its stacked blocks cut into chunks, the chunks on stages.
+
+The model's own layout stacks its L blocks on a leading axis: `params["blocks"]` leaves are [L, ...].
+The stage layout is [virtual_stages, stages, width, ...]: chunk c = round * stages + stage holds
+`partition[c]` consecutive blocks, zero-padded to `width` (the largest chunk) so that every stage holds
+arrays of one shape; the stage axis is sharded over the `stage` mesh axis. Padding blocks are never run,
+so their gradients, updates and values stay zero. Everything else (embeddings, head) is replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from xlatrain.mesh import STAGE
+from xlatrain.models.blocks import BLOCKS
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    stages: int
+    virtual_stages: int
+    partition: tuple[int, ...]
+    """Blocks per chunk, in model order (chunk c runs on stage c % stages)."""
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual_stages
+
+    @property
+    def layers(self) -> int:
+        return sum(self.partition)
+
+    @property
+    def width(self) -> int:
+        return max(self.partition)
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.partition)) == 1
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        """The first block of each chunk."""
+        return np.concatenate([[0], np.cumsum(self.partition)[:-1]]).astype(np.int32)
+
+    @cached_property
+    def _layer_of_position(self) -> np.ndarray:
+        """[v, p, width]: which block sits at each position of the stage layout (-1: padding)."""
+        index = np.full((self.virtual_stages, self.stages, self.width), -1, np.int32)
+        for chunk, (start, count) in enumerate(zip(self.starts, self.partition, strict=True)):
+            index[chunk // self.stages, chunk % self.stages, :count] = np.arange(start, start + count)
+        return index
+
+    def to_stages(self, blocks_Lx: jax.Array) -> jax.Array:
+        """[L, ...] -> [v, p, width, ...], padding zero."""
+        index = self._layer_of_position
+        taken = jnp.take(blocks_Lx, np.maximum(index, 0), axis=0)
+        mask = (index >= 0).reshape(*index.shape, *([1] * (blocks_Lx.ndim - 1)))
+        return jnp.where(mask, taken, jnp.zeros((), blocks_Lx.dtype))
+
+    def to_layers(self, staged: jax.Array) -> jax.Array:
+        """[v, p, width, ...] -> [L, ...] (the padding dropped)."""
+        flat = staged.reshape(-1, *staged.shape[3:])
+        positions = np.argsort(self._layer_of_position.ravel(), kind="stable")[-self.layers:]
+        return jnp.take(flat, positions, axis=0)
+
+    def stage_params(self, params: dict) -> dict:
+        return {**params, BLOCKS: jax.tree.map(self.to_stages, params[BLOCKS])}
+
+    def layer_params(self, params: dict) -> dict:
+        return {**params, BLOCKS: jax.tree.map(self.to_layers, params[BLOCKS])}
+
+    def param_specs(self, abstract_params: dict) -> dict:
+        """Blocks split over the stage axis, everything else replicated."""
+        specs = jax.tree.map(lambda _: P(), abstract_params)
+        return {**specs, BLOCKS: jax.tree.map(lambda _: P(None, STAGE), abstract_params[BLOCKS])}
+
+    def real_size(self, abstract_params: dict) -> int:
+        """Parameters of the model, not counting the padding blocks."""
+        rest = sum(int(np.prod(x.shape)) for k, v in abstract_params.items() if k != BLOCKS
+                   for x in jax.tree.leaves(v))
+        return rest + self.layers * sum(int(np.prod(x.shape[3:])) for x in jax.tree.leaves(abstract_params[BLOCKS]))
+
+    def describe(self) -> str:
+        per_stage = [[self.partition[r * self.stages + s] for r in range(self.virtual_stages)]
+                     for s in range(self.stages)]
+        text = ", ".join(f"stage {s}: {'+'.join(map(str, counts))}" for s, counts in enumerate(per_stage))
+        padding = self.chunks * self.width - self.layers
+        return f"blocks per chunk {list(self.partition)} ({text})" + (
+            f"; {padding} padding block slot(s) so every stage holds {self.virtual_stages * self.width}"
+            if padding else "")

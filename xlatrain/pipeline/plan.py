@@ -1,0 +1,92 @@
+"""A run's pipeline, decided once from the config: the schedule, the block partition, the slot program."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Callable
+
+from xlatrain.config import PipelineConfig, check_block_partition
+from xlatrain.errors import UserError
+from xlatrain.pipeline.layout import StageLayout
+from xlatrain.pipeline.partition import Balance, ModelCosts, auto_partition
+from xlatrain.pipeline.schedule import Schedule, ScheduleError, Timeline, build, dependency_problems, simulate
+from xlatrain.pipeline.slots import SlotProgram, slot_program
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    schedule: Schedule
+    layout: StageLayout
+    slots: SlotProgram
+    partition_source: str
+    """"auto" (from the measured costs) or "explicit" (parallel.pipeline.partition)."""
+    measure: Callable[[], ModelCosts]
+    """XLA's per-piece costs, measured on first use (and then kept)."""
+
+    @property
+    def costs(self) -> ModelCosts:
+        return self.measure()
+
+    @property
+    def balance(self) -> Balance:
+        return Balance.of(self.costs, self.layout.partition, self.layout.stages)
+
+    def simulated(self) -> Timeline:
+        """The schedule replayed with each chunk's forward and backward FLOPs as its durations, in units of
+        the mean chunk forward (1 = one slot of the table when chunks are equal)."""
+        chunks = self.costs.chunks(self.layout.partition)
+        unit = sum(c.forward_flops for c in chunks) / len(chunks) or 1.0
+        return simulate(self.schedule, [c.forward_flops / unit for c in chunks],
+                        [c.backward_flops / unit for c in chunks])
+
+    def summary(self, rows_per_microbatch: int | None = None) -> list[str]:
+        s, slots = self.schedule, self.slots
+        rows = f" of {rows_per_microbatch} rows" if rows_per_microbatch else ""
+        chunk = f"{s.virtual_stages} chunks per stage" if s.virtual_stages > 1 else "1 chunk per stage"
+        simulated = self.simulated()
+        return [
+            f"schedule         {s.name}: {s.stages} stages, {s.microbatches} microbatches{rows}, {chunk}, "
+            f"{s.slots} time slots",
+            f"partition        {self.partition_source}: {self.layout.describe()}",
+            f"balance          {self.balance.describe()}",
+            f"bubble           {s.bubble():.1%} of device time with equal chunks (theory (p-1)/(v*m+p-1) = "
+            f"{s.theoretical_bubble():.1%}); {simulated.bubble():.1%} with the chunks' XLA FLOPs",
+            f"activations      each stage holds at most {slots.activation_buffers} microbatch(es) of stage inputs "
+            f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients; chunks recompute "
+            "their forward in the backward",
+        ]
+
+    def gpipe_activation_buffers(self) -> int:
+        """What the same stages and microbatches would hold under GPipe (m per stage)."""
+        return slot_program(build("gpipe", self.schedule.stages, self.schedule.microbatches)).activation_buffers
+
+    def table_text(self) -> str:
+        """The schedule table: a row per time slot, a column per stage; F/B, microbatch, .chunk round."""
+        s = self.schedule
+        header = "slot  " + "".join(f"stage {i:<4}" for i in range(s.stages))
+        lines = [header]
+        for slot, row in enumerate(s.table):
+            cells = ["." if a is None else f"{a.kind}{a.microbatch}" + (f".{a.chunk // s.stages}"
+                                                                          if s.virtual_stages > 1 else "")
+                     for a in row]
+            lines.append(f"{slot:<6}" + "".join(f"{c:<10}" for c in cells))
+        return "\n".join(lines)
+
+
+def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks: int,
+                  measure: Callable[[], ModelCosts]) -> PipelinePlan:
+    virtual = config.chunks_per_stage()
+    try:
+        check_block_partition(config, stages, blocks, "the model's block count")
+        schedule = build(config.schedule, stages, microbatches, virtual)
+    except (ValueError, ScheduleError) as err:
+        raise UserError(f"config: {err}") from None
+    problems = dependency_problems(schedule)
+    if problems:  # the builders place actions by their dependencies, so this is a bug, not a config problem
+        raise AssertionError(f"{schedule.name} table breaks its dependencies: {problems[:3]}")
+    measure = cache(measure)
+    auto = config.partition == "auto"
+    partition = auto_partition(measure(), stages * virtual) if auto else config.partition
+    return PipelinePlan(schedule, StageLayout(stages, virtual, tuple(partition)), slot_program(schedule),
+                        "auto" if auto else "explicit", measure)

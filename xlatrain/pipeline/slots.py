@@ -1,0 +1,113 @@
+"""From a schedule table to what each stage's program does in each time slot.
+
+A pipelined step runs the table's slots one after another on every stage at once (one SPMD program):
+in each slot a stage runs its action, then every stage hands its output activation to the next stage
+and its input gradient to the previous one. This module turns the table into [slots, stages] integer
+tables the compiled step indexes by (slot, stage): which branch runs, on which microbatch and chunk, and
+where incoming activations and gradients wait until they are used.
+
+Each stage keeps its chunks' *input* activations from their arrival until the backward pass of that
+microbatch and recomputes the chunk's forward there (GPipe's re-materialisation), so the activations a
+stage holds are counted in microbatches: `activation_buffers` is the most any stage holds at once
+(m for GPipe, at most p for 1F1B). The first chunk keeps nothing: it recomputes from the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from xlatrain.pipeline.schedule import Action, Schedule
+
+
+class Branch(IntEnum):
+    IDLE = 0
+    FORWARD_FIRST = 1
+    """Forward of chunk 0: from the batch's inputs through before_blocks and the chunk's blocks."""
+    FORWARD = 2
+    FORWARD_LAST = 3
+    """Forward of the last chunk: its blocks, after_blocks and the loss (kept for the metrics)."""
+    BACKWARD_FIRST = 4
+    BACKWARD = 5
+    BACKWARD_LAST = 6
+    """Backward of the last chunk: starts from the (scaled) loss; needs no incoming gradient."""
+
+
+@dataclass(frozen=True)
+class SlotProgram:
+    """[slots, stages] tables. A *_write entry names the buffer that receives what arrives at the end of
+    that slot; the scratch buffer (index = the buffer count) takes arrivals nobody needs."""
+
+    branch: np.ndarray
+    microbatch: np.ndarray
+    round: np.ndarray
+    """Which of the stage's chunks (chunk // stages) the action runs."""
+    activation_read: np.ndarray
+    cotangent_read: np.ndarray
+    activation_write: np.ndarray
+    cotangent_write: np.ndarray
+    activation_buffers: int
+    cotangent_buffers: int
+    ring: bool
+    """Whether the last stage passes activations on to the first (interleaved: chunk p follows chunk p - 1)."""
+
+    @property
+    def slots(self) -> int:
+        return self.branch.shape[0]
+
+    def tables(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in ("branch", "microbatch", "round", "activation_read",
+                                                       "cotangent_read", "activation_write", "cotangent_write")}
+
+
+def slot_program(schedule: Schedule) -> SlotProgram:
+    p, chunks = schedule.stages, schedule.stages * schedule.virtual_stages
+    when = {action: slot for slot, row in enumerate(schedule.table) for action in row if action is not None}
+    shape = (schedule.slots, p)
+    branch, microbatch, round_ = (np.zeros(shape, np.int32) for _ in range(3))
+    for action, slot in when.items():
+        stage = action.chunk % p
+        branch[slot, stage] = _branch(action, chunks)
+        microbatch[slot, stage] = action.microbatch
+        round_[slot, stage] = action.chunk // p
+    # An activation for chunk c >= 1 arrives after F(c - 1) and is last read by B(c); a gradient for
+    # chunk c < last arrives after B(c + 1) and is read by B(c).
+    activations = [(when[Action("F", a.microbatch, a.chunk - 1)], [when[a], when[Action("B", a.microbatch, a.chunk)]],
+                    a.chunk % p) for a in when if a.kind == "F" and a.chunk > 0]
+    cotangents = [(when[Action("B", a.microbatch, a.chunk + 1)], [when[a]], a.chunk % p)
+                  for a in when if a.kind == "B" and a.chunk < chunks - 1]
+    activation_read, activation_write, activation_buffers = _assign_buffers(activations, shape)
+    cotangent_read, cotangent_write, cotangent_buffers = _assign_buffers(cotangents, shape)
+    return SlotProgram(branch, microbatch, round_, activation_read, cotangent_read, activation_write,
+                       cotangent_write, activation_buffers, cotangent_buffers, ring=schedule.virtual_stages > 1)
+
+
+def _branch(action: Action, chunks: int) -> Branch:
+    first, last = action.chunk == 0, action.chunk == chunks - 1
+    if action.kind == "F":
+        return Branch.FORWARD_FIRST if first else Branch.FORWARD_LAST if last else Branch.FORWARD
+    return Branch.BACKWARD_FIRST if first else Branch.BACKWARD_LAST if last else Branch.BACKWARD
+
+
+def _assign_buffers(items: list[tuple[int, list[int], int]], shape: tuple[int, int],
+                    ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Give each (arrival slot, reading slots, stage) item a buffer on its stage, reusing a buffer once its
+    last reader has run (interval colouring, optimal for intervals). A buffer freed by a read in slot t
+    can take an arrival at the end of slot t. Returns the read and write tables and the buffer count."""
+    reads, writes = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
+    free_from: list[list[int]] = [[] for _ in range(shape[1])]
+    """Per stage, per buffer: the first slot at whose end it may take a new arrival."""
+    for arrival, readers, stage in sorted(items):
+        buffers = free_from[stage]
+        index = next((i for i, free in enumerate(buffers) if free <= arrival), len(buffers))
+        if index == len(buffers):
+            buffers.append(0)
+        buffers[index] = max(readers)
+        writes[arrival, stage] = index
+        for slot in readers:
+            reads[slot, stage] = index
+    count = max((len(b) for b in free_from), default=0)
+    writes[writes < 0] = count
+    return reads, writes, count
