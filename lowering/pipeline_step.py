@@ -19,12 +19,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from xlatrain.lowering.step import all_finite, loss_sums
 from xlatrain.mesh import STAGE
-from xlatrain.models.blocks import BLOCKS, BlockParts
+from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.slots import Branch, SlotProgram
 from xlatrain.precision import Policy, cast_floats
@@ -85,13 +84,19 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         """[rows, ...] -> [microbatches, rows / microbatches, ...]"""
         return jax.tree.map(lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]), batch)
 
+    def chunk_keys(microbatch_key: jax.Array, start: jax.Array) -> jax.Array:
+        """The dropout keys of a chunk's blocks (and padding): those BlockStack gives the same layers."""
+        keys_L = layer_keys(microbatch_key, layout.layers)
+        padded = jnp.concatenate([keys_L, jnp.zeros((width, *keys_L.shape[1:]), keys_L.dtype)])
+        return jax.lax.dynamic_slice_in_dim(padded, start, width)
+
     def run_round(blocks: Tree, rest: dict, batch: dict, key: jax.Array, scale: jax.Array,
                   total_weight: jax.Array, totals: tuple, x_shape: jax.ShapeDtypeStruct) -> tuple:
         """One accumulation microbatch cut into `microbatches` pieces, through every slot of the schedule."""
         stage = jax.lax.axis_index(STAGE)
         micro = split(batch)
         tables = {name: jnp.asarray(table) for name, table in slots.tables().items()}
-        starts = jnp.asarray(np.concatenate([layout.starts, [layout.layers]]))
+        starts = jnp.asarray(layout.starts)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
         pools = (jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype),
@@ -104,10 +109,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
             chunk = r * p + stage
             micro_j = jax.tree.map(lambda x: x[j], micro)
             block_r = jax.tree.map(lambda b: b[r], blocks)
-            layer_keys = jax.random.split(jax.random.fold_in(key, j), layout.layers)
-            keys = jax.lax.dynamic_slice_in_dim(jnp.concatenate([layer_keys, jnp.zeros((width, *layer_keys.shape[1:]),
-                                                                                        layer_keys.dtype)]),
-                                                starts[chunk], width)
+            keys = chunk_keys(jax.random.fold_in(key, j), starts[chunk])
             active = None if active_blocks is None else active_blocks[chunk]
             x_in, dy = activations[at["activation_read"]], cotangents[at["cotangent_read"]]
 

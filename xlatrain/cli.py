@@ -144,12 +144,12 @@ def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Name
     if config.mesh.stage == 1:
         raise UserError("pipeline: this config runs no pipeline (mesh.stage=1); set mesh.stage to the number of "
                         "stages, e.g. mesh.stage=4 parallel.mode=shard_map")
+    if not args.out.parent.is_dir():
+        raise UserError(f"pipeline: --out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
     program = build_program(config)
     plan = program.pipeline
     print("\n".join(plan.summary(program.derived.pipeline_microbatch_size)))
     print(plan.table_text())
-    if args.out.parent and not args.out.parent.is_dir():
-        raise UserError(f"pipeline: --out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
     draw(plan.schedule, args.out, plan.simulated(), "time (mean chunk forward = 1), from XLA's FLOPs per chunk")
     print(f"wrote {args.out}")
     return 0

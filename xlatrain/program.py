@@ -226,15 +226,12 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     model = describe_model(factory)
     schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
     tx = build_optimizer(config.optimizer, schedule)
-    plain_init = make_init(factory, tx, config.seed, policy)
-    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, plain_init)
-    if pipeline is None:
-        init = plain_init
-        abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh)
-    else:
+    init = make_init(factory, tx, config.seed, policy)
+    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, init)
+    if pipeline is not None:  # params live in the stage layout
         init = make_init(factory, tx, config.seed, policy, arrange=pipeline.layout.stage_params)
-        abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh,
-                                      fixed_param_specs=pipeline.layout.param_specs)
+    abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh,
+                                  fixed_param_specs=pipeline.layout.param_specs if pipeline else None)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
                    CompileBook(config.trainer.compile_budget), pipeline)
 
