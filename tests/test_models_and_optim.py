@@ -87,6 +87,8 @@ def test_schedule_warms_up_to_the_scaled_rate_then_decays(devices):
 def test_weight_decay_skips_biases_and_norm_scales():
     params = {"dense": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)}, "norm": {"scale": jnp.ones(3)}}
     assert decay_mask(params) == {"dense": {"kernel": True, "bias": False}, "norm": {"scale": False}}
+    stacked = {"blocks": {"kernel": jnp.ones((4, 3, 3)), "bias": jnp.ones((4, 3))}, "head": {"bias": jnp.ones(3)}}
+    assert decay_mask(stacked, block_axes=1) == {"blocks": {"kernel": True, "bias": False}, "head": {"bias": False}}
     config = load_config(None, ["optimizer.weight_decay=0.5", "optimizer.clip_norm=null", "optimizer.name=sgd",
                                 "optimizer.momentum=0", "optimizer.schedule=constant", "optimizer.lr=1.0"])
     tx = build_optimizer(config.optimizer, optax.constant_schedule(1.0))

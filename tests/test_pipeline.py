@@ -92,7 +92,7 @@ def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, dev
 @pytest.mark.slow
 def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, devices):
     common = [*TINY_GPT, *PIPELINE, "model.layers=4", "optimizer.schedule=constant", "trainer.eval_every=30",
-              "trainer.checkpoint_every=15"]
+              "trainer.checkpoint_every=15", "optimizer.weight_decay=0.1"]
     plain = train(load_config(None, [*common, "mesh.data=1", "parallel.mode=jit", "trainer.steps=30",
                                      f"trainer.run_dir={tmp_path / 'plain'}"]), devices=devices[:1], echo=lambda _: None)
     pipelined = [*common, "mesh.stage=4", "parallel.pipeline.microbatches=4", f"trainer.run_dir={tmp_path / 'pipe'}"]

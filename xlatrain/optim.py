@@ -7,10 +7,13 @@ is not in the chain: the train step applies it to the synchronised, unscaled gra
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import optax
 
 from xlatrain.config import AdafactorConfig, AdamWConfig, Derived, LionConfig, OptimizerConfig, SGDConfig
+from xlatrain.models.blocks import BLOCKS
 
 
 def learning_rate_schedule(config: OptimizerConfig, derived: Derived, total_steps: int) -> optax.Schedule:
@@ -29,15 +32,23 @@ def learning_rate_schedule(config: OptimizerConfig, derived: Derived, total_step
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
-def decay_mask(params):
-    """Weight decay applies to matrices and kernels only: rank < 2 means a bias or a norm scale."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def decay_mask(params, block_axes: int = 0):
+    """Weight decay applies to matrices and kernels only: rank < 2 means a bias or a norm scale. Under
+    "blocks" (a BlockStack's stacked layers) the leading `block_axes` axes stack layers and do not count."""
+
+    def decayed(path, p):
+        stacked = block_axes if path and getattr(path[0], "key", None) == BLOCKS else 0
+        return p.ndim - stacked >= 2
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
-def build_optimizer(config: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+def build_optimizer(config: OptimizerConfig, schedule: optax.Schedule,
+                    block_axes: int = 0) -> optax.GradientTransformation:
+    """`block_axes`: how many leading axes stack the layers of a BlockStack's params (see decay_mask)."""
     parts = _scaling(config)
     if config.weight_decay > 0:
-        parts.append(optax.add_decayed_weights(config.weight_decay, mask=decay_mask))
+        parts.append(optax.add_decayed_weights(config.weight_decay, mask=partial(decay_mask, block_axes=block_axes)))
     parts.append(optax.scale_by_learning_rate(schedule))
     return optax.chain(*parts)
 

@@ -33,6 +33,7 @@ from xlatrain.state import (
     TrainState,
     create_state,
     describe_model,
+    init_params,
     make_init,
     state_specs,
     verify_replicas_identical,
@@ -225,11 +226,11 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     factory = model_factory(config.model, dataset.spec, policy.compute)
     model = describe_model(factory)
     schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
-    tx = build_optimizer(config.optimizer, schedule)
-    init = make_init(factory, tx, config.seed, policy)
-    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, init)
-    if pipeline is not None:  # params live in the stage layout
-        init = make_init(factory, tx, config.seed, policy, arrange=pipeline.layout.stage_params)
+    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, factory)
+    # Params of a BlockStack's layers are stacked: [layers, ...], or [virtual stages, stages, blocks, ...].
+    block_axes = 0 if model.blocks is None else 3 if pipeline else 1
+    tx = build_optimizer(config.optimizer, schedule, block_axes)
+    init = make_init(factory, tx, config.seed, policy, arrange=pipeline.layout.stage_params if pipeline else None)
     abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh,
                                   fixed_param_specs=pipeline.layout.param_specs if pipeline else None)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
@@ -237,7 +238,7 @@ def build_program(config: Config, devices: list | None = None) -> Program:
 
 
 def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy,
-                   init: Any) -> PipelinePlan | None:
+                   factory: Any) -> PipelinePlan | None:
     if derived.stages == 1:
         return None
     if model.blocks is None:
@@ -246,7 +247,7 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
                         "\"Pipelines\"); or set mesh.stage=1")
 
     def measure():
-        abstract_params = jax.eval_shape(init).params
+        abstract_params = jax.eval_shape(lambda: init_params(factory, jax.random.PRNGKey(0), policy))
         micro = batch_structs(spec, (derived.pipeline_microbatch_size,))
         return measure_block_costs(model.blocks, abstract_params, micro, config.model.loss, policy)
 

@@ -64,15 +64,20 @@ def describe_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
                     BlockParts(abstract) if isinstance(abstract, BlockStack) else None)
 
 
+def init_params(factory: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, policy: Policy) -> Any:
+    """The model's params as a pure dict, in the stored (master) dtype."""
+    return cast_floats(nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(key)), nnx.Param, ...)[1]), policy.param)
+
+
 def make_init(factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
-              seed: int, policy: Policy, arrange: Callable[[Any], Any] = lambda params: params,
+              seed: int, policy: Policy, arrange: Callable[[Any], Any] | None = None,
               ) -> Callable[[], TrainState]:
     """`arrange` lays the model's params out for training (a pipeline's stage layout)."""
 
     def init() -> TrainState:
         init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
-        params = nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(init_key)), nnx.Param, ...)[1])
-        params = arrange(cast_floats(params, policy.param))
+        params = init_params(factory, init_key, policy)
+        params = arrange(params) if arrange is not None else params
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                           rng=train_key, loss_scale=initial_loss_scale(policy))
 
