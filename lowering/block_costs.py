@@ -14,9 +14,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from xlatrain.lowering.step import loss_sums
 
 from xlatrain import compat
-from xlatrain.lowering.step import loss_sums
 from xlatrain.models.blocks import BLOCKS, BlockParts
 from xlatrain.pipeline.partition import ModelCosts, PieceCost
 from xlatrain.precision import Policy, cast_floats
@@ -26,7 +26,7 @@ def measure_block_costs(parts: BlockParts, abstract_params: dict, micro: dict[st
                         loss: str, policy: Policy) -> ModelCosts:
     """`micro`: one pipeline microbatch's abstract batch (inputs, targets, and mask when padded)."""
     one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), abstract_params[BLOCKS])
-    rest = {**abstract_params, BLOCKS: one_block}
+    whole = {**abstract_params, BLOCKS: one_block}  # before/after read everything but the blocks
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # a raw dropout key, as the train step passes
 
     def before(params, inputs):
@@ -39,10 +39,10 @@ def measure_block_costs(parts: BlockParts, abstract_params: dict, micro: dict[st
         outputs = parts.after(cast_floats(params, policy.compute), x).astype(policy.output)
         return loss_sums(outputs, batch, loss)["loss"]
 
-    x = jax.eval_shape(before, rest, micro["inputs"])
-    return ModelCosts(before=_piece(before, (rest, micro["inputs"]), _total(before)),
+    x = jax.eval_shape(before, whole, micro["inputs"])
+    return ModelCosts(before=_piece(before, (whole, micro["inputs"]), _total(before)),
                       block=_piece(block, (one_block, x, key), _total(block)),
-                      after=_piece(after, (rest, x, micro), after),
+                      after=_piece(after, (whole, x, micro), after),
                       blocks=parts.layers)
 
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-
 from xlatrain.lowering.step import all_finite, loss_sums
+
 from xlatrain.mesh import STAGE
 from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys
 from xlatrain.pipeline.layout import StageLayout

@@ -94,7 +94,8 @@ def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, dev
     common = [*TINY_GPT, *PIPELINE, "model.layers=4", "optimizer.schedule=constant", "trainer.eval_every=30",
               "trainer.checkpoint_every=15", "optimizer.weight_decay=0.1"]
     plain = train(load_config(None, [*common, "mesh.data=1", "parallel.mode=jit", "trainer.steps=30",
-                                     f"trainer.run_dir={tmp_path / 'plain'}"]), devices=devices[:1], echo=lambda _: None)
+                                     f"trainer.run_dir={tmp_path / 'plain'}"]),
+                  devices=devices[:1], echo=lambda _: None)
     pipelined = [*common, "mesh.stage=4", "parallel.pipeline.microbatches=4", f"trainer.run_dir={tmp_path / 'pipe'}"]
     first = train(load_config(None, [*pipelined, "trainer.steps=15"]), echo=lambda _: None)
     second = train(load_config(None, [*pipelined, "trainer.steps=30"]), echo=lambda _: None)
@@ -216,7 +217,8 @@ ERRORS = {
                             "parallel.pipeline.microbatches=3"], "must be a multiple of 2"),
     "virtual-without-interleaving": (["mesh.stage=2", "parallel.pipeline.virtual_stages=2"],
                                      "applies to schedule=interleaved only"),
-    "stage-does-not-divide": (["mesh.stage=3", "model.layers=3"], "mesh.stage=3 needs a multiple of 3 devices but 8 cpu device(s)"),
+    "stage-does-not-divide": (["mesh.stage=3", "model.layers=3"],
+                              "mesh.stage=3 needs a multiple of 3 devices but 8 cpu device(s)"),
     "mesh-too-small": (["mesh.stage=2", "mesh.data=2"], "mesh.data=2 x mesh.stage=2 needs 4 devices but 8"),
     "jit-mode": (["mesh.stage=2", "parallel.mode=jit"], "set parallel.mode=shard_map"),
     "zero1": (["mesh.stage=2", "parallel.strategy=zero1"], "use parallel.strategy=replicated"),

@@ -15,7 +15,6 @@ from xlatrain.models.cnn import CNN
 from xlatrain.models.gpt import GPT, GPTShape
 from xlatrain.models.mlp import MLP
 
-
 __all__ = ["BlockStack", "model_factory", "stack_blocks", "takes_rngs"]
 
 

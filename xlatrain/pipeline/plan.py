@@ -53,8 +53,8 @@ class PipelinePlan:
             f"bubble           {s.bubble():.1%} of device time with equal chunks (theory (p-1)/(v*m+p-1) = "
             f"{s.theoretical_bubble():.1%}); {simulated.bubble():.1%} with the chunks' XLA FLOPs",
             f"activations      each stage holds at most {slots.activation_buffers} microbatch(es) of stage inputs "
-            f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients; chunks recompute "
-            "their forward in the backward",
+            f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients; "
+            "chunks recompute their forward in the backward",
         ]
 
     def gpipe_activation_buffers(self) -> int:
