@@ -1,4 +1,4 @@
-"""`xlatrain train | config | lower | parity | report`: every user error is one line on stderr and exit code 2."""
+"""`xlatrain train | config | lower | parity | pipeline | report`: every user error is one line on stderr, exit 2."""
 
 from __future__ import annotations
 
