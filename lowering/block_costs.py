@@ -43,7 +43,7 @@ def measure_block_costs(parts: BlockParts, abstract_params: dict, micro: dict[st
     return ModelCosts(before=_piece(before, (whole, micro["inputs"]), _total(before)),
                       block=_piece(block, (one_block, x, key), _total(block)),
                       after=_piece(after, (whole, x, micro), after),
-                      blocks=parts.layers)
+                      blocks=parts.layers, boundary_bytes=_bytes(x))
 
 
 def _total(fn: Callable) -> Callable:

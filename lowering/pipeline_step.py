@@ -23,7 +23,7 @@ import optax
 from xlatrain.lowering.step import all_finite, loss_sums
 
 from xlatrain.mesh import STAGE
-from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys
+from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys, split_blocks
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.slots import Branch, SlotProgram
 from xlatrain.precision import Policy, cast_floats
@@ -60,9 +60,8 @@ class StagedTrees:
     link: StageLink
 
     def norm(self, tree: dict) -> jax.Array:
-        rest = {k: v for k, v in tree.items() if k != BLOCKS}
-        return jnp.sqrt(self.link.sum(optax.tree.norm(tree[BLOCKS], squared=True))
-                        + optax.tree.norm(rest, squared=True))
+        blocks, rest = split_blocks(tree)
+        return jnp.sqrt(self.link.sum(optax.tree.norm(blocks, squared=True)) + optax.tree.norm(rest, squared=True))
 
     def all_finite(self, tree: dict) -> jax.Array:
         finite_stages = self.link.sum(all_finite(tree).astype(jnp.float32))
@@ -175,8 +174,8 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         return jax.lax.scan(slot, (pools, totals), jnp.arange(slots.slots))[0][1]
 
     def gradients(params: dict, batch: dict, key: jax.Array, scale: jax.Array, total_weight: jax.Array):
-        blocks = jax.tree.map(lambda b: b[:, 0], params[BLOCKS])
-        rest = {k: v for k, v in params.items() if k != BLOCKS}
+        staged, rest = split_blocks(params)
+        blocks = jax.tree.map(lambda b: b[:, 0], staged)
 
         def one_microbatch():
             micro = jax.tree.map(lambda x: x[0], split(jax.tree.map(lambda x: x[0], batch)))

@@ -178,7 +178,8 @@ def test_stage_layout_round_trips_and_pads_with_zeros():
 
 def test_auto_partition_balances_and_is_optimal():
     block = PieceCost(10.0, 20.0, 100.0, 10.0)
-    heavy_head = ModelCosts(PieceCost(1.0, 1.0, 5.0, 1.0), block, PieceCost(25.0, 50.0, 100.0, 20.0), blocks=8)
+    heavy_head = ModelCosts(PieceCost(1.0, 1.0, 5.0, 1.0), block, PieceCost(25.0, 50.0, 100.0, 20.0), blocks=8,
+                            boundary_bytes=16)
     partition = auto_partition(heavy_head, 4)
     assert sum(partition) == 8 and partition[-1] < partition[0]
 

@@ -26,7 +26,7 @@ from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, re
 from xlatrain.models import model_factory
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
-from xlatrain.precision import Policy, cast_floats, resolve_policy
+from xlatrain.precision import Policy, resolve_policy
 from xlatrain.sharding import named, param_specs
 from xlatrain.state import (
     ModelDef,
@@ -117,10 +117,6 @@ class Program:
         """The pipeline of a compiled train step: schedule, partition, bubble, and the activations a stage
         holds, beside XLA's temporaries (memory analysis) that hold them."""
         plan, s = self.pipeline, self.pipeline.schedule
-        micro = batch_structs(self.dataset.spec, (self.derived.pipeline_microbatch_size,))
-        activation = jax.eval_shape(lambda params, inputs: self.model.blocks.before(
-            cast_floats(params, self.policy.compute), cast_floats(inputs, self.policy.compute)),
-            self.abstract_state.params, micro["inputs"])
         memory = compiled.memory_analysis()
         return {"schedule": s.name, "stages": s.stages, "virtual_stages": s.virtual_stages,
                 "microbatches": s.microbatches, "partition": list(plan.layout.partition),
@@ -129,7 +125,7 @@ class Program:
                 "bubble": s.bubble(), "theoretical_bubble": s.theoretical_bubble(),
                 "activation_buffers": plan.slots.activation_buffers,
                 "gpipe_activation_buffers": plan.gpipe_activation_buffers(),
-                "activation_bytes_per_microbatch": activation.size * activation.dtype.itemsize,
+                "activation_bytes_per_microbatch": plan.costs.boundary_bytes,
                 "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else 0}
 
     def create_state(self) -> TrainState:

@@ -44,6 +44,11 @@ class BlockStack(nnx.Module):
         return self.after_blocks(x)
 
 
+def split_blocks(params: dict) -> tuple[Any, dict]:
+    """(the stacked blocks' params, everything else) of a BlockStack's params dict."""
+    return params[BLOCKS], {k: v for k, v in params.items() if k != BLOCKS}
+
+
 def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs: nnx.Rngs) -> nnx.Module:
     """`layers` blocks as one module whose parameters carry a leading [layers] axis."""
 

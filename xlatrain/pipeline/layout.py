@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from xlatrain.mesh import STAGE
-from xlatrain.models.blocks import BLOCKS
+from xlatrain.models.blocks import BLOCKS, split_blocks
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class StageLayout:
 
     def real_size(self, abstract_params: dict) -> int:
         """Parameters of the model, not counting the padding blocks."""
-        rest = sum(int(np.prod(x.shape)) for k, v in abstract_params.items() if k != BLOCKS
-                   for x in jax.tree.leaves(v))
-        return rest + self.layers * sum(int(np.prod(x.shape[3:])) for x in jax.tree.leaves(abstract_params[BLOCKS]))
+        blocks, rest = split_blocks(abstract_params)
+        return (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(rest))
+                + self.layers * sum(int(np.prod(x.shape[3:])) for x in jax.tree.leaves(blocks)))
 
     def describe(self) -> str:
         per_stage = [[self.partition[r * self.stages + s] for r in range(self.virtual_stages)]

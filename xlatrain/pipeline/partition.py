@@ -53,6 +53,8 @@ class ModelCosts:
     after: PieceCost
     """after_blocks and the loss: runs in the last chunk."""
     blocks: int
+    boundary_bytes: int
+    """One microbatch's activation as it passes between chunks (what a stage holds per microbatch)."""
 
     def chunk(self, index: int, count: int, chunks: int) -> PieceCost:
         return (self.block * count + (self.before if index == 0 else NOTHING)
