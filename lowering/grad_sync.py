@@ -28,8 +28,8 @@ class PartitionedReplicas:
         return self.pin(jax.tree.map(lambda x: split_replicas(x, self.replicas), batch))
 
     def each(self, per_replica: Callable) -> Callable:
-        """per_replica(params, batch, key, *shared) over the leading replica axis of batch and keys."""
-        return jax.vmap(per_replica, in_axes=(None, 0, 0, None, None))
+        """per_replica(params, model_state, batch, key, *shared) over the leading replica axis of batch and keys."""
+        return jax.vmap(per_replica, in_axes=(None, None, 0, 0, None, None))
 
     def indices(self) -> jax.Array:
         return self.pin(jnp.arange(self.replicas))
@@ -43,6 +43,9 @@ class PartitionedReplicas:
 
     def sum_metrics(self, sums_R: Tree) -> Tree:
         return jax.tree.map(lambda s: jnp.sum(s, axis=0), sums_R)
+
+    def mean_model_state(self, model_state_R: Tree) -> Tree:
+        return jax.tree.map(lambda x: mean_of_sum(jnp.sum(x, axis=0), self.replicas), model_state_R)
 
     def apply_update(self, tx: optax.GradientTransformation, grads: Tree, opt_state: Tree,
                      params: Tree) -> tuple[Tree, Tree]:
@@ -67,11 +70,12 @@ class ExplicitReplicas:
         return jax.tree.map(lambda x: x[None], batch)
 
     def each(self, per_replica: Callable) -> Callable:
-        """This device's one replica: per_replica(params, batch, key, *shared), outputs given the replica axis."""
+        """This device's one replica: per_replica(params, model_state, batch, key, *shared), outputs given the
+        replica axis."""
 
-        def one(params, batch_R, keys_R, *shared):
+        def one(params, model_state, batch_R, keys_R, *shared):
             first = jax.tree.map(lambda x: x[0], (batch_R, keys_R))
-            return jax.tree.map(lambda x: x[None], per_replica(params, *first, *shared))
+            return jax.tree.map(lambda x: x[None], per_replica(params, model_state, *first, *shared))
 
         return one
 
@@ -88,6 +92,10 @@ class ExplicitReplicas:
 
     def sum_metrics(self, sums_R: Tree) -> Tree:
         return jax.tree.map(lambda s: self.all_reduce(s[0], self.axis), sums_R)
+
+    def mean_model_state(self, model_state_R: Tree) -> Tree:
+        return jax.tree.map(lambda x: mean_of_sum(self.all_reduce(x[0], self.axis), self.participants),
+                            model_state_R)
 
     def apply_update(self, tx: optax.GradientTransformation, grads: Tree, opt_state: Tree,
                      params: Tree) -> tuple[Tree, Tree]:
@@ -162,6 +170,14 @@ def bucketed_sum(grads: Tree, bucket_bytes: int, dtype: jnp.dtype, participants:
         out[i] = flat[offset:offset + leaves[i].size].reshape(leaves[i].shape)
         offset += leaves[i].size
     return jax.tree.unflatten(treedef, out)
+
+
+def mean_of_sum(total: jax.Array, count: int) -> jax.Array:
+    """The replicas' mean from their sum: floating values divided, integers (counters every replica
+    advances alike) floor-divided, so they stay exact."""
+    if jnp.issubdtype(total.dtype, jnp.floating):
+        return (total / count).astype(total.dtype)
+    return total // count
 
 
 def split_replicas(x: jax.Array, replicas: int) -> jax.Array:

@@ -54,12 +54,16 @@ def means(sums: Metrics) -> Metrics:
 
 
 def make_forward(model: ModelDef, policy: Policy, compute_params: Callable[[Tree], Tree] = lambda p: p):
-    """params, inputs, key -> outputs: params and floating inputs in the compute dtype, outputs in the
-    output dtype. `compute_params` lays params out for compute (FSDP gathers them)."""
+    """params, model state, inputs, key -> (outputs, new model state): params and floating inputs in the
+    compute dtype, outputs in the output dtype, the model state kept in its own dtypes. `compute_params`
+    lays params out for compute (FSDP gathers them)."""
 
-    def forward(params: Tree, inputs: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    def forward(params: Tree, model_state: Tree, inputs: jax.Array, key: jax.Array | None = None,
+                ) -> tuple[jax.Array, Tree]:
         in_compute = cast_floats(compute_params(params), policy.compute)
-        return model.apply(in_compute, cast_floats(inputs, policy.compute), key).astype(policy.output)
+        outputs, new_state = model.run(in_compute, model_state, cast_floats(inputs, policy.compute), key)
+        new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, model_state)
+        return outputs.astype(policy.output), new_state
 
     return forward
 
@@ -79,50 +83,61 @@ class WholeTrees:
 def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
                        replicas: PartitionedReplicas | ExplicitReplicas,
                        compute_params: Callable[[Tree], Tree] = lambda p: p, gradients: Callable | None = None,
-                       ) -> Callable[[TrainState, dict], tuple[Tree, Metrics]]:
-    """Steps (1) and (2) of the AMP order and the unscale: the replicas' synchronised float32 gradients and
-    the metric sums. `gradients(params, batch, key, scale, total_weight)` replaces the microbatch loop
-    below for one replica (a pipeline: lowering/pipeline_step.py)."""
+                       ) -> Callable[[TrainState, dict], tuple[Tree, Metrics, Tree]]:
+    """Steps (1) and (2) of the AMP order and the unscale: the replicas' synchronised float32 gradients, the
+    metric sums and the new model state (each replica updates it through its microbatches in order, like
+    eager PyTorch; the replicas' results are averaged). `gradients(params, batch, key, scale, total_weight)`
+    replaces the microbatch loop below for one replica of a model without model state (a pipeline:
+    lowering/pipeline_step.py)."""
     forward = make_forward(model, policy, compute_params)
 
-    def scaled_objective(params, micro, key, scale, total_weight):
-        sums = loss_sums(forward(params, micro["inputs"], key), micro, loss)
-        return sums["loss"] * scale / total_weight, sums
+    def scaled_objective(params, model_state, micro, key, scale, total_weight):
+        outputs, model_state = forward(params, model_state, micro["inputs"], key)
+        sums = loss_sums(outputs, micro, loss)
+        return sums["loss"] * scale / total_weight, (sums, model_state)
 
     grad_fn = jax.grad(scaled_objective, has_aux=True)
 
-    def replica_gradients(params, batch, key, scale, total_weight):
-        """(1) One replica's scaled float32 gradients and metric sums over its microbatches."""
+    def replica_gradients(params, model_state, batch, key, scale, total_weight):
+        """(1) One replica's scaled float32 gradients, metric sums and model state over its microbatches."""
         count = jax.tree.leaves(batch)[0].shape[0]
         first = jax.tree.map(lambda x: x[0], batch)
         if count == 1:
-            grads, sums = grad_fn(params, first, key, scale, total_weight)
-            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums
+            grads, (sums, model_state) = grad_fn(params, model_state, first, key, scale, total_weight)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums, model_state
 
-        def one(total, indexed):
+        def one(carry, indexed):
+            total, model_state = carry
             index, micro = indexed
-            grads, sums = grad_fn(params, micro, jax.random.fold_in(key, index), scale, total_weight)
-            return jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, (grads, sums)), None
+            grads, (sums, model_state) = grad_fn(params, model_state, micro, jax.random.fold_in(key, index), scale,
+                                                 total_weight)
+            return (jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, (grads, sums)), model_state), None
 
-        shapes = jax.eval_shape(grad_fn, params, first, key, scale, total_weight)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
-        return jax.lax.scan(one, zeros, (jnp.arange(count), batch))[0]
+        grad_shapes, (sum_shapes, _) = jax.eval_shape(grad_fn, params, model_state, first, key, scale, total_weight)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (grad_shapes, sum_shapes))
+        (grads, sums), model_state = jax.lax.scan(one, (zeros, model_state), (jnp.arange(count), batch))[0]
+        return grads, sums, model_state
 
-    def gradient_step(state: TrainState, batch: dict) -> tuple[Tree, Metrics]:
+    def pipeline_gradients(params, model_state, batch, key, scale, total_weight):
+        return *gradients(params, batch, key, scale, total_weight), model_state
+
+    def gradient_step(state: TrainState, batch: dict) -> tuple[Tree, Metrics, Tree]:
         step_key = jax.random.fold_in(state.rng, state.step)
         scale = state.loss_scale.scale
         total_weight = replicas.total(jnp.sum(per_position_weights(batch)))
         by_replica = replicas.split(batch)
         keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(replicas.indices())
-        grads_R, sums_R = replicas.each(gradients or replica_gradients)(state.params, by_replica, keys, scale,
-                                                                        total_weight)
+        per_replica = pipeline_gradients if gradients is not None else replica_gradients
+        grads_R, sums_R, model_state_R = replicas.each(per_replica)(state.params, state.model_state, by_replica,
+                                                                    keys, scale, total_weight)
         # (2) Synchronise across replicas in the scaled domain, in the communication dtype.
         with jax.named_scope("sync"):
             grads = replicas.sum_gradients(grads_R, policy.communication)
             sums = replicas.sum_metrics(sums_R)
+            model_state = replicas.mean_model_state(model_state_R)
         with jax.named_scope("unscale"):
             grads = jax.tree.map(lambda g: g / scale, grads)
-        return grads, sums
+        return grads, sums, model_state
 
     return gradient_step
 
@@ -142,7 +157,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
         scale = state.loss_scale.scale
-        grads, sums = gradient_step(state, batch)
+        grads, sums, model_state = gradient_step(state, batch)
         # (3) Agree on finiteness, clip by the global norm of the synchronised, unscaled gradients.
         with jax.named_scope("finite_check"):
             finite = trees.all_finite(grads) & jnp.isfinite(sums["loss"])
@@ -156,9 +171,11 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
             params, opt_state = replicas.apply_update(tx, grads, state.opt_state, state.params)
             if skip_nonfinite or policy.dynamic_scale:
-                params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                                 (params, opt_state), (state.params, state.opt_state))
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                # A skipped step leaves the whole model as it was, model state (running statistics) included.
+                params, opt_state, model_state = jax.tree.map(
+                    lambda new, old: jnp.where(finite, new, old), (params, opt_state, model_state),
+                    (state.params, state.opt_state, state.model_state))
+        new = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state,
                             loss_scale=next_loss_scale(state.loss_scale, finite, policy.loss_scale))
         metrics = {**means(sums), "grad_norm": grad_norm, "param_norm": trees.norm(params),
                    "lr": schedule(state.step), "finite": finite}
@@ -195,7 +212,7 @@ def make_eval_step(model: ModelDef, loss: str, policy: Policy,
     forward = make_forward(model, policy, compute_params)
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
-        sums = loss_sums(forward(state.params, batch["inputs"]), batch, loss)
+        sums = loss_sums(forward(state.params, state.model_state, batch["inputs"])[0], batch, loss)
         return {f"eval_{k}": v for k, v in means(sums).items()}
 
     return eval_step

@@ -19,6 +19,9 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state: Any, data_state: dict) -> None:
         """Starts an asynchronous save; orbax writes to a temporary directory and renames it when done."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))

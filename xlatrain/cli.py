@@ -1,4 +1,5 @@
-"""`xlatrain train | config | lower | parity | pipeline | report`: every user error is one line on stderr, exit 2."""
+"""`xlatrain train | config | lower | parity | pipeline | report | export`: every user error is one line on
+stderr, exit 2."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ USAGE_EXAMPLES = """examples:
   xlatrain parity examples/configs/digits_mlp.yaml --a mesh.data=1 --b parallel.strategy=fsdp --steps 20
   xlatrain report runs/gpt-stdlib
   xlatrain pipeline mesh.stage=4 parallel.mode=shard_map parallel.pipeline.schedule=interleaved
+  xlatrain parity examples/configs/torch_gpt.yaml --against torch --steps 10
+  xlatrain export runs/torch-gpt --torch gpt.pt
 """
 
 
@@ -52,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     parity.add_argument("--b", nargs="+", default=[], metavar="key=value", help="overrides for side B")
     parity.add_argument("--steps", type=int, default=20, help="steps to compare (default 20)")
     parity.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    parity.add_argument("--against", choices=("torch", "torch_xla"), help="compare a torch model (model.name=torch) "
+                        "trained by xlatrain (side A, with --a overrides) with PyTorch eager or torch_xla (side B)")
+    parity.add_argument("--python", metavar="PATH", help="with --against torch_xla: the Python of a virtual "
+                        "environment that has torch_xla (default: $XLATRAIN_TORCH_XLA_PYTHON)")
     parity.set_defaults(command=_parity, args=[])
     pipeline = commands.add_parser("pipeline", help="print a pipeline's schedule table, partition and bubble, and "
                                    "draw its Gantt chart")
@@ -63,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="print the run summaries (compilations, executions, transfers)")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.set_defaults(command=_report, args=[])
+    export = commands.add_parser("export", help="write a run's trained weights as a torch state_dict")
+    export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    export.add_argument("--torch", type=Path, required=True, metavar="OUT.pt", help="where to write the state_dict")
+    export.add_argument("--step", type=int, help="which checkpoint (default: the latest)")
+    export.set_defaults(command=_export, args=[])
     return parser
 
 
@@ -128,11 +140,35 @@ def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Name
         raise UserError(f"parity takes at most two configs, got {len(args.configs)}: {args.configs}")
     if args.steps < 1 or not args.rtol >= 0:
         raise UserError("parity: --steps must be at least 1 and --rtol non-negative")
+    if args.against:
+        return _parity_against_torch(args)
     paths = (args.configs or [None]) * (2 if len(args.configs) < 2 else 1)
     config_a, config_b = load_config(paths[0], args.a), load_config(paths[1], args.b)
     report = run_parity(config_a, config_b, args.steps, args.rtol)
     print(report.summary())
     return 0 if report.first is None else 1
+
+
+def _parity_against_torch(args: argparse.Namespace) -> int:
+    from xlatrain.config import load_config
+    from xlatrain.torch_parity import run_torch_parity
+
+    if len(args.configs) > 1 or args.b:
+        raise UserError(f"parity --against {args.against} compares one config (side A, --a overrides) with "
+                        f"{args.against}; drop the second config and --b")
+    config = load_config(args.configs[0] if args.configs else None, args.a)
+    print(f"parity: A = xlatrain, B = {'PyTorch eager' if args.against == 'torch' else 'torch_xla'}")
+    report = run_torch_parity(config, args.against, args.steps, args.rtol, args.python)
+    print(report.summary())
+    return 0 if report.first is None else 1
+
+
+def _export(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.export import export_torch_state_dict
+
+    path, step = export_torch_state_dict(args.run_dir, args.torch, args.step)
+    print(f"wrote {path} (step {step})")
+    return 0
 
 
 def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:

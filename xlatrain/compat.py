@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -225,3 +227,91 @@ def pmap_over_rows(fn: Callable, axis_name: str, devices: list, rows_axis: int) 
         return x.reshape(*x.shape[:rows_axis], n, x.shape[rows_axis] // n, *x.shape[rows_axis + 1:])
 
     return lambda state, batch: mapped(state, jax.tree.map(split_rows, batch))
+
+
+# --- torchax (PyTorch modules as JAX functions); imported only when a torch model is used. ---
+
+_NAMED_DIMENSION_OVERLOAD = re.compile(r"(?i)dimname|names")
+"""Overloads taking named dimensions (`aten.prod.dim_Dimname`, `aten.norm.names_ScalarOpt_dim`, ...):
+newer torch releases dropped them, while torchax's op tables still name them."""
+
+
+@dataclass(frozen=True)
+class MissingTorchOverload:
+    """An inert stand-in for an overload this torch does not have: a hashable dict key nothing calls."""
+
+    name: str
+
+
+def _tolerate_missing_named_overloads() -> None:
+    """Make `torch.ops.aten.<op>.<named-dimension overload>` resolve to a MissingTorchOverload instead of
+    raising AttributeError. Stays installed: some of torchax's tables are built lazily. Idempotent."""
+    from torch._ops import OpOverloadPacket
+
+    original = OpOverloadPacket.__getattr__
+    if getattr(original, "xlatrain_shim", False):
+        return
+
+    def getattr_tolerant(self, key):
+        try:
+            return original(self, key)
+        except AttributeError:
+            if _NAMED_DIMENSION_OVERLOAD.search(key):
+                return MissingTorchOverload(f"{self._qualified_op_name}.{key}")
+            raise
+
+    getattr_tolerant.xlatrain_shim = True
+    OpOverloadPacket.__getattr__ = getattr_tolerant
+
+
+def torchax_environment() -> Any:
+    """A torchax Environment for tracing a module's forward inside a jitted JAX function:
+
+    - tensors a forward creates with a factory (`torch.ones(...)` for a mask, `torch.arange`) become JAX
+      values too, whatever device they name (torchax keeps "cpu" ones as torch tensors, and mixing them
+      with traced values fails);
+    - BatchNorm in training mode writes its running statistics back into the buffers, with PyTorch's
+      unbiased variance (torchax 0.0.13 computes the update and drops it).
+    """
+    import torch
+
+    _tolerate_missing_named_overloads()
+    from torchax.tensor import Environment, Tensor
+
+    class TracingEnvironment(Environment):
+        def _should_use_torchax_tensor(self, device):
+            return True
+
+    env = TracingEnvironment()
+
+    def native_batch_norm(input, weight, bias, running_mean, running_var, training=False, momentum=0.1,
+                          eps=1e-5):
+        x = input.jax()
+        axes = (0, *range(2, x.ndim))
+        per_channel = (1, -1) + (1,) * (x.ndim - 2)
+        if training or running_mean is None:
+            mean, var = jnp.mean(x, axis=axes), jnp.var(x, axis=axes)
+            if training and running_mean is not None:
+                count = x.size // x.shape[1]
+                unbiased = var * (count / max(count - 1, 1))
+                running_mean.apply_jax_(lambda r: ((1 - momentum) * r + momentum * mean).astype(r.dtype))
+                running_var.apply_jax_(lambda r: ((1 - momentum) * r + momentum * unbiased).astype(r.dtype))
+        else:
+            mean, var = running_mean.jax(), running_var.jax()
+        rstd = jax.lax.rsqrt(var.astype(jnp.float32) + eps)
+        y = (x - mean.reshape(per_channel)) * rstd.reshape(per_channel)
+        if weight is not None:
+            y = y * weight.jax().reshape(per_channel)
+        if bias is not None:
+            y = y + bias.jax().reshape(per_channel)
+        return Tensor(y.astype(x.dtype), env), Tensor(mean, env), Tensor(rstd, env)
+
+    for op in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
+        env.override_op_definition(op, native_batch_norm)
+    return env
+
+
+def torchax_operator_not_found() -> type[Exception]:
+    from torchax.tensor import OperatorNotFound
+
+    return OperatorNotFound

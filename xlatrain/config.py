@@ -75,8 +75,30 @@ class CustomModelConfig(ModelBase):
     kwargs: dict[str, Any] = {}
 
 
+class TorchModelConfig(ModelBase):
+    name: Literal["torch"]
+    target: Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$")]
+    """"package.module:Name" of a torch.nn.Module subclass, or of a function returning a module."""
+    kwargs: dict[str, Any] = {}
+    init_from: str | None = None
+    """A torch state_dict (.pt) to start from instead of the module's own initialisation."""
+    shard_dims: dict[str, int | None] = {}
+    """Parameter-name glob -> the dimension zero1/fsdp shard over `data` (null: keep it whole); the first
+    matching pattern wins. Unmatched params: their largest dimension that the data axis divides."""
+    blocks: str = "blocks"
+    """For pipelines: the nn.ModuleList attribute holding the repeated blocks (the module also defines
+    before_blocks(inputs) and after_blocks(x))."""
+
+    @model_validator(mode="after")
+    def _init_file_exists(self) -> TorchModelConfig:
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise ValueError(f"model.init_from={self.init_from!r} is not a file; give a torch state_dict saved "
+                             "with torch.save(module.state_dict(), PATH)")
+        return self
+
+
 ModelConfig = Annotated[
-    Union[MLPConfig, CNNConfig, GPTConfig, CustomModelConfig], Field(discriminator="name")
+    Union[MLPConfig, CNNConfig, GPTConfig, CustomModelConfig, TorchModelConfig], Field(discriminator="name")
 ]
 
 # --- data --------------------------------------------------------------------------------------
@@ -214,7 +236,8 @@ class MeshConfig(Strict):
 MESH_AXES = ("data",)
 """Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
 DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
-                         "heads": "data", "hidden": "data", "channels": "data"}
+                         "heads": "data", "hidden": "data", "channels": "data", "sharded": "data"}
+"""`sharded` names the dimension xlatrain picks in each parameter of a torch model (model.shard_dims)."""
 
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]

@@ -58,7 +58,7 @@ def parity_config(config: Config, steps: int, run_dir: Path) -> Config:
 
 def run_parity(config_a: Config, config_b: Config, steps: int, rtol: float) -> ParityReport:
     with tempfile.TemporaryDirectory(prefix="xlatrain-parity-") as scratch:
-        records = [_trajectory(parity_config(c, steps, Path(scratch) / name))
+        records = [trajectory(parity_config(c, steps, Path(scratch) / name))
                    for c, name in ((config_a, "a"), (config_b, "b"))]
     return compare(records[0], records[1], steps, rtol)
 
@@ -75,10 +75,13 @@ def compare(a: dict[int, dict], b: dict[int, dict], steps: int, rtol: float) -> 
     return ParityReport(steps, rtol, first, largest)
 
 
-def _trajectory(config: Config) -> dict[int, dict]:
-    """Per-step metrics of one side; a side with mesh.data = k < devices present uses the first k devices."""
+def side_devices(config: Config) -> list:
+    """A side with mesh.data = k < devices present uses the first k devices."""
     devices = jax.devices()
-    if config.mesh.data != -1:
-        devices = devices[: config.mesh.data]
-    train(config, devices=devices, echo=lambda _: None)
+    return devices if config.mesh.data == -1 else devices[: config.mesh.data]
+
+
+def trajectory(config: Config) -> dict[int, dict]:
+    """Per-step metrics of one side."""
+    train(config, devices=side_devices(config), echo=lambda _: None)
     return {r["step"]: r for r in read_metrics(config.run_dir() / "metrics.jsonl") if "loss" in r}

@@ -23,7 +23,8 @@ from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_gradients, stage_link
 from xlatrain.lowering.step import fuse_steps, make_eval_step, make_gradient_step, make_train_step
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
-from xlatrain.models import model_factory
+from xlatrain.models import build_model
+from xlatrain.models.fit import check_model_outputs
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
 from xlatrain.precision import Policy, resolve_policy
@@ -32,8 +33,7 @@ from xlatrain.state import (
     ModelDef,
     TrainState,
     create_state,
-    describe_model,
-    init_params,
+    init_variables,
     make_init,
     state_specs,
     verify_replicas_identical,
@@ -162,9 +162,13 @@ class Program:
     def gradients(self, state: TrainState, batch: dict) -> tuple[Any, dict]:
         """One batch's gradients as the train step computes them (synchronised over the replicas, unscaled,
         float32, in the state's parameter layout) and the metric sums: for checks against a reference."""
-        fn = make_gradient_step(self.model, self.config.model.loss, self.policy, replicas=self._replicas(),
-                                compute_params=self._gather_params,
-                                gradients=self._pipelined().get("gradients"))
+        gradient_step = make_gradient_step(self.model, self.config.model.loss, self.policy,
+                                           replicas=self._replicas(), compute_params=self._gather_params,
+                                           gradients=self._pipelined().get("gradients"))
+
+        def fn(state: TrainState, batch: dict) -> tuple[Any, dict]:
+            return gradient_step(state, batch)[:2]
+
         return jax.jit(self._per_device(fn, out_specs=(self.specs.params, P()), steps=1))(state, batch)
 
     def _per_device(self, step: Any, out_specs: Any = None, steps: int | None = None) -> Any:
@@ -219,31 +223,35 @@ def build_program(config: Config, devices: list | None = None) -> Program:
         prepare_custom_collectives(mesh)
     dataset = open_dataset(config.data)
     policy = resolve_policy(config.precision, config.collectives.dtype)
-    factory = model_factory(config.model, dataset.spec, policy.compute)
-    model = describe_model(factory)
+    model = build_model(config.model, dataset.spec, policy.compute, config.seed, derived.data_parallel)
+    check_model_outputs(model, dataset.spec, config.model.loss, policy, _model_name(config))
     schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
-    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, factory)
+    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy)
     # Params of a BlockStack's layers are stacked: [layers, ...], or [virtual stages, stages, blocks, ...].
     block_axes = 0 if model.blocks is None else 3 if pipeline else 1
     tx = build_optimizer(config.optimizer, schedule, block_axes)
-    init = make_init(factory, tx, config.seed, policy, arrange=pipeline.layout.stage_params if pipeline else None)
+    init = make_init(model, tx, config.seed, policy, arrange=pipeline.layout.stage_params if pipeline else None)
     abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh,
                                   fixed_param_specs=pipeline.layout.param_specs if pipeline else None)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
                    CompileBook(config.trainer.compile_budget), pipeline)
 
 
-def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy,
-                   factory: Any) -> PipelinePlan | None:
+def _model_name(config: Config) -> str:
+    target = getattr(config.model, "target", None)
+    return f"model.target={target!r}" if target else f"model.name={config.model.name}"
+
+
+def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: DataSpec,
+                   policy: Policy) -> PipelinePlan | None:
     if derived.stages == 1:
         return None
     if model.blocks is None:
-        raise UserError(f"config: model.target={getattr(config.model, 'target', config.model.name)!r} cannot be "
-                        f"pipelined (mesh.stage={derived.stages}): it is not a xlatrain.models.BlockStack (see README, "
-                        "\"Pipelines\"); or set mesh.stage=1")
+        raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it is not "
+                        "a xlatrain.models.BlockStack (see README, \"Pipelines\"); or set mesh.stage=1")
 
     def measure():
-        abstract_params = jax.eval_shape(lambda: init_params(factory, jax.random.PRNGKey(0), policy))
+        abstract_params = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy)[0])
         micro = batch_structs(spec, (derived.pipeline_microbatch_size,))
         return measure_block_costs(model.blocks, abstract_params, micro, config.model.loss, policy)
 

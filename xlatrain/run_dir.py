@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from xlatrain import compat
-from xlatrain.config import Config, Derived, config_to_yaml
+from xlatrain.config import Config, Derived, config_to_yaml, validate_config
 from xlatrain.distributed import is_primary
 from xlatrain.errors import UserError
 
@@ -55,3 +55,18 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def read_run_config(run_dir: Path) -> Config:
+    """The config a run directory was created with (its saved `config.yaml`)."""
+    saved_path = run_dir / CONFIG_FILE
+    if not saved_path.is_file():
+        raise UserError(f"{str(run_dir)!r} is not an xlatrain run directory (no {CONFIG_FILE})")
+    try:
+        saved = yaml.safe_load(saved_path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UserError(f"{saved_path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{saved_path} does not hold an xlatrain config (a mapping of keys)")
+    saved.pop("derived", None)
+    return validate_config(saved)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import flax.struct
@@ -10,15 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xlatrain import compat
 from xlatrain.errors import UserError
-from xlatrain.models import takes_rngs
-from xlatrain.models.axes import logical_axes_of
-from xlatrain.models.blocks import BlockParts, BlockStack
+from xlatrain.models.interface import ModelDef
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.sharding import named, optimizer_specs, param_specs, specs_following_params
 
@@ -27,59 +23,30 @@ from xlatrain.sharding import named, optimizer_specs, param_specs, specs_followi
 class TrainState:
     step: jax.Array
     params: Any
+    model_state: Any
+    """Non-trainable model values the forward updates (e.g. BatchNorm running statistics); replicated."""
     opt_state: Any
     rng: jax.Array
     """Base key; step s uses fold_in(rng, s), so resuming reproduces the same randomness."""
     loss_scale: LossScale
 
 
-@dataclass(frozen=True)
-class ModelDef:
-    """The static half of an nnx model: how to apply a params pytree to inputs."""
-
-    graphdef: Any
-    logical_axes: Any
-    uses_rngs: bool
-    blocks: BlockParts | None = None
-    """How to run the model piece by piece, when it is a BlockStack (it can then be pipelined)."""
-
-    def apply(self, params: Any, inputs: jax.Array, key: jax.Array | None = None) -> jax.Array:
-        module = nnx.merge(self.graphdef, params)
-        return module(inputs, rngs=key) if self.uses_rngs else module(inputs)
+def init_variables(model: ModelDef, key: jax.Array, policy: Policy) -> tuple[Any, Any]:
+    """(params in the stored (master) dtype, model state) of a new model."""
+    params, model_state = model.init(key)
+    return cast_floats(params, policy.param), model_state
 
 
-def describe_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
-    """The model's static structure and parameter axis names, without allocating anything."""
-    abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
-        raise UserError(f"model: only nnx.Param variables are supported as model state; found {kinds}. "
-                        "Keep running statistics out of the module (e.g. use LayerNorm instead of BatchNorm)")
-    flat = dict(nnx.to_flat_state(params))
-    pure = nnx.to_pure_dict(params)
-    axes = jax.tree_util.tree_map_with_path(
-        lambda path, _: logical_axes_of(flat[tuple(_key(k) for k in path)]), pure)
-    return ModelDef(graphdef, axes, takes_rngs(abstract),
-                    BlockParts(abstract) if isinstance(abstract, BlockStack) else None)
-
-
-def init_params(factory: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, policy: Policy) -> Any:
-    """The model's params as a pure dict, in the stored (master) dtype."""
-    return cast_floats(nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(key)), nnx.Param, ...)[1]), policy.param)
-
-
-def make_init(factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
-              seed: int, policy: Policy, arrange: Callable[[Any], Any] | None = None,
-              ) -> Callable[[], TrainState]:
+def make_init(model: ModelDef, tx: optax.GradientTransformation, seed: int, policy: Policy,
+              arrange: Callable[[Any], Any] | None = None) -> Callable[[], TrainState]:
     """`arrange` lays the model's params out for training (a pipeline's stage layout)."""
 
     def init() -> TrainState:
         init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
-        params = init_params(factory, init_key, policy)
+        params, model_state = init_variables(model, init_key, policy)
         params = arrange(params) if arrange is not None else params
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                          rng=train_key, loss_scale=initial_loss_scale(policy))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                          opt_state=tx.init(params), rng=train_key, loss_scale=initial_loss_scale(policy))
 
     return init
 
@@ -97,8 +64,8 @@ def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.Gradi
         params = param_specs(abstract.params, model.logical_axes, strategy == "fsdp", rules, mesh)
         opt = optimizer_specs(tx, abstract.opt_state, abstract.params, model.logical_axes,
                               strategy in ("zero1", "fsdp"), rules, mesh)
-    return abstract, TrainState(step=P(), params=params, opt_state=opt, rng=P(),
-                                loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale))
+    return abstract, TrainState(step=P(), params=params, model_state=jax.tree.map(lambda _: P(), abstract.model_state),
+                                opt_state=opt, rng=P(), loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale))
 
 
 def create_state(init: Callable[[], TrainState], specs: TrainState, mesh: Mesh) -> TrainState:
@@ -151,5 +118,3 @@ def _fingerprint(x: jax.Array) -> jax.Array:
     return jnp.sum(bits * weights, dtype=jnp.uint32)
 
 
-def _key(entry: Any) -> Any:
-    return getattr(entry, "key", getattr(entry, "idx", entry))

@@ -1,21 +1,35 @@
-"""Model construction from config: the built-in MLP, CNN and GPT, or a user's own nnx.Module."""
+"""Model construction from config: the built-in MLP, CNN and GPT, a user's own nnx.Module, or a user's
+torch nn.Module (xlatrain/models/torch_module.py, through torchax)."""
 
-import importlib
 import inspect
 from typing import Callable
 
 import jax.numpy as jnp
 from flax import nnx
 
-from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig
+from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig, TorchModelConfig
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.cnn import CNN
+from xlatrain.models.flax_module import flax_model, takes_rngs
 from xlatrain.models.gpt import GPT, GPTShape
+from xlatrain.models.interface import ModelDef
 from xlatrain.models.mlp import MLP
+from xlatrain.models.targets import import_target
 
-__all__ = ["BlockStack", "model_factory", "stack_blocks", "takes_rngs"]
+__all__ = ["BlockStack", "ModelDef", "build_model", "model_factory", "stack_blocks", "takes_rngs"]
+
+
+def build_model(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype, seed: int,
+                data_parallel: int) -> ModelDef:
+    """The model of a run. `seed` seeds a torch module's own initialisation; `data_parallel` is the size of
+    the `data` axis, which decides the dimension of a torch parameter that zero1/fsdp shard."""
+    if isinstance(config, TorchModelConfig):
+        from xlatrain.models.torch_module import torch_model
+
+        return torch_model(config, seed, data_parallel)
+    return flax_model(model_factory(config, spec, compute_dtype))
 
 
 def model_factory(config: ModelConfig, spec: DataSpec,
@@ -36,25 +50,13 @@ def model_factory(config: ModelConfig, spec: DataSpec,
                          config.max_len or spec.input_shape[0], config.dropout, config.scan_layers,
                          jnp.dtype(compute_dtype))
         return lambda rngs: GPT(shape, rngs=rngs)
-    return _custom_factory(config)
-
-
-def takes_rngs(module: nnx.Module) -> bool:
-    """Whether the module's __call__ accepts a dropout key as `rngs=` (see the model contract)."""
-    return "rngs" in inspect.signature(type(module).__call__).parameters
+    if isinstance(config, CustomModelConfig):
+        return _custom_factory(config)
+    raise TypeError(f"model.name={config.name} is not a flax model")
 
 
 def _custom_factory(config: CustomModelConfig) -> Callable[[nnx.Rngs], nnx.Module]:
-    module_name, _, attr = config.target.partition(":")
-    try:
-        target = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(f"config: model.target={config.target!r}: cannot import {module_name!r} ({err}); "
-                        "make sure the package is installed or on PYTHONPATH") from None
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise UserError(f"config: model.target={config.target!r}: {module_name!r} has no {attr!r}")
-        target = getattr(target, part)
+    target = import_target(config.target)
     if not (isinstance(target, type) and issubclass(target, nnx.Module)):
         raise UserError(f"config: model.target={config.target!r} is not a flax.nnx.Module subclass")
     if "rngs" not in inspect.signature(target.__init__).parameters:

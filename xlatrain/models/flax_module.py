@@ -1,0 +1,47 @@
+"""A flax nnx.Module as xlatrain's model interface: its nnx.Params are the parameters; no model state."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from xlatrain.errors import UserError
+from xlatrain.models.axes import logical_axes_of
+from xlatrain.models.blocks import BlockParts, BlockStack
+from xlatrain.models.interface import ModelDef
+
+
+def takes_rngs(module: nnx.Module) -> bool:
+    """Whether the module's __call__ accepts a dropout key as `rngs=` (see the model contract)."""
+    return "rngs" in inspect.signature(type(module).__call__).parameters
+
+
+def flax_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
+    """The model's static structure and parameter axis names, without allocating anything."""
+    abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
+        raise UserError(f"model: only nnx.Param variables are supported as model state; found {kinds}. "
+                        "Keep running statistics out of the module (e.g. use LayerNorm instead of BatchNorm)")
+    flat = dict(nnx.to_flat_state(params))
+    pure = nnx.to_pure_dict(params)
+    axes = jax.tree_util.tree_map_with_path(
+        lambda path, _: logical_axes_of(flat[tuple(_key(k) for k in path)]), pure)
+    uses_rngs = takes_rngs(abstract)
+
+    def init(key: jax.Array) -> tuple[Any, dict]:
+        return nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(key)), nnx.Param, ...)[1]), {}
+
+    def run(params: Any, model_state: dict, inputs: jax.Array, key: jax.Array | None) -> tuple[jax.Array, dict]:
+        module = nnx.merge(graphdef, params)
+        return (module(inputs, rngs=key) if uses_rngs else module(inputs)), model_state
+
+    return ModelDef(axes, init, run, BlockParts(abstract) if isinstance(abstract, BlockStack) else None)
+
+
+def _key(entry: Any) -> Any:
+    return getattr(entry, "key", getattr(entry, "idx", entry))

@@ -1,0 +1,37 @@
+"""The model interface the step is written against, whatever framework wrote the model.
+
+A model is its parameters (trainable), its model state (non-trainable values the forward may update,
+such as BatchNorm running statistics; empty for most models) and a pure function applying both to a
+batch. `xlatrain.models.flax_module` and `xlatrain.models.torch_module` build one from an nnx.Module
+and from a torch nn.Module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+
+Tree = Any
+Run = Callable[[Tree, Tree, jax.Array, "jax.Array | None"], tuple[jax.Array, Tree]]
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    logical_axes: Tree
+    """Per parameter, a name (or None) for each dimension: how zero1/fsdp shard it (xlatrain/sharding.py)."""
+    init: Callable[[jax.Array], tuple[Tree, Tree]]
+    """key -> (params, model state), traceable, so it can run abstractly or under jit."""
+    run: Run
+    """(params, model state, inputs, key) -> (outputs, new model state). A key means training (dropout
+    draws from it, BatchNorm uses batch statistics and updates its running ones); None means evaluation."""
+    blocks: Any = None
+    """How to run the model piece by piece (xlatrain.models.blocks.BlockParts), when it can be pipelined."""
+    torch: Any = None
+    """The torch module behind the model (xlatrain.models.torch_module.TorchModule), for weights in and out."""
+
+    def apply(self, params: Tree, inputs: jax.Array, key: jax.Array | None = None,
+              model_state: Tree | None = None) -> jax.Array:
+        """The outputs alone; a model with model state must be given it."""
+        return self.run(params, {} if model_state is None else model_state, inputs, key)[0]

@@ -1,0 +1,244 @@
+"""A PyTorch nn.Module as xlatrain's model interface, traced into the one compiled step by torchax.
+
+The module is built once on the host (CPU), seeded from the run's `seed`, only to read its structure
+and its initial weights. Its parameters become xlatrain's trainable params and its buffers the model
+state: a dict keyed by the module's own dotted names. Inside the step, the forward runs through
+`torch.func.functional_call` on torchax tensors that wrap the traced JAX values, so every torch op
+becomes JAX ops of the same XLA program; in-place buffer updates (BatchNorm's running statistics) are
+read back as the new model state, and dropout draws from xlatrain's per-step key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlatrain import compat
+from xlatrain.config import TorchModelConfig
+from xlatrain.errors import UserError
+from xlatrain.models.interface import ModelDef
+from xlatrain.models.targets import import_target
+
+SHARDED = "sharded"
+"""The logical name of the dimension zero1/fsdp shard in a torch parameter (parallel.logical_rules)."""
+
+_JAX_DTYPE = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32),
+              np.dtype(np.uint64): np.dtype(np.uint32), np.dtype(np.complex128): np.dtype(np.complex64)}
+"""64-bit host values become 32-bit JAX values (JAX runs without x64); export restores the module's dtypes."""
+
+
+def import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise UserError("config: model.name=torch needs PyTorch and torchax: pip install -e '.[torch]' "
+                        "(on this machine: pip install torch==2.13.0 first)") from None
+    return torch
+
+
+@dataclass
+class TorchModule:
+    """The host module and how its tensors map to xlatrain's params and model state."""
+
+    module: Any
+    """The torch module on CPU, holding the initial weights (never trained itself)."""
+    target: str
+    env: Any
+
+    @property
+    def param_names(self) -> list[str]:
+        return [name for name, _ in self.module.named_parameters()]
+
+    @property
+    def buffer_names(self) -> list[str]:
+        return [name for name, _ in self.module.named_buffers()]
+
+    def initial_params(self) -> dict[str, np.ndarray]:
+        return {name: to_host_array(p) for name, p in self.module.named_parameters()}
+
+    def initial_buffers(self) -> dict[str, np.ndarray]:
+        return {name: to_host_array(b) for name, b in self.module.named_buffers()}
+
+    def state_dict(self, params: dict, buffers: dict) -> dict[str, Any]:
+        """A torch state_dict of these values, in the module's own dtypes (tied weights under every name)."""
+        torch = import_torch()
+        module = copy.deepcopy(self.module)
+        with torch.no_grad():
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                value = params[name] if name in params else buffers.get(name)
+                if value is not None:
+                    tensor.copy_(to_torch(value, tensor.dtype))
+        return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
+    def run(self, params: dict, buffers: dict, inputs: jax.Array, key: jax.Array | None) -> tuple[jax.Array, dict]:
+        """The forward as JAX: train mode with a key (dropout draws from it), eval mode without."""
+        torch = import_torch()
+        env = self.env
+        self.module.train(key is not None)
+        given = {**{k: jnp.asarray(v) for k, v in self.initial_buffers().items() if k not in buffers}, **buffers}
+        t_params, t_buffers, t_inputs = env.j2t_iso((params, given, inputs))
+        prng = key if key is not None else jax.random.PRNGKey(0)
+        with env, env.override_property(prng=prng), _module_path(self.module) as where:
+            try:
+                out = torch.func.functional_call(self.module, {**t_params, **t_buffers}, (t_inputs,),
+                                                 tie_weights=True, strict=False)
+            except compat.torchax_operator_not_found() as err:
+                raise UserError(f"model: model.target={self.target!r}: torchax cannot lower an op in module "
+                                f"{where()!r} ({str(err).splitlines()[0]}); rewrite that part of the forward with "
+                                "supported ops or use a flax model") from None
+        if not isinstance(out, torch.Tensor):
+            raise UserError(f"model: model.target={self.target!r}: forward returned {type(out).__name__}; "
+                            "xlatrain needs one tensor (logits for cross_entropy, predictions for mse)")
+        new_buffers = {name: t_buffers[name].jax().astype(buffers[name].dtype) for name in buffers}
+        return env.t2j_iso(out), new_buffers
+
+
+def to_host_array(tensor: Any) -> np.ndarray:
+    array = tensor.detach().cpu().numpy()
+    return array.astype(_JAX_DTYPE.get(array.dtype, array.dtype))
+
+
+def to_torch(value: Any, dtype: Any) -> Any:
+    """A host copy of a JAX or numpy value as a torch tensor of `dtype`."""
+    torch = import_torch()
+    array = np.asarray(value)
+    if array.dtype.kind not in "biufc":  # bfloat16 and other ml_dtypes: widen exactly
+        array = array.astype(np.float32)
+    return torch.from_numpy(np.array(array, order="C")).to(dtype)
+
+
+@contextlib.contextmanager
+def _module_path(module: Any) -> Iterator[Callable[[], str]]:
+    """While open, the dotted name of the innermost submodule whose forward is running (for errors)."""
+    names = {id(m): name or type(module).__name__ for name, m in module.named_modules()}
+    stack: list[str] = []
+
+    def enter(m, _args):
+        stack.append(names.get(id(m), type(m).__name__))
+
+    def leave(_m, _args, _out):
+        stack.pop()
+
+    handles = [h for m in module.modules() for h in (m.register_forward_pre_hook(enter),
+                                                     m.register_forward_hook(leave))]
+    try:
+        yield lambda: stack[-1] if stack else names[id(module)]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def load_module(config: TorchModelConfig, seed: int) -> Any:
+    """Build the user's module on CPU with torch's generator seeded from `seed` (global RNG untouched)."""
+    torch = import_torch()
+    target = import_target(config.target)
+    is_class = isinstance(target, type)
+    if is_class and not issubclass(target, torch.nn.Module) or not callable(target):
+        raise UserError(f"config: model.target={config.target!r} is not a torch.nn.Module subclass or a function "
+                        "returning one")
+    _check_kwargs(config, target.__init__ if is_class else target, skip_self=is_class)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            with torch.device("cpu"):
+                module = target(**config.kwargs)
+        except Exception as err:
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise UserError(f"config: model.target={config.target!r} raised {type(err).__name__} when built with "
+                            f"model.kwargs={config.kwargs}: {first}") from None
+    if not isinstance(module, torch.nn.Module):
+        raise UserError(f"config: model.target={config.target!r} returned {type(module).__name__}, not a "
+                        "torch.nn.Module")
+    if config.init_from is not None:
+        load_state_dict_file(module, Path(config.init_from), "model.init_from")
+    return module
+
+
+def _check_kwargs(config: TorchModelConfig, constructor: Callable, skip_self: bool) -> None:
+    try:
+        signature = inspect.signature(constructor)
+    except (TypeError, ValueError):
+        return
+    parameters = list(signature.parameters.values())[1 if skip_self else 0:]
+    signature = signature.replace(parameters=parameters)
+    accepted = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters)
+    unknown = [k for k in config.kwargs if k not in accepted and not takes_any]
+    if unknown:
+        raise UserError(f"config: model.kwargs.{unknown[0]} is not an argument of {config.target!r}; it accepts "
+                        f"{', '.join(accepted) or 'no arguments'}")
+    missing = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+               p.KEYWORD_ONLY) and p.name not in config.kwargs]
+    if missing:
+        raise UserError(f"config: {config.target!r} needs model.kwargs.{missing[0]} (required arguments: "
+                        f"{', '.join(missing)})")
+
+
+def load_state_dict_file(module: Any, path: Path, field: str) -> None:
+    """Load a torch state_dict into `module`; missing, unexpected or misshapen keys are one clear error."""
+    torch = import_torch()
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise UserError(f"config: {field}={str(path)!r} is not a readable torch state_dict ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"config: {field}={str(path)!r} does not hold a state_dict (a dict of name -> tensor)")
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    misshapen = [f"{k} {list(state[k].shape)} (module: {list(v.shape)})" for k, v in expected.items()
+                 if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    problems = [f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
+                for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
+                                    ("wrong shapes", misshapen)) if keys]
+    if problems:
+        raise UserError(f"config: {field}={str(path)!r} does not fit {type(module).__name__}: {'; '.join(problems)}")
+    module.load_state_dict(state, strict=True)
+
+
+def shard_names(name: str, shape: tuple[int, ...], patterns: dict[str, int | None], data_parallel: int,
+                ) -> tuple[str | None, ...]:
+    """Logical names of one parameter: SHARDED on the dimension zero1/fsdp split over `data`, None elsewhere.
+
+    The first pattern of model.shard_dims matching the name chooses the dimension (null: none); otherwise
+    the largest dimension the data axis divides (the first of equals), or none."""
+    for pattern, dim in patterns.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            if dim is None:
+                return (None,) * len(shape)
+            if not -len(shape) <= dim < len(shape):
+                raise UserError(f"config: model.shard_dims[{pattern!r}]={dim} is out of range for parameter "
+                                f"{name} of shape {list(shape)}")
+            dim %= len(shape)
+            if shape[dim] % data_parallel:
+                raise UserError(f"config: model.shard_dims[{pattern!r}]={dim}: dimension {dim} of parameter {name} "
+                                f"{list(shape)} is not divisible by the data axis ({data_parallel})")
+            return tuple(SHARDED if d == dim else None for d in range(len(shape)))
+    divisible = [d for d, size in enumerate(shape) if size % data_parallel == 0]
+    if not divisible:
+        return (None,) * len(shape)
+    chosen = max(divisible, key=lambda d: (shape[d], -d))
+    return tuple(SHARDED if d == chosen else None for d in range(len(shape)))
+
+
+def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> ModelDef:
+    """xlatrain's model interface for the config's torch module."""
+    torch_module = TorchModule(load_module(config, seed), config.target, compat.torchax_environment())
+    params, buffers = torch_module.initial_params(), torch_module.initial_buffers()
+    axes = {name: shard_names(name, value.shape, config.shard_dims, data_parallel) for name, value in params.items()}
+
+    def init(_key: jax.Array) -> tuple[dict, dict]:
+        """The module's own initialisation (seeded when it was built), not the JAX key."""
+        return ({k: jnp.asarray(v) for k, v in params.items()}, {k: jnp.asarray(v) for k, v in buffers.items()})
+
+    return ModelDef(axes, init, torch_module.run, torch=torch_module)
