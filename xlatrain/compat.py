@@ -264,6 +264,14 @@ def _tolerate_missing_named_overloads() -> None:
     OpOverloadPacket.__getattr__ = getattr_tolerant
 
 
+def import_torchax() -> Any:
+    """torchax, importable with the torch we pin (see _tolerate_missing_named_overloads)."""
+    _tolerate_missing_named_overloads()
+    import torchax
+
+    return torchax
+
+
 def torchax_environment() -> Any:
     """A torchax Environment for tracing a module's forward inside a jitted JAX function:
 
@@ -275,7 +283,7 @@ def torchax_environment() -> Any:
     """
     import torch
 
-    _tolerate_missing_named_overloads()
+    import_torchax()
     from torchax.tensor import Environment, Tensor
 
     class TracingEnvironment(Environment):

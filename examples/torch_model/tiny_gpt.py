@@ -45,7 +45,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(width, vocab)
 
     def before_blocks(self, tokens):
-        positions = torch.arange(tokens.shape[1])
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.embed(tokens) + self.position(positions)[None]
 
     def after_blocks(self, x):

@@ -85,9 +85,11 @@ class TorchModule:
         env = self.env
         self.module.train(key is not None)
         given = {**{k: jnp.asarray(v) for k, v in self.initial_buffers().items() if k not in buffers}, **buffers}
-        t_params, t_buffers, t_inputs = env.j2t_iso((params, given, inputs))
+        t_params, t_buffers, t_inputs = env.j2t_iso(jax.tree.map(jnp.asarray, (params, given, inputs)))
         prng = key if key is not None else jax.random.PRNGKey(0)
-        with env, env.override_property(prng=prng), _module_path(self.module) as where:
+        # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
+        with env, env.override_property(prng=prng), _module_path(self.module) as where, \
+                jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
             try:
                 out = torch.func.functional_call(self.module, {**t_params, **t_buffers}, (t_inputs,),
                                                  tie_weights=True, strict=False)
@@ -95,6 +97,12 @@ class TorchModule:
                 raise UserError(f"model: model.target={self.target!r}: torchax cannot lower an op in module "
                                 f"{where()!r} ({str(err).splitlines()[0]}); rewrite that part of the forward with "
                                 "supported ops or use a flax model") from None
+            except UserError:
+                raise
+            except Exception as err:  # the forward failed on traced values (data-dependent shapes, a bad reshape)
+                first = str(err).splitlines()[0] if str(err) else ""
+                raise UserError(f"model: model.target={self.target!r}: the forward of module {where()!r} cannot be "
+                                f"traced by torchax ({type(err).__name__}: {first})") from None
         if not isinstance(out, torch.Tensor):
             raise UserError(f"model: model.target={self.target!r}: forward returned {type(out).__name__}; "
                             "xlatrain needs one tensor (logits for cross_entropy, predictions for mse)")

@@ -1,0 +1,201 @@
+"""PyTorch models through torchax: eager parity, every parallel mode, precision, BatchNorm statistics,
+exact resume, weights in and out, and one clear error for each kind of bad input."""
+
+import copy
+import importlib.util
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, run_cli
+
+torch = pytest.importorskip("torch", reason="PyTorch (the [torch] extra) is not installed; offline, torch 2.13.0 "
+                                            "exists for Python 3.11 only")
+if importlib.util.find_spec("torchax") is None:
+    pytest.skip("torchax (the [torch] extra) is not installed", allow_module_level=True)
+
+from xlatrain.config import load_config  # noqa: E402
+from xlatrain.export import export_torch_state_dict  # noqa: E402
+from xlatrain.program import build_program  # noqa: E402
+from xlatrain.torch_parity import host_batches, optimizer_spec, run_torch_parity  # noqa: E402
+from xlatrain.torch_reference import train as torch_train  # noqa: E402
+from xlatrain.trainer import train  # noqa: E402
+
+EXAMPLES = REPO / "examples" / "torch_model"
+sys.path[:0] = [str(EXAMPLES)]
+PYTHONPATH = os.pathsep.join([str(EXAMPLES), str(REPO / "tests")])
+
+QUIET = ["trainer.progress=false", "trainer.eval_every=1000", "trainer.log_every=1"]
+TORCH_GPT = ["model.name=torch", "model.target=tiny_gpt:TinyGPT", "model.kwargs.width=32", "model.kwargs.layers=2",
+             "model.kwargs.heads=2", "model.kwargs.max_len=32", "data.seq_len=32", "data.max_bytes=400000",
+             "batch.global_size=16", *QUIET]
+TORCH_CNN = ["model.name=torch", "model.target=conv_net:ConvNet", "model.kwargs.channels=8",
+             "model.kwargs.dropout=0.0", "data.source=digits", "batch.global_size=32", *QUIET]
+
+
+def config_for(overrides, run_dir=None):
+    return load_config(None, [*overrides, *([f"trainer.run_dir={run_dir}"] if run_dir else [])])
+
+
+def run(overrides, tmp_path, name, devices=None):
+    return train(config_for(overrides, tmp_path / name), devices=devices, echo=lambda _: None)
+
+
+def trajectory(result):
+    return np.array([result.losses[s] for s in sorted(result.losses)])
+
+
+@pytest.mark.parametrize("overrides", [TORCH_GPT, TORCH_CNN], ids=["gpt", "batchnorm-cnn"])
+def test_forward_equals_torch_eager_in_train_and_eval_mode(overrides, devices):
+    program = build_program(config_for(overrides), devices[:1])
+    params, buffers = program.model.init(jax.random.PRNGKey(0))
+    inputs = host_batches(program.config, 1)[0]["inputs"][:8]
+    eager = copy.deepcopy(program.model.torch.module)
+    with torch.no_grad():
+        eager.eval()
+        expected_eval = eager(torch.from_numpy(inputs)).numpy()
+        eager.train()
+        expected_train = eager(torch.from_numpy(inputs)).numpy()
+    ours_eval = program.model.apply(params, inputs, None, buffers)
+    ours_train, new_buffers = program.model.run(params, buffers, inputs, jax.random.PRNGKey(1))
+    np.testing.assert_allclose(ours_eval, expected_eval, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours_train, expected_train, rtol=1e-5, atol=1e-5)
+    for name, value in eager.named_buffers():  # BatchNorm's running statistics after one training forward
+        np.testing.assert_allclose(new_buffers[name], value.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", [["optimizer.name=sgd", "optimizer.lr=0.05"],
+                                       ["optimizer.name=adamw", "optimizer.weight_decay=0.1",
+                                        "optimizer.warmup_steps=5"]], ids=["sgd", "adamw"])
+def test_twenty_steps_track_torch_eager(optimizer):
+    report = run_torch_parity(config_for([*TORCH_GPT, *optimizer, "batch.microbatches=2"]), "torch", 20, 1e-4)
+    assert report.first is None, report.summary()
+
+
+def test_batch_norm_statistics_and_weights_equal_torch_after_training(tmp_path, devices):
+    # SGD: the conv biases before BatchNorm get gradients that are zero up to rounding, which Adam would amplify.
+    overrides = [*TORCH_CNN, "trainer.steps=10", "batch.microbatches=2", "optimizer.name=sgd", "optimizer.lr=0.05"]
+    config = config_for(overrides, tmp_path / "cnn")
+    train(config, devices=devices[:1], echo=lambda _: None)
+    path, step = export_torch_state_dict(tmp_path / "cnn", tmp_path / "cnn.pt")
+    ours = torch.load(path)
+    program = build_program(config, devices[:1])
+    eager = copy.deepcopy(program.model.torch.module)
+    torch_train(eager, host_batches(config, 10), 2, "cross_entropy", optimizer_spec(config, 10))
+    assert step == 10
+    for name, value in eager.state_dict().items():
+        if "num_batches_tracked" in name:
+            assert int(ours[name]) == int(value) == 20  # two microbatch forwards a step, as in eager PyTorch
+        else:
+            np.testing.assert_allclose(ours[name].numpy(), value.numpy(), rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("parallel", [
+    ["parallel.strategy=fsdp"],
+    pytest.param(["parallel.mode=shard_map", "parallel.strategy=zero1"], marks=pytest.mark.slow),
+    pytest.param(["parallel.mode=pmap"], marks=pytest.mark.slow),
+    pytest.param(["parallel.mode=shard_map", "collectives.impl=custom"], marks=pytest.mark.slow),
+], ids=["fsdp", "zero1-shard_map", "pmap", "custom-collectives"])
+def test_eight_devices_equal_one_device(parallel, tmp_path, devices):
+    common = [*TORCH_GPT, "trainer.steps=10"]
+    one = run([*common, "mesh.data=1"], tmp_path, "one", devices[:1])
+    eight = run([*common, *parallel], tmp_path, "eight")
+    np.testing.assert_allclose(trajectory(eight), trajectory(one), rtol=2e-4)
+
+
+def test_fsdp_shards_each_parameter_on_its_largest_divisible_dimension(devices):
+    program = build_program(config_for([*TORCH_GPT, "parallel.strategy=fsdp",
+                                        "model.shard_dims={'head.*': null}"]), devices)
+    specs = program.specs.params
+    assert tuple(specs["blocks.0.mlp_in.weight"]) == ("data", None)  # [128, 32]: the larger dimension
+    assert tuple(specs["blocks.0.mlp_in.bias"]) == ("data",)
+    assert tuple(specs["embed.weight"]) == ("data", None)  # [256, 32]
+    assert tuple(specs["head.weight"]) == () or all(d is None for d in specs["head.weight"])  # the override
+
+
+@pytest.mark.slow
+def test_bf16_and_fp16_track_fp32(tmp_path):
+    common = [*TORCH_GPT, "trainer.steps=20"]
+    fp32 = trajectory(run(common, tmp_path, "fp32"))
+    for policy, tolerance in (("bf16", 0.02), ("fp16", 0.01)):
+        low = trajectory(run([*common, f"precision.policy={policy}"], tmp_path, policy))
+        assert abs(low[-1] - fp32[-1]) / fp32[-1] < tolerance, (policy, low[-1], fp32[-1])
+
+
+def test_resume_with_dropout_and_batch_norm_is_exact(tmp_path):
+    common = [*TORCH_CNN, "model.kwargs.dropout=0.2", "optimizer.schedule=constant", "trainer.checkpoint_every=3"]
+    straight = run([*common, "trainer.steps=6"], tmp_path, "straight")
+    run([*common, "trainer.steps=3"], tmp_path, "resumed")
+    second = run([*common, "trainer.steps=6"], tmp_path, "resumed")
+    assert second.start_step == 3
+    assert [second.losses[s] for s in (4, 5, 6)] == [straight.losses[s] for s in (4, 5, 6)]
+    assert second.eval_losses[6] == straight.eval_losses[6]
+
+
+def test_state_dict_round_trip_is_bitwise(tmp_path, devices):
+    from tiny_gpt import TinyGPT
+
+    torch.manual_seed(123)
+    source = TinyGPT(width=32, layers=2, heads=2, max_len=32)
+    torch.save(source.state_dict(), tmp_path / "pretrained.pt")
+    program = build_program(config_for([*TORCH_GPT, f"model.init_from={tmp_path / 'pretrained.pt'}"]), devices[:1])
+    state = program.create_state()
+    back = program.model.torch.state_dict(*jax.tree.map(np.asarray, (state.params, state.model_state)))
+    assert back.keys() == source.state_dict().keys()
+    for name, value in source.state_dict().items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
+
+
+def test_export_writes_a_state_dict_the_module_loads_strictly(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {"PYTHONPATH": PYTHONPATH}
+    trained = run_cli("train", *TORCH_CNN, "trainer.steps=2", f"trainer.run_dir={run_dir}", env=env)
+    assert trained.returncode == 0, trained.stderr
+    exported = run_cli("export", str(run_dir), "--torch", str(tmp_path / "out.pt"), env=env)
+    assert exported.returncode == 0, exported.stderr
+    assert "step 2" in exported.stdout
+    from conv_net import ConvNet
+
+    module = ConvNet(channels=8, dropout=0.0)
+    module.load_state_dict(torch.load(tmp_path / "out.pt"), strict=True)
+    again = run_cli("export", str(run_dir), "--torch", str(tmp_path / "out.pt"), env=env)
+    assert again.returncode == 2 and "exists" in again.stderr
+
+
+def _wrong_state_dict(tmp_path):
+    from tiny_gpt import TinyGPT
+
+    path = tmp_path / "other.pt"
+    torch.save(TinyGPT(width=16, layers=3, heads=2, max_len=32).state_dict(), path)
+    return path
+
+
+DIGITS = ["model.name=torch", "data.source=digits", *QUIET]
+BAD_INPUT = {
+    "not a module": ([*DIGITS, "model.target=torch_models:not_a_module"], "returned list, not a torch.nn.Module"),
+    "unknown kwarg": ([*TORCH_GPT, "model.kwargs.depth=3"],
+                      "model.kwargs.depth is not an argument of 'tiny_gpt:TinyGPT'; it accepts vocab, width, layers"),
+    "output shape": ([*DIGITS, "model.target=torch_models:Flat"], "needs logits shaped"),
+    "unlowerable op": ([*DIGITS, "model.target=torch_models:Unlowerable"],
+                       "torchax cannot lower an op in module 'pool'"),
+    "state_dict": ([*TORCH_GPT, "model.init_from=OTHER"],
+                   "unexpected keys: blocks.2.ln_attn.weight, blocks.2.ln_attn.bias, blocks.2.qkv.weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_torch_input_is_one_line_and_exit_2(case, tmp_path):
+    overrides, expected = BAD_INPUT[case]
+    overrides = [o.replace("OTHER", str(_wrong_state_dict(tmp_path))) for o in overrides]
+    done = run_cli("lower", *overrides, env={"PYTHONPATH": PYTHONPATH})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xlatrain: error: ") and expected in lines[0], done.stderr
+
+
+def test_parity_refuses_what_torch_optim_cannot_match():
+    done = run_cli("parity", "examples/configs/torch_gpt.yaml", "--against", "torch", "--a", "optimizer.name=lion",
+                   env={"PYTHONPATH": PYTHONPATH})
+    assert done.returncode == 2 and "no exact torch.optim equivalent" in done.stderr, done.stderr
