@@ -109,8 +109,8 @@ def test_fsdp_shards_each_parameter_on_its_largest_divisible_dimension(devices):
     program = build_program(config_for([*TORCH_GPT, "parallel.strategy=fsdp",
                                         "model.shard_dims={'head.*': null}"]), devices)
     specs = program.specs.params
-    assert tuple(specs["blocks.0.mlp_in.weight"]) == ("data", None)  # [128, 32]: the larger dimension
-    assert tuple(specs["blocks.0.mlp_in.bias"]) == ("data",)
+    assert tuple(specs["blocks"]["mlp_in.weight"]) == (None, "data", None)  # [layers, 128, 32]: the larger one
+    assert tuple(specs["blocks"]["mlp_in.bias"]) == (None, "data")
     assert tuple(specs["embed.weight"]) == ("data", None)  # [256, 32]
     assert tuple(specs["head.weight"]) == () or all(d is None for d in specs["head.weight"])  # the override
 
@@ -122,6 +122,18 @@ def test_bf16_and_fp16_track_fp32(tmp_path):
     for policy, tolerance in (("bf16", 0.02), ("fp16", 0.01)):
         low = trajectory(run([*common, f"precision.policy={policy}"], tmp_path, policy))
         assert abs(low[-1] - fp32[-1]) / fp32[-1] < tolerance, (policy, low[-1], fp32[-1])
+
+
+def test_pipelined_torch_model_equals_the_unpipelined_one_and_exports(tmp_path, devices):
+    common = [*TORCH_GPT, "model.kwargs.layers=4", "trainer.steps=6"]
+    one = run([*common, "mesh.data=1"], tmp_path, "one", devices[:1])
+    piped = run([*common, "mesh.stage=4", "parallel.mode=shard_map", "parallel.pipeline.partition=[1,1,1,1]"],
+                tmp_path, "piped")
+    np.testing.assert_allclose(trajectory(piped), trajectory(one), rtol=2e-4)
+    path, _ = export_torch_state_dict(tmp_path / "piped", tmp_path / "piped.pt")
+    from tiny_gpt import TinyGPT
+
+    TinyGPT(width=32, layers=4, heads=2, max_len=32).load_state_dict(torch.load(path), strict=True)
 
 
 def test_resume_with_dropout_and_batch_norm_is_exact(tmp_path):
@@ -180,6 +192,9 @@ BAD_INPUT = {
     "output shape": ([*DIGITS, "model.target=torch_models:Flat"], "needs logits shaped"),
     "unlowerable op": ([*DIGITS, "model.target=torch_models:Unlowerable"],
                        "torchax cannot lower an op in module 'pool'"),
+    "pipeline with BatchNorm": ([*DIGITS, "model.target=conv_net:ConvNet", "mesh.stage=2", "parallel.mode=shard_map"],
+                                "cannot be pipelined (mesh.stage=2): it has no non-empty nn.ModuleList attribute "
+                                "'blocks'"),
     "state_dict": ([*TORCH_GPT, "model.init_from=OTHER"],
                    "unexpected keys: blocks.2.ln_attn.weight, blocks.2.ln_attn.bias, blocks.2.qkv.weight"),
 }

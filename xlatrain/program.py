@@ -247,8 +247,14 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
     if derived.stages == 1:
         return None
     if model.blocks is None:
-        raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it is not "
-                        "a xlatrain.models.BlockStack (see README, \"Pipelines\"); or set mesh.stage=1")
+        why = model.not_pipelinable or "it is not a xlatrain.models.BlockStack"
+        raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): {why} (see "
+                        "README, \"Pipelines\"); or set mesh.stage=1")
+    model_state = jax.eval_shape(model.init, jax.random.PRNGKey(0))[1]
+    if jax.tree.leaves(model_state):
+        raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it keeps "
+                        f"model state ({', '.join(list(model_state)[:3])}), and a pipeline passes only activations "
+                        "between stages; or set mesh.stage=1")
 
     def measure():
         abstract_params = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy)[0])

@@ -30,6 +30,9 @@ class ModelDef:
     """How to run the model piece by piece (xlatrain.models.blocks.BlockParts), when it can be pipelined."""
     torch: Any = None
     """The torch module behind the model (xlatrain.models.torch_module.TorchModule), for weights in and out."""
+    not_pipelinable: str | None = None
+    """Why the model cannot be pipelined, when `blocks` is None and there is more to say than "not a
+    BlockStack"."""
 
     def apply(self, params: Tree, inputs: jax.Array, key: jax.Array | None = None,
               model_state: Tree | None = None) -> jax.Array:

@@ -27,6 +27,7 @@ from xlatrain.config import TorchModelConfig
 from xlatrain.errors import UserError
 from xlatrain.models.interface import ModelDef
 from xlatrain.models.targets import import_target
+from xlatrain.models.torch_blocks import BlockStacking, TorchBlockParts, block_stacking
 
 SHARDED = "sharded"
 """The logical name of the dimension zero1/fsdp shard in a torch parameter (parallel.logical_rules)."""
@@ -53,6 +54,8 @@ class TorchModule:
     """The torch module on CPU, holding the initial weights (never trained itself)."""
     target: str
     env: Any
+    stack: BlockStacking | None = None
+    """How the module's repeated blocks are stacked into params["blocks"] (None: params keep flat names)."""
 
     @property
     def param_names(self) -> list[str]:
@@ -71,6 +74,7 @@ class TorchModule:
     def state_dict(self, params: dict, buffers: dict) -> dict[str, Any]:
         """A torch state_dict of these values, in the module's own dtypes (tied weights under every name)."""
         torch = import_torch()
+        params = self.flat_params(params)
         module = copy.deepcopy(self.module)
         with torch.no_grad():
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
@@ -81,18 +85,29 @@ class TorchModule:
 
     def run(self, params: dict, buffers: dict, inputs: jax.Array, key: jax.Array | None) -> tuple[jax.Array, dict]:
         """The forward as JAX: train mode with a key (dropout draws from it), eval mode without."""
+        return self.call(self.module, self.flat_params(params), buffers, inputs, key)
+
+    def flat_params(self, params: dict) -> dict:
+        """Params by the module's own names (blocks stacked for a pipeline are taken apart)."""
+        return params if self.stack is None else self.stack.unstack(params)
+
+    def call(self, module: Any, params: dict, buffers: dict, inputs: jax.Array, key: jax.Array | None,
+             ) -> tuple[jax.Array, dict]:
+        """`module`'s forward as JAX, its params and buffers named relative to it. Buffers not given are the
+        module's initial ones, as constants; the given ones come back updated."""
         torch = import_torch()
         env = self.env
-        self.module.train(key is not None)
-        given = {**{k: jnp.asarray(v) for k, v in self.initial_buffers().items() if k not in buffers}, **buffers}
+        module.train(key is not None)
+        initial = {name: to_host_array(b) for name, b in module.named_buffers() if name not in buffers}
+        given = {**jax.tree.map(jnp.asarray, initial), **buffers}
         t_params, t_buffers, t_inputs = env.j2t_iso(jax.tree.map(jnp.asarray, (params, given, inputs)))
         prng = key if key is not None else jax.random.PRNGKey(0)
         # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
-        with env, env.override_property(prng=prng), _module_path(self.module) as where, \
+        with env, env.override_property(prng=prng), _module_path(module) as where, \
                 jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
             try:
-                out = torch.func.functional_call(self.module, {**t_params, **t_buffers}, (t_inputs,),
-                                                 tie_weights=True, strict=False)
+                out = torch.func.functional_call(module, {**t_params, **t_buffers}, (t_inputs,), tie_weights=True,
+                                                 strict=False)
             except compat.torchax_operator_not_found() as err:
                 raise UserError(f"model: model.target={self.target!r}: torchax cannot lower an op in module "
                                 f"{where()!r} ({str(err).splitlines()[0]}); rewrite that part of the forward with "
@@ -240,13 +255,21 @@ def shard_names(name: str, shape: tuple[int, ...], patterns: dict[str, int | Non
 
 
 def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> ModelDef:
-    """xlatrain's model interface for the config's torch module."""
-    torch_module = TorchModule(load_module(config, seed), config.target, compat.torchax_environment())
-    params, buffers = torch_module.initial_params(), torch_module.initial_buffers()
-    axes = {name: shard_names(name, value.shape, config.shard_dims, data_parallel) for name, value in params.items()}
+    """xlatrain's model interface for the config's torch module. A module that keeps its repeated blocks as
+    the contract says (see torch_blocks.py) gets them stacked into params["blocks"], so it can be pipelined."""
+    module = load_module(config, seed)
+    stack, not_stackable = block_stacking(module, config.blocks)
+    torch_module = TorchModule(module, config.target, compat.torchax_environment(), stack)
+    flat, buffers = torch_module.initial_params(), torch_module.initial_buffers()
+    axes = {name: shard_names(name, value.shape, config.shard_dims, data_parallel) for name, value in flat.items()}
+    params = flat
+    if stack is not None:
+        params, axes = stack.stack(flat), stack.stack_axes(axes)
 
     def init(_key: jax.Array) -> tuple[dict, dict]:
         """The module's own initialisation (seeded when it was built), not the JAX key."""
-        return ({k: jnp.asarray(v) for k, v in params.items()}, {k: jnp.asarray(v) for k, v in buffers.items()})
+        return jax.tree.map(jnp.asarray, params), {k: jnp.asarray(v) for k, v in buffers.items()}
 
-    return ModelDef(axes, init, torch_module.run, torch=torch_module)
+    parts = None if stack is None else TorchBlockParts(torch_module, stack)
+    return ModelDef(axes, init, torch_module.run, blocks=parts, torch=torch_module,
+                    not_pipelinable=not_stackable)
