@@ -31,6 +31,7 @@ def test_every_config_key_is_in_the_reference():
 
 
 def test_ci_runs_the_readme_test_command():
-    test_command = "python3 -m pip install -e '.[test]' && python3 -m pytest"
+    test_command = ("python3 -m pip install torch==2.13.0 && python3 -m pip install -e '.[test,torch]' && "
+                    "python3 -m pytest")
     assert test_command in README
     assert test_command in (REPO / ".ci/run").read_text()

@@ -24,9 +24,10 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
     if not isinstance(config.model, TorchModelConfig):
         raise UserError(f"export --torch: {str(run_dir)!r} trained model.name={config.model.name}, not a torch module "
                         "(model.name=torch)")
-    if out.exists() or not out.parent.is_dir():
-        raise UserError(f"export --torch: {str(out)!r} " + ("exists; choose a new path, nothing is overwritten"
-                                                            if out.exists() else "is in a directory that does not exist"))
+    if out.exists():
+        raise UserError(f"export --torch: {str(out)!r} exists; choose a new path (nothing is overwritten)")
+    if not out.parent.is_dir():
+        raise UserError(f"export --torch: {str(out)!r} is in a directory that does not exist")
     # Restore onto the devices present, whatever data-parallel size the run trained with.
     config = config.model_copy(update={"mesh": config.mesh.model_copy(update={"data": -1})})
     program = build_program(config)

@@ -224,6 +224,8 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     dataset = open_dataset(config.data)
     policy = resolve_policy(config.precision, config.collectives.dtype)
     model = build_model(config.model, dataset.spec, policy.compute, config.seed, derived.data_parallel)
+    if derived.stages > 1:
+        _refuse_unpipelinable(config, derived, model)
     check_model_outputs(model, dataset.spec, config.model.loss, policy, _model_name(config))
     schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
     pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy)
@@ -246,6 +248,17 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
                    policy: Policy) -> PipelinePlan | None:
     if derived.stages == 1:
         return None
+
+    def measure():
+        abstract_params = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy)[0])
+        micro = batch_structs(spec, (derived.pipeline_microbatch_size,))
+        return measure_block_costs(model.blocks, abstract_params, micro, config.model.loss, policy)
+
+    return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
+                         model.blocks.layers, measure)
+
+
+def _refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> None:
     if model.blocks is None:
         why = model.not_pipelinable or "it is not a xlatrain.models.BlockStack"
         raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): {why} (see "
@@ -255,11 +268,3 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
         raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it keeps "
                         f"model state ({', '.join(list(model_state)[:3])}), and a pipeline passes only activations "
                         "between stages; or set mesh.stage=1")
-
-    def measure():
-        abstract_params = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy)[0])
-        micro = batch_structs(spec, (derived.pipeline_microbatch_size,))
-        return measure_block_costs(model.blocks, abstract_params, micro, config.model.loss, policy)
-
-    return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
-                         model.blocks.layers, measure)
