@@ -61,7 +61,7 @@ def main() -> None:
                                    "pytorch_eager": eager_runner(torch_program),
                                    "flax_via_xlatrain_unrolled": train_runner(flax_unrolled),
                                    "flax_via_xlatrain_scanned": train_runner(flax_scanned)},
-                                  rounds=6, steps_per_round=10, warmup=5)
+                                  rounds=10, steps_per_round=10, warmup=5)
     ratios = {"torch_via_xlatrain_over_flax_unrolled": medians["torch_via_xlatrain"]
               / medians["flax_via_xlatrain_unrolled"],
               "torch_via_xlatrain_over_flax_scanned": medians["torch_via_xlatrain"]
@@ -74,7 +74,7 @@ def main() -> None:
     path = write_results("torch_bridge", "PYTHONPATH=examples/torch_model python3 -m bench.torch_bridge",
                          {"target": "torch_via_xlatrain / flax_via_xlatrain <= 1.05",
                           "torch_threads": torch.get_num_threads(), "params": torch_program.param_count,
-                          "median_step_seconds": medians, "ratios": ratios, "steps_per_candidate": 60})
+                          "median_step_seconds": medians, "ratios": ratios, "steps_per_candidate": 100})
     print(f"wrote {path}")
 
 

@@ -94,10 +94,11 @@ def test_batch_norm_statistics_and_weights_equal_torch_after_training(tmp_path, 
 
 @pytest.mark.parametrize("parallel", [
     ["parallel.strategy=fsdp"],
+    pytest.param(["parallel.strategy=replicated"], marks=pytest.mark.slow),
     pytest.param(["parallel.mode=shard_map", "parallel.strategy=zero1"], marks=pytest.mark.slow),
     pytest.param(["parallel.mode=pmap"], marks=pytest.mark.slow),
     pytest.param(["parallel.mode=shard_map", "collectives.impl=custom"], marks=pytest.mark.slow),
-], ids=["fsdp", "zero1-shard_map", "pmap", "custom-collectives"])
+], ids=["fsdp", "replicated", "zero1-shard_map", "pmap", "custom-collectives"])
 def test_eight_devices_equal_one_device(parallel, tmp_path, devices):
     common = [*TORCH_GPT, "trainer.steps=10"]
     one = run([*common, "mesh.data=1"], tmp_path, "one", devices[:1])
@@ -113,6 +114,11 @@ def test_fsdp_shards_each_parameter_on_its_largest_divisible_dimension(devices):
     assert tuple(specs["blocks"]["mlp_in.bias"]) == (None, "data")
     assert tuple(specs["embed.weight"]) == ("data", None)  # [256, 32]
     assert tuple(specs["head.weight"]) == () or all(d is None for d in specs["head.weight"])  # the override
+
+
+def test_amp_order_holds_in_the_compiled_step_of_a_torch_model(devices):
+    program = build_program(config_for([*TORCH_CNN, "precision.policy=fp16"]), devices)
+    assert program.amp_order_problems() == []
 
 
 @pytest.mark.slow

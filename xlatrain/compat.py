@@ -77,12 +77,19 @@ def used_inputs(fn: Callable, *args: Any) -> list[bool]:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """jax.nn.dot_product_attention(is_causal=True). XLA:CPU has no float16 x float16 -> float32 dot (the
-    precision jax asks for with f16 inputs), so there f16 attention runs in float32 and casts back."""
+    return attention(q, k, v, is_causal=True)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
+              ) -> jax.Array:
+    """jax.nn.dot_product_attention on [batch, length, heads, head dim]. XLA:CPU has no float16 x float16 ->
+    float32 dot (the precision jax asks for with f16 inputs), so there f16 attention runs in float32 and
+    casts back."""
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
-        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal,
+                                           scale=scale)
         return out.astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
 _HOST_READS = threading.local()
@@ -279,7 +286,9 @@ def torchax_environment() -> Any:
       values too, whatever device they name (torchax keeps "cpu" ones as torch tensors, and mixing them
       with traced values fails);
     - BatchNorm in training mode writes its running statistics back into the buffers, with PyTorch's
-      unbiased variance (torchax 0.0.13 computes the update and drops it).
+      unbiased variance (torchax 0.0.13 computes the update and drops it);
+    - F.scaled_dot_product_attention without a mask, dropout or grouped heads is jax.nn.dot_product_attention,
+      the attention xlatrain's flax GPT uses (torchax's reference builds an explicit -inf bias).
     """
     import torch
 
@@ -316,6 +325,18 @@ def torchax_environment() -> Any:
 
     for op in (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default):
         env.override_op_definition(op, native_batch_norm)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    reference = env._ops[sdpa].func
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        if attn_mask is not None or dropout_p > 0 or enable_gqa or query.ndim != 4:
+            return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
+        q, k, v = (jnp.swapaxes(t.jax(), 1, 2) for t in (query, key, value))  # [B, H, L, K] -> [B, L, H, K]
+        return Tensor(jnp.swapaxes(attention(q, k, v, is_causal=is_causal, scale=scale), 1, 2), env)
+
+    env.override_op_definition(sdpa, scaled_dot_product_attention)
     return env
 
 
