@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import importlib.util
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,10 @@ def import_torch() -> Any:
     try:
         import torch
     except ImportError:
+        torch = None
+    if torch is None or importlib.util.find_spec("torchax") is None:
         raise UserError("config: model.name=torch needs PyTorch and torchax: pip install -e '.[torch]' "
-                        "(on this machine: pip install torch==2.13.0 first)") from None
+                        "(where a CPU build is at hand, pip install torch==2.13.0 first)")
     return torch
 
 
@@ -56,14 +59,6 @@ class TorchModule:
     env: Any
     stack: BlockStacking | None = None
     """How the module's repeated blocks are stacked into params["blocks"] (None: params keep flat names)."""
-
-    @property
-    def param_names(self) -> list[str]:
-        return [name for name, _ in self.module.named_parameters()]
-
-    @property
-    def buffer_names(self) -> list[str]:
-        return [name for name, _ in self.module.named_buffers()]
 
     def initial_params(self) -> dict[str, np.ndarray]:
         return {name: to_host_array(p) for name, p in self.module.named_parameters()}
