@@ -216,7 +216,13 @@ def test_bad_torch_input_is_one_line_and_exit_2(case, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("xlatrain: error: ") and expected in lines[0], done.stderr
 
 
-def test_parity_refuses_what_torch_optim_cannot_match():
-    done = run_cli("parity", "examples/configs/torch_gpt.yaml", "--against", "torch", "--a", "optimizer.name=lion",
+@pytest.mark.parametrize("config, overrides, expected", [
+    ("examples/configs/torch_gpt.yaml", ["optimizer.name=lion"], "no exact torch.optim equivalent"),
+    ("examples/configs/torch_gpt.yaml", ["precision.policy=bf16"], "set precision.policy=fp32"),
+    ("examples/configs/digits_mlp.yaml", [], "compares a torch model (model.name=torch), not model.name=mlp"),
+], ids=["lion", "bf16", "not-torch"])
+def test_parity_refuses_what_torch_cannot_match(config, overrides, expected):
+    done = run_cli("parity", config, "--against", "torch", *(["--a", *overrides] if overrides else []),
                    env={"PYTHONPATH": PYTHONPATH})
-    assert done.returncode == 2 and "no exact torch.optim equivalent" in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from dataclasses import asdict
@@ -28,6 +29,7 @@ from xlatrain.parity import ParityReport, compare, parity_config, side_devices, 
 BACKENDS = ("torch", "torch_xla")
 TORCH_XLA_PYTHON = "XLATRAIN_TORCH_XLA_PYTHON"
 """Environment variable: the Python of a virtual environment with torch_xla (for --against torch_xla)."""
+TORCH_XLA_TIMEOUT_S = 1800
 
 
 def run_torch_parity(config: Config, backend: str, steps: int, rtol: float, python: str | None = None,
@@ -35,6 +37,11 @@ def run_torch_parity(config: Config, backend: str, steps: int, rtol: float, pyth
     from xlatrain import torch_reference
     from xlatrain.models.torch_module import load_module
 
+    if not isinstance(config.model, TorchModelConfig):
+        raise UserError(f"parity --against {backend} compares a torch model (model.name=torch), not "
+                        f"model.name={config.model.name}")
+    if backend == "torch_xla":
+        python = torch_xla_python(python)
     module = load_module(config.model, config.seed)
     refuse_what_differs(config, module)
     batches = host_batches(config, steps)
@@ -73,9 +80,6 @@ def refuse_what_differs(config: Config, module) -> None:
     """What would make the two sides differ for reasons other than a bug: refuse it, saying why."""
     import torch
 
-    if not isinstance(config.model, TorchModelConfig):
-        raise UserError(f"parity --against torch compares a torch model (model.name=torch), not "
-                        f"model.name={config.model.name}")
     if config.precision.policy != "fp32" or config.precision.compute_dtype not in (None, "float32"):
         raise UserError("parity --against torch compares fp32 training (PyTorch's autocast rounds differently from "
                         "xlatrain's precision policies); set precision.policy=fp32")
@@ -99,14 +103,22 @@ def host_batches(config: Config, steps: int) -> list[dict[str, np.ndarray]]:
     return [next(iterator) for _ in range(steps)]
 
 
-def _run_under_torch_xla(config: Config, module, batches: list[dict], spec, scratch: Path,
-                         python: str | None) -> list[dict]:
-    import torch
-
+def torch_xla_python(python: str | None) -> str:
+    """The Python that runs the torch_xla side: --python, else $XLATRAIN_TORCH_XLA_PYTHON; it must exist."""
     python = python or os.environ.get(TORCH_XLA_PYTHON)
     if not python:
         raise UserError(f"parity --against torch_xla: give the Python of a virtual environment with torch_xla (see "
                         f"README, \"Bring a PyTorch model\") as --python PATH or {TORCH_XLA_PYTHON}=PATH")
+    if shutil.which(python) is None:
+        raise UserError(f"parity --against torch_xla: {python!r} is not an executable Python; give the one of a "
+                        "virtual environment with the [torch-xla] extra")
+    return python
+
+
+def _run_under_torch_xla(config: Config, module, batches: list[dict], spec, scratch: Path,
+                         python: str) -> list[dict]:
+    import torch
+
     torch.save(module.state_dict(), scratch / "weights.pt")
     np.savez(scratch / "batches.npz", **{f"{i}/{k}": v for i, b in enumerate(batches) for k, v in b.items()})
     job = {"target": config.model.target, "kwargs": config.model.kwargs, "weights": str(scratch / "weights.pt"),
@@ -115,8 +127,11 @@ def _run_under_torch_xla(config: Config, module, batches: list[dict], spec, scra
     (scratch / "spec.json").write_text(json.dumps(job))
     script = Path(__file__).with_name("torch_reference.py")
     env = {**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
-    done = subprocess.run([python, str(script), str(scratch / "spec.json"), str(scratch / "out.json")],
-                          capture_output=True, text=True, env=env, timeout=1800)
+    try:
+        done = subprocess.run([python, str(script), str(scratch / "spec.json"), str(scratch / "out.json")],
+                              capture_output=True, text=True, env=env, timeout=TORCH_XLA_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UserError(f"parity --against torch_xla: could not run {python}: {err}") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise UserError(f"parity --against torch_xla: the torch_xla side failed under {python}: {last}")
