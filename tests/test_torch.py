@@ -166,6 +166,15 @@ def test_state_dict_round_trip_is_bitwise(tmp_path, devices):
         assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
 
 
+def test_the_modules_weights_are_arguments_of_the_init_program_not_constants(devices):
+    program = build_program(config_for(TORCH_GPT), devices[:1])
+    given = program.model.initial_values()
+    weight_bytes = sum(v.nbytes for v in jax.tree.leaves(given))
+    assert len(jax.jit(program.init).lower(given).as_text()) < weight_bytes / 4
+    state = program.create_state()
+    np.testing.assert_array_equal(state.params["embed.weight"], given[0]["embed.weight"])
+
+
 def test_export_writes_a_state_dict_the_module_loads_strictly(tmp_path):
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": PYTHONPATH}

@@ -129,7 +129,8 @@ class Program:
                 "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else 0}
 
     def create_state(self) -> TrainState:
-        state = create_state(self.init, self.specs, self.mesh)
+        given = self.model.initial_values() if self.model.initial_values is not None else None
+        state = create_state(self.init, self.specs, self.mesh, given)
         verify_replicas_identical(state, self.specs, self.mesh)
         return state
 

@@ -31,19 +31,21 @@ class TrainState:
     loss_scale: LossScale
 
 
-def init_variables(model: ModelDef, key: jax.Array, policy: Policy) -> tuple[Any, Any]:
-    """(params in the stored (master) dtype, model state) of a new model."""
-    params, model_state = model.init(key)
+def init_variables(model: ModelDef, key: jax.Array, policy: Policy, given: Any = None) -> tuple[Any, Any]:
+    """(params in the stored (master) dtype, model state) of a new model; `given`: its (params, model state)
+    when the model comes with values (see ModelDef.initial_values)."""
+    params, model_state = model.init(key) if given is None else given
     return cast_floats(params, policy.param), model_state
 
 
 def make_init(model: ModelDef, tx: optax.GradientTransformation, seed: int, policy: Policy,
-              arrange: Callable[[Any], Any] | None = None) -> Callable[[], TrainState]:
-    """`arrange` lays the model's params out for training (a pipeline's stage layout)."""
+              arrange: Callable[[Any], Any] | None = None) -> Callable[[Any], TrainState]:
+    """init(given=None) -> the train state. `arrange` lays the model's params out for training (a pipeline's
+    stage layout)."""
 
-    def init() -> TrainState:
+    def init(given: Any = None) -> TrainState:
         init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
-        params, model_state = init_variables(model, init_key, policy)
+        params, model_state = init_variables(model, init_key, policy, given)
         params = arrange(params) if arrange is not None else params
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                           opt_state=tx.init(params), rng=train_key, loss_scale=initial_loss_scale(policy))
@@ -68,9 +70,11 @@ def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.Gradi
                                 opt_state=opt, rng=P(), loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale))
 
 
-def create_state(init: Callable[[], TrainState], specs: TrainState, mesh: Mesh) -> TrainState:
-    """Initialise straight into the target shardings: the full state never sits on one device."""
-    return jax.jit(init, out_shardings=named(mesh, specs))()
+def create_state(init: Callable[[Any], TrainState], specs: TrainState, mesh: Mesh, given: Any = None,
+                 ) -> TrainState:
+    """Initialise straight into the target shardings: the full state never sits on one device. Values the
+    model comes with (`given`, host arrays) are arguments of the init program, never constants in it."""
+    return jax.jit(init, out_shardings=named(mesh, specs))(given)
 
 
 def with_shardings(abstract: Any, specs: Any, mesh: Mesh) -> Any:

@@ -40,7 +40,7 @@ def flax_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
         module = nnx.merge(graphdef, params)
         return (module(inputs, rngs=key) if uses_rngs else module(inputs)), model_state
 
-    return ModelDef(axes, init, run, BlockParts(abstract) if isinstance(abstract, BlockStack) else None)
+    return ModelDef(axes, init, run, blocks=BlockParts(abstract) if isinstance(abstract, BlockStack) else None)
 
 
 def _key(entry: Any) -> Any:

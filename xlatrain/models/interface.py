@@ -26,6 +26,9 @@ class ModelDef:
     run: Run
     """(params, model state, inputs, key) -> (outputs, new model state). A key means training (dropout
     draws from it, BatchNorm uses batch statistics and updates its running ones); None means evaluation."""
+    initial_values: Callable[[], tuple[Tree, Tree]] | None = None
+    """Host values of (params, model state) for a model that comes with its weights (a torch module):
+    the train state is created from them as program arguments, so they never become XLA constants."""
     blocks: Any = None
     """How to run the model piece by piece (xlatrain.models.blocks.BlockParts), when it can be pipelined."""
     torch: Any = None

@@ -261,10 +261,13 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
     if stack is not None:
         params, axes = stack.stack(flat), stack.stack_axes(axes)
 
+    def initial_values() -> tuple[dict, dict]:
+        """The module's own initialisation (seeded when it was built), not a JAX key's."""
+        return params, buffers
+
     def init(_key: jax.Array) -> tuple[dict, dict]:
-        """The module's own initialisation (seeded when it was built), not the JAX key."""
-        return jax.tree.map(jnp.asarray, params), {k: jnp.asarray(v) for k, v in buffers.items()}
+        return jax.tree.map(jnp.asarray, initial_values())
 
     parts = None if stack is None else TorchBlockParts(torch_module, stack)
-    return ModelDef(axes, init, torch_module.run, blocks=parts, torch=torch_module,
+    return ModelDef(axes, init, torch_module.run, initial_values=initial_values, blocks=parts, torch=torch_module,
                     not_pipelinable=not_stackable)
