@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_GPT
+from conftest import DIGITS_MLP, TINY_GPT
 from jax.sharding import PartitionSpec as P
 
 from xlatrain.config import load_config
@@ -64,3 +64,20 @@ def test_same_seed_same_params_other_seed_other_params(devices):
     np.testing.assert_array_equal(once, first_kernel(1))
     assert not np.array_equal(once, first_kernel(2))
     assert jnp.all(jnp.isfinite(once))
+
+
+def test_a_checkpoint_written_before_model_state_existed_restores(tmp_path, devices):
+    import dataclasses
+
+    from xlatrain.checkpoint import Checkpoints
+    from xlatrain.state import with_shardings
+
+    program = build_program(load_config(None, [*DIGITS_MLP, "mesh.data=1"]), devices[:1])
+    state = program.create_state()
+    old_layout = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "model_state"}
+    checkpoints = Checkpoints(tmp_path / "checkpoints", 3)
+    checkpoints.save(5, old_layout, {"position": 7})
+    restored, data = checkpoints.restore(5, with_shardings(program.abstract_state, program.specs, program.mesh))
+    checkpoints.close()
+    assert data == {"position": 7} and restored.model_state == {}
+    np.testing.assert_array_equal(jax.tree.leaves(restored.params)[0], jax.tree.leaves(state.params)[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,36 @@ class Checkpoints:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """The state (placed in the shardings that `abstract_state` carries) and the data position."""
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
         try:
-            restored = self._manager.restore(step, args=args)
+            return self._restore(step, abstract_state)
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
+            legacy = _without_model_state(abstract_state)
+            if legacy is not None:
+                try:
+                    state, data = self._restore(step, legacy)
+                    return abstract_state.replace(**state, model_state={}), data
+                except Exception:
+                    pass
             raise UserError(
                 f"checkpoint {self.directory / str(step)} could not be restored ({type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''}). It may be corrupt or from another model: "
                 "move that step directory aside to resume from an earlier one, or set trainer.run_dir to a "
                 "new directory") from None
+
+    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        restored = self._manager.restore(step, args=args)
         return restored.state, restored.data
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _without_model_state(abstract_state: Any) -> dict | None:
+    """A train state written before TrainState had `model_state` (always empty for those models): its other
+    fields as a dict, to restore such a checkpoint; None when the state has model state to restore."""
+    if not dataclasses.is_dataclass(abstract_state) or getattr(abstract_state, "model_state", None) != {}:
+        return None
+    return {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)
+            if f.name != "model_state"}

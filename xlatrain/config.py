@@ -236,8 +236,7 @@ class MeshConfig(Strict):
 MESH_AXES = ("data",)
 """Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
 DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
-                         "heads": "data", "hidden": "data", "channels": "data", "sharded": "data"}
-"""`sharded` names the dimension xlatrain picks in each parameter of a torch model (model.shard_dims)."""
+                         "heads": "data", "hidden": "data", "channels": "data"}
 
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]

@@ -156,7 +156,7 @@ class Program:
     def _zero1_dims(self) -> Any:
         """Per param, the dimension its optimizer state is split along over `data` (None: not split)."""
         specs = param_specs(self.abstract_state.params, self.model.logical_axes, True,
-                            self.config.parallel.logical_rules, self.mesh)
+                            self.model.rules(self.config.parallel.logical_rules), self.mesh)
         return jax.tree.map(lambda spec: spec.index(DATA) if DATA in spec else None, specs,
                             is_leaf=lambda x: isinstance(x, P))
 
@@ -234,7 +234,8 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     block_axes = 0 if model.blocks is None else 3 if pipeline else 1
     tx = build_optimizer(config.optimizer, schedule, block_axes)
     init = make_init(model, tx, config.seed, policy, arrange=pipeline.layout.stage_params if pipeline else None)
-    abstract, specs = state_specs(init, model, tx, config.parallel.strategy, config.parallel.logical_rules, mesh,
+    rules = model.rules(config.parallel.logical_rules)
+    abstract, specs = state_specs(init, model, tx, config.parallel.strategy, rules, mesh,
                                   fixed_param_specs=pipeline.layout.param_specs if pipeline else None)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
                    CompileBook(config.trainer.compile_budget), pipeline)

@@ -8,7 +8,7 @@ and from a torch nn.Module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -26,6 +26,8 @@ class ModelDef:
     run: Run
     """(params, model state, inputs, key) -> (outputs, new model state). A key means training (dropout
     draws from it, BatchNorm uses batch statistics and updates its running ones); None means evaluation."""
+    logical_rules: dict[str, str | None] = field(default_factory=dict)
+    """Rules for logical names of the model's own (a torch model's `sharded`), beneath parallel.logical_rules."""
     initial_values: Callable[[], tuple[Tree, Tree]] | None = None
     """Host values of (params, model state) for a model that comes with its weights (a torch module):
     the train state is created from them as program arguments, so they never become XLA constants."""
@@ -36,6 +38,10 @@ class ModelDef:
     not_pipelinable: str | None = None
     """Why the model cannot be pipelined, when `blocks` is None and there is more to say than "not a
     BlockStack"."""
+
+    def rules(self, configured: dict[str, str | None]) -> dict[str, str | None]:
+        """parallel.logical_rules over the model's own rules."""
+        return {**self.logical_rules, **configured}
 
     def apply(self, params: Tree, inputs: jax.Array, key: jax.Array | None = None,
               model_state: Tree | None = None) -> jax.Array:

@@ -31,7 +31,8 @@ from xlatrain.models.targets import import_target
 from xlatrain.models.torch_blocks import BlockStacking, TorchBlockParts, block_stacking
 
 SHARDED = "sharded"
-"""The logical name of the dimension zero1/fsdp shard in a torch parameter (parallel.logical_rules)."""
+"""The logical name of the dimension zero1/fsdp shard in a torch parameter; mapped to `data` unless
+parallel.logical_rules says otherwise."""
 
 _JAX_DTYPE = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32),
               np.dtype(np.uint64): np.dtype(np.uint32), np.dtype(np.complex128): np.dtype(np.complex64)}
@@ -269,5 +270,5 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
         return jax.tree.map(jnp.asarray, initial_values())
 
     parts = None if stack is None else TorchBlockParts(torch_module, stack)
-    return ModelDef(axes, init, torch_module.run, initial_values=initial_values, blocks=parts, torch=torch_module,
-                    not_pipelinable=not_stackable)
+    return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: "data"}, initial_values=initial_values,
+                    blocks=parts, torch=torch_module, not_pipelinable=not_stackable)
