@@ -8,7 +8,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 
 
 class Checkpoints:
@@ -42,7 +42,7 @@ class Checkpoints:
                     pass
             raise UserError(
                 f"checkpoint {self.directory / str(step)} could not be restored ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}). It may be corrupt or from another model: "
+                f"{first_line(err)}). It may be corrupt or from another model: "
                 "move that step directory aside to resume from an earlier one, or set trainer.run_dir to a "
                 "new directory") from None
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -598,8 +598,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(merged, resolve=True)
     except (OmegaConfBaseException, yaml.YAMLError) as err:
-        first_line = str(err).splitlines()[0]
-        raise UserError(f"config: could not parse overrides {list(overrides)} ({first_line}); values are YAML: "
+        raise UserError(f"config: could not parse overrides {list(overrides)} ({first_line(err)}); values are YAML: "
                         "quote ones that start with *, & or ! (e.g. data.glob='*.txt')") from None
     return validate_config(data)
 

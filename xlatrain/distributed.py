@@ -6,7 +6,7 @@ import jax
 
 from xlatrain import compat
 from xlatrain.config import DistributedConfig
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 
 
 def initialize(config: DistributedConfig) -> None:
@@ -20,7 +20,7 @@ def initialize(config: DistributedConfig) -> None:
     except Exception as err:  # connection and timeout errors come from deep inside the runtime
         raise UserError(f"distributed: could not join distributed.coordinator={config.coordinator} as process "
                         f"{config.process_id} of {config.num_processes} ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''}); start every process with the same "
+                        f"{first_line(err)}); start every process with the same "
                         "coordinator and num_processes, and a distinct process_id") from None
 
 

@@ -5,3 +5,9 @@ class UserError(Exception):
     """A problem with the user's input (config, devices, files). The CLI prints it and exits 2."""
 
     exit_code = 2
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message ("" when it has none), for one-line errors."""
+    lines = str(err).splitlines()
+    return lines[0] if lines else ""

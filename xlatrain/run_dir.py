@@ -9,7 +9,7 @@ import yaml
 from xlatrain import compat
 from xlatrain.config import Config, Derived, config_to_yaml, validate_config
 from xlatrain.distributed import is_primary
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 
 CONFIG_FILE = "config.yaml"
 RESUMABLE_SECTIONS = ("trainer", "derived", "distributed")
@@ -65,7 +65,7 @@ def read_run_config(run_dir: Path) -> Config:
     try:
         saved = yaml.safe_load(saved_path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserError(f"{saved_path} is not valid YAML ({str(err).splitlines()[0]})") from None
+        raise UserError(f"{saved_path} is not valid YAML ({first_line(err)})") from None
     if not isinstance(saved, dict):
         raise UserError(f"{saved_path} does not hold an xlatrain config (a mapping of keys)")
     saved.pop("derived", None)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlatrain.data.spec import DataSpec
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 from xlatrain.models.interface import ModelDef
 from xlatrain.precision import Policy, cast_floats
 
@@ -29,10 +29,9 @@ def check_model_outputs(model: ModelDef, spec: DataSpec, loss: str, policy: Poli
         except UserError:
             raise
         except Exception as err:
-            first = str(err).splitlines()[0] if str(err) else ""
             raise UserError(f"model: {name} failed on a batch of inputs {list(inputs.shape)} {inputs.dtype} "
                             f"({'training' if key is not None else 'evaluation'}): {type(err).__name__}: "
-                            f"{first}") from None
+                            f"{first_line(err)}") from None
         problem = output_problem(tuple(outputs.shape), np.dtype(outputs.dtype), spec, loss)
         if problem:
             raise UserError(f"model: {name} returns {list(outputs.shape)} {np.dtype(outputs.dtype)} for inputs "

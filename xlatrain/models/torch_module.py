@@ -25,7 +25,7 @@ import numpy as np
 
 from xlatrain import compat
 from xlatrain.config import TorchModelConfig
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 from xlatrain.models.interface import ModelDef
 from xlatrain.models.targets import import_target
 from xlatrain.models.torch_blocks import BlockStacking, TorchBlockParts, block_stacking
@@ -106,14 +106,13 @@ class TorchModule:
                                                  strict=False)
             except compat.torchax_operator_not_found() as err:
                 raise UserError(f"model: model.target={self.target!r}: torchax cannot lower an op in module "
-                                f"{where()!r} ({str(err).splitlines()[0]}); rewrite that part of the forward with "
+                                f"{where()!r} ({first_line(err)}); rewrite that part of the forward with "
                                 "supported ops or use a flax model") from None
             except UserError:
                 raise
             except Exception as err:  # the forward failed on traced values (data-dependent shapes, a bad reshape)
-                first = str(err).splitlines()[0] if str(err) else ""
                 raise UserError(f"model: model.target={self.target!r}: the forward of module {where()!r} cannot be "
-                                f"traced by torchax ({type(err).__name__}: {first})") from None
+                                f"traced by torchax ({type(err).__name__}: {first_line(err)})") from None
         if not isinstance(out, torch.Tensor):
             raise UserError(f"model: model.target={self.target!r}: forward returned {type(out).__name__}; "
                             "xlatrain needs one tensor (logits for cross_entropy, predictions for mse)")
@@ -171,9 +170,8 @@ def load_module(config: TorchModelConfig, seed: int) -> Any:
             with torch.device("cpu"):
                 module = target(**config.kwargs)
         except Exception as err:
-            first = str(err).splitlines()[0] if str(err) else ""
             raise UserError(f"config: model.target={config.target!r} raised {type(err).__name__} when built with "
-                            f"model.kwargs={config.kwargs}: {first}") from None
+                            f"model.kwargs={config.kwargs}: {first_line(err)}") from None
     if not isinstance(module, torch.nn.Module):
         raise UserError(f"config: model.target={config.target!r} returned {type(module).__name__}, not a "
                         "torch.nn.Module")
@@ -209,7 +207,7 @@ def load_state_dict_file(module: Any, path: Path, field: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise UserError(f"config: {field}={str(path)!r} is not a readable torch state_dict ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''})") from None
+                        f"{first_line(err)})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"config: {field}={str(path)!r} does not hold a state_dict (a dict of name -> tensor)")
     expected = module.state_dict()
@@ -267,7 +265,8 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
         return params, buffers
 
     def init(_key: jax.Array) -> tuple[dict, dict]:
-        return jax.tree.map(jnp.asarray, initial_values())
+        # Host arrays, not jnp ones: the abstract uses (eval_shape) then copy nothing to a device.
+        return initial_values()
 
     parts = None if stack is None else TorchBlockParts(torch_module, stack)
     return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: "data"}, initial_values=initial_values,
