@@ -4,8 +4,9 @@ per-shape executable cache that counts, times and explains every (re)compilation
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 from jax.sharding import NamedSharding
@@ -16,18 +17,34 @@ from xlatrain.errors import UserError
 
 @dataclass
 class CompileLog:
-    """Every XLA compilation seen while it is installed: (function name, seconds)."""
+    """Every XLA compilation seen while it is installed: (function name, seconds, phase of the run)."""
 
-    events: list[tuple[str, float]] = field(default_factory=list)
+    events: list[tuple[str, float, str]] = field(default_factory=list)
+    current_phase: str = "other"
 
     def count(self, name: str | None = None) -> int:
-        return sum(1 for fun, _ in self.events if name is None or fun in (name, f"jit({name})"))
+        return sum(1 for fun, _, _ in self.events if name is None or fun in (name, f"jit({name})"))
 
     def seconds(self) -> float:
-        return sum(secs for _, secs in self.events)
+        return sum(secs for _, secs, _ in self.events)
+
+    def by_phase(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for _, _, phase in self.events:
+            counts[phase] = counts.get(phase, 0) + 1
+        return counts
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Compilations inside are counted under `name` (e.g. "set-up", "checkpoints")."""
+        outer, self.current_phase = self.current_phase, name
+        try:
+            yield
+        finally:
+            self.current_phase = outer
 
     def listening(self):
-        return compat.backend_compile_listener(lambda fun, secs: self.events.append((fun, secs)))
+        return compat.backend_compile_listener(lambda fun, secs: self.events.append((fun, secs, self.current_phase)))
 
 
 @dataclass(frozen=True)
@@ -109,11 +126,8 @@ class CompileBook:
         if self.budget is not None and len(self.records) > self.budget:
             raise CompileBudgetExceeded(
                 f"trainer.compile_budget={self.budget} exceeded: the steps were compiled {len(self.records)} "
-                f"times.\n{self.report()}\nPad inputs to fewer shapes (data.buckets), or raise "
-                "trainer.compile_budget")
-
-    def report(self) -> str:
-        return "\n".join(f"  {i + 1}. {r.step} ({r.seconds:.2f}s): {r.cause}" for i, r in enumerate(self.records))
+                f"times, the last for {self.records[-1].cause}; pad inputs to fewer shapes (data.buckets) or "
+                "raise trainer.compile_budget (every cause: xlatrain report RUN_DIR)")
 
 
 class CompileBudgetExceeded(UserError):

@@ -1,18 +1,45 @@
-"""orbax checkpoints of the train state and the data position: async, atomic, keep the last K."""
+"""orbax checkpoints of the train state and the data position: async, atomic, keep the last K, and verified.
+
+Each checkpoint carries a fingerprint of every leaf of the state (computed on the devices). A restore checks
+them; a checkpoint that cannot be read or does not match is moved aside (`<step>.corrupt`), never deleted, and
+the newest one that verifies is used instead.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import jax
 import orbax.checkpoint as ocp
 
+from xlatrain import compat
+from xlatrain.distributed import is_primary
 from xlatrain.errors import UserError, first_line
+from xlatrain.fingerprints import tree_fingerprints
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint step that cannot be read, or whose arrays do not match their saved fingerprints."""
+
+
+_SLICE_BYTES_FOR_REPLICA_PARALLEL = 2**20
+"""orbax splits the save of a replicated array among its replicas by slicing it, which compiles one small XLA
+program per slice shape (96 for a 2-stage pipeline's small state); below this many bytes a slice is not worth
+a compilation."""
+
+
+@functools.cache
+def _register_array_handler() -> None:
+    handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=_SLICE_BYTES_FOR_REPLICA_PARALLEL)
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
 class Checkpoints:
     def __init__(self, directory: Path, keep: int):
+        _register_array_handler()
         self.directory = directory.resolve()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -25,35 +52,84 @@ class Checkpoints:
 
     def save(self, step: int, state: Any, data_state: dict) -> None:
         """Starts an asynchronous save; orbax writes to a temporary directory and renames it when done."""
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
+        integrity = {"fingerprints": tree_fingerprints(state)}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                                  integrity=ocp.args.JsonSave(integrity))
         self._manager.save(step, args=args, force=True)
 
+    def restore_newest_verified(self, abstract_state: Any,
+                                warn: Callable[[str], None]) -> tuple[Any, dict, int] | None:
+        """(state, data position, step) of the newest checkpoint that restores and verifies; those newer that do
+        not are moved aside with one warning each. None when there is no checkpoint; a UserError when none
+        verifies."""
+        moved = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, data = self.restore(step, abstract_state)
+                return state, data, step
+            except CorruptCheckpoint as err:
+                destination = self._move_aside(step)
+                moved.append(destination.name)
+                warn(f"checkpoint {step} is unusable ({err}); moved it to {destination} and trying an earlier one")
+        if moved:
+            raise UserError(f"no checkpoint in {self.directory} restores and verifies (moved aside: "
+                            f"{', '.join(moved)}); move one back to retry it, or set trainer.run_dir to a new "
+                            "directory to start over")
+        return None
+
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """The state (placed in the shardings that `abstract_state` carries) and the data position."""
+        """The state (placed in the shardings that `abstract_state` carries) and the data position, verified
+        against the saved fingerprints."""
         try:
-            return self._restore(step, abstract_state)
+            state, data, saved = self._restore(step, abstract_state)
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
             legacy = _without_model_state(abstract_state)
-            if legacy is not None:
-                try:
-                    state, data = self._restore(step, legacy)
-                    return abstract_state.replace(**state, model_state={}), data
-                except Exception:
-                    pass
-            raise UserError(
-                f"checkpoint {self.directory / str(step)} could not be restored ({type(err).__name__}: "
-                f"{first_line(err)}). It may be corrupt or from another model: "
-                "move that step directory aside to resume from an earlier one, or set trainer.run_dir to a "
-                "new directory") from None
+            if legacy is None:
+                raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
+            try:
+                fields, data, saved = self._restore(step, legacy)
+            except Exception:
+                raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
+            state = abstract_state.replace(**fields, model_state={})
+        if saved is not None:
+            _verify(state, saved)
+        return state, data
 
-    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
-        restored = self._manager.restore(step, args=args)
-        return restored.state, restored.data
+    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict | None]:
+        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
+        has_integrity = (self.directory / str(step) / "integrity").is_dir()
+        if has_integrity:  # checkpoints written before fingerprints existed restore unverified
+            items["integrity"] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return restored.state, restored.data, restored.integrity["fingerprints"] if has_integrity else None
+
+    def _move_aside(self, step: int) -> Path:
+        compat.barrier(f"xlatrain-checkpoint-{step}-moving-aside")
+        source = self.directory / str(step)
+        destination = source.with_name(f"{step}.corrupt")
+        suffix = 1
+        while destination.exists():
+            suffix += 1
+            destination = source.with_name(f"{step}.corrupt-{suffix}")
+        if is_primary():
+            source.rename(destination)
+        compat.barrier(f"xlatrain-checkpoint-{step}-moved-aside")
+        self._manager.reload()
+        return destination
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _verify(state: Any, saved: dict[str, int]) -> None:
+    restored = tree_fingerprints(state)
+    differ = [path for path, value in restored.items() if saved.get(path) != value]
+    missing = sorted(set(saved) - set(restored))
+    if differ or missing:
+        named = differ or missing
+        raise CorruptCheckpoint(f"{len(named)} array(s) do not match the fingerprints saved with it, e.g. "
+                                f"{named[0]}")
 
 
 def _without_model_state(abstract_state: Any) -> dict | None:

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from xlatrain.errors import UserError
 
@@ -34,8 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake is one line and exit 2, like every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xlatrain", description="Config-driven JAX/XLA training.",
+    parser = _OneLineParser(prog="xlatrain", description="Config-driven JAX/XLA training.",
                                      epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     for name, func, help_text in (("train", _train, "train (or resume) a run"),
@@ -85,17 +93,22 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
 
 
 def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
-    from xlatrain.config import load_config
-    from xlatrain.distributed import initialize
-    from xlatrain.trainer import NonFiniteLoss, train
+    from xlatrain.stop import StoppedBeforeFirstStep, stop_signals
 
-    config = load_config(config_path, overrides)
-    initialize(config.distributed)
-    try:
-        train(config)
-    except NonFiniteLoss as err:
-        print(f"xlatrain: stopped: {err}", file=sys.stderr)
-        return 1
+    with stop_signals():
+        try:
+            from xlatrain.config import load_config
+            from xlatrain.distributed import initialize
+            from xlatrain.trainer import NonFiniteLoss, train
+
+            config = load_config(config_path, overrides)
+            initialize(config.distributed)
+            train(config)
+        except StoppedBeforeFirstStep as stop:
+            print(f"xlatrain: {stop}: stopped before the first step; nothing to save", flush=True)
+        except NonFiniteLoss as err:
+            print(f"xlatrain: stopped: {err}", file=sys.stderr)
+            return 1
     return 0
 
 

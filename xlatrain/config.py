@@ -15,12 +15,16 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from xlatrain.errors import UserError, first_line
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+INT32_MAX = 2**31 - 1
+"""Counts and sizes must fit the int32 that array shapes, indices and XLA's loop counters use."""
+PositiveInt = Annotated[int, Field(gt=0, le=INT32_MAX)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+"""What numpy's and torch's generators accept."""
 Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
 DropoutRate = Annotated[float, Field(ge=0.0, lt=1.0)]
 
@@ -128,6 +132,14 @@ class TextData(DataBase):
     shortest of these lengths (or seq_len) that fits it, with padding masked out of the loss.
     Default: fixed windows of seq_len."""
 
+    @field_validator("glob")
+    @classmethod
+    def _relative_pattern(cls, pattern: str) -> str:
+        if not pattern or Path(pattern).is_absolute():
+            raise ValueError(f"data.glob={pattern!r} must be a non-empty pattern relative to data.path, e.g. "
+                             "'**/*.txt'")
+        return pattern
+
     @model_validator(mode="after")
     def _path_exists(self) -> TextData:
         if self.path is not None and not Path(self.path).is_dir():
@@ -185,6 +197,10 @@ class OptimizerBase(Strict):
     """Global batch that optimizer.lr was tuned for; default: the run's global batch."""
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     warmup_steps: NonNegativeInt = 0
+    """Linear warmup from 0, clamped to the schedule's horizon."""
+    decay_steps: PositiveInt | None = None
+    """The schedule's horizon (warmup included): the step where decay ends. null: trainer.steps when the run is
+    created; saved in the run's config.yaml, so resuming with more trainer.steps keeps it unless this is set."""
     final_lr_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
     clip_norm: Annotated[float, Field(gt=0)] | None = 1.0
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
@@ -270,10 +286,11 @@ class ParallelConfig(Strict):
     """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too."""
     logical_rules: dict[str, str | None] = DEFAULT_LOGICAL_RULES
     """Logical axis name -> mesh axis (or null), merged over the defaults; used by zero1/fsdp."""
-    mode: Literal["jit", "shard_map", "pmap"] = "jit"
-    """jit: one global program, XLA's partitioner inserts the gradient all-reduce. shard_map: a
-    per-device program whose gradient sync is written out (balanced buckets, collectives.impl). pmap:
-    the same per-device program through the legacy jax.pmap API."""
+    mode: Literal["auto", "jit", "shard_map", "pmap"] = "auto"
+    """auto: shard_map where a per-device program is needed (a pipeline, mesh.stage > 1, or
+    collectives.impl=custom), jit otherwise. jit: one global program, XLA's partitioner inserts the gradient
+    all-reduce. shard_map: a per-device program whose gradient sync is written out (balanced buckets,
+    collectives.impl). pmap: the same per-device program through the legacy jax.pmap API."""
     pipeline: PipelineConfig = PipelineConfig()
 
     @field_validator("logical_rules")
@@ -376,8 +393,9 @@ class DistributedConfig(Strict):
 
 
 class Config(Strict):
+    _mode_chosen_for: str | None = PrivateAttr(default=None)
     name: Annotated[str, Field(pattern=r"^[\w.-]+$")] = "gpt-stdlib"
-    seed: NonNegativeInt = 0
+    seed: Seed = 0
     model: ModelConfig = GPTConfig(name="gpt")
     data: DataConfig = TextData(source="text")
     batch: BatchConfig = BatchConfig()
@@ -388,6 +406,17 @@ class Config(Strict):
     collectives: CollectivesConfig = CollectivesConfig()
     trainer: TrainerConfig = TrainerConfig()
     distributed: DistributedConfig = DistributedConfig()
+
+    @model_validator(mode="after")
+    def _resolve_auto_mode(self) -> Config:
+        """Runs first: the checks below and the saved config see the mode that will run."""
+        if self.parallel.mode == "auto":
+            why = ("a pipeline (mesh.stage > 1)" if self.mesh.stage > 1 else "collectives.impl=custom"
+                   if self.collectives.impl == "custom" else None)
+            object.__setattr__(self, "parallel", self.parallel.model_copy(
+                update={"mode": "shard_map" if why else "jit"}))
+            self._mode_chosen_for = why or "no per-device program needed"
+        return self
 
     @model_validator(mode="after")
     def _model_fits_data(self) -> Config:
@@ -414,8 +443,9 @@ class Config(Strict):
         supported = {"jit": ("replicated", "zero1", "fsdp"), "shard_map": ("replicated", "zero1"),
                      "pmap": ("replicated",)}[mode]
         if self.parallel.strategy not in supported:
-            raise ValueError(f"parallel.mode={mode} supports parallel.strategy {' or '.join(supported)}, not "
-                             f"{self.parallel.strategy!r}; use parallel.mode=jit for zero1/fsdp")
+            chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
+            raise ValueError(f"parallel.mode={mode}{chosen} supports parallel.strategy {' or '.join(supported)}, "
+                             f"not {self.parallel.strategy!r}; parallel.mode=jit runs zero1/fsdp")
         if mode == "shard_map" and self.parallel.strategy == "zero1" and self.optimizer.name == "adafactor":
             raise ValueError("parallel.mode=shard_map with parallel.strategy=zero1 updates each block of a "
                              "parameter on its own, which needs an elementwise optimizer (adamw, sgd, lion), not "
@@ -437,7 +467,8 @@ class Config(Strict):
                              "xlatrain.models.BlockStack; or set mesh.stage=1")
         if self.parallel.mode != "shard_map":
             raise ValueError(f"mesh.stage={stages} runs a pipeline, a per-device program whose stages pass "
-                             f"activations to each other: set parallel.mode=shard_map (not {self.parallel.mode})")
+                             f"activations to each other: use parallel.mode=auto or shard_map, not "
+                             f"{self.parallel.mode}")
         if self.parallel.strategy != "replicated":
             raise ValueError(f"a pipeline (mesh.stage={stages}) keeps each stage's blocks on that stage and "
                              "replicates them over `data`: use parallel.strategy=replicated, not "
@@ -616,17 +647,58 @@ def config_to_yaml(config: Config) -> str:
 
 
 def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise UserError(f"config: {str(path)!r} is a directory; pass a YAML file (e.g. {str(path / 'config.yaml')!r})")
     if not path.is_file():
+        if path.suffix.lower() not in (".yaml", ".yml") and re.fullmatch(r"[A-Za-z_][\w.]*", str(path)):
+            raise UserError(f"config: {str(path)!r} is neither a YAML file nor key=value; to set a key write "
+                            f"{path}=VALUE")
         raise UserError(f"config: file {str(path)!r} not found; pass a YAML file or no file for the default run")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise UserError(f"config: {path} is not valid YAML: {err}") from None
+    data = parse_yaml(_read_text(path), str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"config: {path} must hold a mapping of keys at the top level")
+        raise UserError(f"config: {path} must hold a mapping of keys at the top level, not a {type(data).__name__}")
     return data
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        if b"\0" in raw:
+            raise UnicodeError("it holds NUL bytes")
+        return raw.decode("utf-8")
+    except UnicodeError as err:
+        raise UserError(f"config: {path} is not a UTF-8 text file ({first_line(err)}); a config is YAML text") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key].start_mark.line + 1}); "
+                    "give each key once", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, name: str) -> Any:
+    """YAML text as Python values; a syntax error or duplicate key is one line `name:line:column: problem`."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
+        problem = getattr(err, "problem", None) or first_line(err)
+        context = getattr(err, "context", None)
+        hint = " (YAML indents with spaces, not tabs)" if "\\t" in problem else ""
+        raise UserError(f"config: {where}: {problem}{hint}" + (f", {context}" if context else "")) from None
 
 
 def _reject_malformed_overrides(overrides: list[str]) -> None:
@@ -653,6 +725,8 @@ def _format_validation_error(err: ValidationError) -> str:
         loc = _dotted_loc(item["loc"])
         if item["type"] == "extra_forbidden":
             lines.append(f"unknown key {loc!r}{_did_you_mean(item['loc'])}")
+        elif item["type"] in ("model_type", "model_attributes_type", "dict_type") and loc:
+            lines.append(f"{loc} must be a mapping of keys (e.g. {loc}.KEY=VALUE), not {item.get('input')!r}")
         else:
             msg = item["msg"].removeprefix("Value error, ")
             got = item.get("input")

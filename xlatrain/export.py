@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from xlatrain.checkpoint import Checkpoints
+from xlatrain.checkpoint import Checkpoints, CorruptCheckpoint
 from xlatrain.config import TorchModelConfig
 from xlatrain.errors import UserError
 from xlatrain.program import build_program
@@ -39,6 +39,9 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
             raise UserError(f"export --torch: {str(run_dir)!r} has no checkpoint at step {step}; it has "
                             f"{available or 'none'}")
         state, _ = checkpoints.restore(step, with_shardings(program.abstract_state, program.specs, program.mesh))
+    except CorruptCheckpoint as err:
+        raise UserError(f"export --torch: checkpoint {checkpoints.directory / str(step)} is unusable ({err}); "
+                        f"export another one with --step (this run has {available})") from None
     finally:
         checkpoints.close()
     params = state.params if program.pipeline is None else program.pipeline.layout.layer_params(state.params)

@@ -76,9 +76,9 @@ def compare(a: dict[int, dict], b: dict[int, dict], steps: int, rtol: float) -> 
 
 
 def side_devices(config: Config) -> list:
-    """A side with mesh.data = k < devices present uses the first k devices."""
+    """A side whose mesh (mesh.data x mesh.stage) needs fewer devices than are present uses the first ones."""
     devices = jax.devices()
-    return devices if config.mesh.data == -1 else devices[: config.mesh.data]
+    return devices if config.mesh.data == -1 else devices[: config.mesh.data * config.mesh.stage]
 
 
 def trajectory(config: Config) -> dict[int, dict]:

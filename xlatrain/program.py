@@ -228,7 +228,8 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     if derived.stages > 1:
         _refuse_unpipelinable(config, derived, model)
     check_model_outputs(model, dataset.spec, config.model.loss, policy, _model_name(config))
-    schedule = learning_rate_schedule(config.optimizer, derived, config.trainer.steps)
+    schedule = learning_rate_schedule(config.optimizer, derived,
+                                        config.optimizer.decay_steps or config.trainer.steps)
     pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy)
     # Params of a BlockStack's layers are stacked: [layers, ...], or [virtual stages, stages, blocks, ...].
     block_axes = 0 if model.blocks is None else 3 if pipeline else 1

@@ -1,46 +1,91 @@
-"""The run directory: the resolved config is saved there, and a second run into it must be a resume."""
+"""The run directory: checked before anything expensive runs, and the resolved config saved there only once the
+run has started (its state created or restored); a second run into it must be a resume."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from xlatrain import compat
-from xlatrain.config import Config, Derived, config_to_yaml, validate_config
+from xlatrain.config import Config, Derived, config_to_yaml, parse_yaml, validate_config
 from xlatrain.distributed import is_primary
 from xlatrain.errors import UserError, first_line
 
 CONFIG_FILE = "config.yaml"
-RESUMABLE_SECTIONS = ("trainer", "derived", "distributed")
-"""Sections that may differ between a run and its resumption (more steps, other devices or processes)."""
+RESUMABLE_KEYS = ("trainer.", "derived.", "distributed.", "optimizer.decay_steps")
+"""Keys that may differ between a run and its resumption (more steps, other devices or processes, a new
+learning-rate horizon given on purpose)."""
 
 
-def prepare_run_dir(config: Config, derived: Derived) -> Path:
-    """Check that an existing run directory belongs to this config, then (process 0) save the config."""
+def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
+    """Check trainer.run_dir before anything expensive runs: it can be written, and when it holds a run, that
+    run has this config. Returns the config to train with: the learning-rate schedule's horizon
+    (optimizer.decay_steps) fixed when the run was created, unless this config sets it."""
     run_dir = config.run_dir()
+    _check_writable(run_dir)
     saved_path = run_dir / CONFIG_FILE
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not saved_path.is_file():
-            raise UserError(f"trainer.run_dir={str(run_dir)!r} exists and is not an xlatrain run directory "
-                            f"(no {CONFIG_FILE}); choose another trainer.run_dir so nothing there is overwritten")
-        _check_same_run(config, saved_path)
+    if not any(run_dir.iterdir()):
+        compat.barrier("xlatrain-run-dir-checked")
+        return _with_horizon(config, config.optimizer.decay_steps or config.trainer.steps)
+    if not saved_path.is_file():
+        raise UserError(f"trainer.run_dir={str(run_dir)!r} exists and is not an xlatrain run directory "
+                        f"(no {CONFIG_FILE}); choose another trainer.run_dir so nothing there is overwritten")
+    saved = _read_saved(saved_path)
+    _check_same_run(config, saved, saved_path)
     compat.barrier("xlatrain-run-dir-checked")
+    kept = saved.optimizer.decay_steps or saved.trainer.steps
+    wanted = config.optimizer.decay_steps
+    if wanted is None or wanted == kept:
+        if config.trainer.steps > kept:
+            echo(f"  learning-rate schedule: keeping this run's horizon of {kept} steps (set "
+                 "optimizer.decay_steps to stretch it to the new trainer.steps)")
+        return _with_horizon(config, kept)
+    echo(f"  learning-rate schedule: horizon changed from {kept} to {wanted} steps (optimizer.decay_steps)")
+    return config
+
+
+def save_run_config(config: Config, derived: Derived) -> None:
+    """Process 0 writes config.yaml (atomically); called once the run's state exists, so a run that fails to
+    start or restore leaves the saved config as it was."""
     if is_primary():
-        run_dir.mkdir(parents=True, exist_ok=True)
+        saved_path = config.run_dir() / CONFIG_FILE
         text = config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False)
         partial = saved_path.with_suffix(".yaml.partial")
         partial.write_text(text)
         partial.replace(saved_path)
     compat.barrier("xlatrain-run-dir-ready")
-    return run_dir
 
 
-def _check_same_run(config: Config, saved_path: Path) -> None:
-    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
-    current = _flatten(config.model_dump(mode="json"))
-    changed = sorted(key for key in set(saved) | set(current)
-                     if saved.get(key) != current.get(key) and key.split(".")[0] not in RESUMABLE_SECTIONS)
+def _with_horizon(config: Config, steps: int) -> Config:
+    return config.model_copy(update={"optimizer": config.optimizer.model_copy(update={"decay_steps": steps})})
+
+
+def _check_writable(run_dir: Path) -> None:
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != run_dir and not existing.is_dir():
+        raise UserError(f"trainer.run_dir={str(run_dir)!r} lies under {str(existing)!r}, which is a file; choose a "
+                        "directory path")
+    if existing == run_dir and not run_dir.is_dir():
+        raise UserError(f"trainer.run_dir={str(run_dir)!r} is a file, not a directory; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"trainer.run_dir={str(run_dir)!r} is not writable ({str(existing)!r} does not allow "
+                        "this user to write); choose another path")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"trainer.run_dir={str(run_dir)!r} cannot be created ({err.strerror or first_line(err)}); "
+                        "choose another path") from None
+
+
+def _check_same_run(config: Config, saved: Config, saved_path: Path) -> None:
+    before, now = _flatten(saved.model_dump(mode="json")), _flatten(config.model_dump(mode="json"))
+    changed = sorted(key for key in set(before) | set(now)
+                     if before.get(key) != now.get(key) and not key.startswith(RESUMABLE_KEYS))
     if changed:
         raise UserError(f"trainer.run_dir={str(saved_path.parent)!r} holds a run with a different config "
                         f"({', '.join(changed)} differ); resume it with the same settings or choose a new "
@@ -62,11 +107,20 @@ def read_run_config(run_dir: Path) -> Config:
     saved_path = run_dir / CONFIG_FILE
     if not saved_path.is_file():
         raise UserError(f"{str(run_dir)!r} is not an xlatrain run directory (no {CONFIG_FILE})")
+    return _read_saved(saved_path)
+
+
+def _read_saved(saved_path: Path) -> Config:
     try:
-        saved = yaml.safe_load(saved_path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise UserError(f"{saved_path} is not valid YAML ({first_line(err)})") from None
+        saved = parse_yaml(saved_path.read_text(encoding="utf-8"), str(saved_path))
+    except UnicodeDecodeError as err:
+        raise UserError(f"{saved_path} is not a UTF-8 text file ({first_line(err)})") from None
     if not isinstance(saved, dict):
-        raise UserError(f"{saved_path} does not hold an xlatrain config (a mapping of keys)")
+        raise UserError(f"{saved_path} does not hold an xlatrain config (a mapping of keys); move the run directory "
+                        "aside or choose another trainer.run_dir")
     saved.pop("derived", None)
-    return validate_config(saved)
+    try:
+        return validate_config(saved)
+    except UserError as err:
+        raise UserError(f"{saved_path} is not a valid xlatrain config ({err}); move the run directory aside or "
+                        "choose another trainer.run_dir") from None

@@ -24,6 +24,9 @@ class RunSummary:
     compilations: int = 0
     """Every XLA compilation of the session (steps, init, checks)."""
     compile_seconds: float = 0.0
+    compilations_by_phase: dict[str, int] = field(default_factory=dict)
+    """set-up (model checks, pipeline partition, shardings), state (init, restore, replica check), steps,
+    checkpoints (fingerprints, orbax), other."""
     step_compilations: list[dict] = field(default_factory=list)
     """Each compilation of the train/eval steps, with its cause."""
     executions: int = 0
@@ -42,8 +45,9 @@ class RunSummary:
         lines = [
             f"steps {self.start_step}..{self.final_step} in {self.boundaries} boundaries, "
             f"{self.wall_seconds:.1f}s{per_step}",
-            f"compilations {self.compilations} ({self.compile_seconds:.1f}s); of the steps "
-            f"{len(self.step_compilations)}:",
+            f"compilations {self.compilations} ({self.compile_seconds:.1f}s): "
+            + ", ".join(f"{phase} {count}" for phase, count in self.compilations_by_phase.items())
+            + f"; of the steps {len(self.step_compilations)}:",
             *(f"  {c['step']} ({c['seconds']:.2f}s): {c['cause']}" for c in self.step_compilations),
             f"executions {self.executions}, dispatch {self.dispatch_seconds:.2f}s, "
             f"waiting for results {self.result_wait_seconds:.2f}s, waiting for data {self.data_wait_seconds:.2f}s",

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlatrain import compat
 from xlatrain.errors import UserError
+from xlatrain.fingerprints import fingerprint
 from xlatrain.models.interface import ModelDef
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.sharding import named, optimizer_specs, param_specs, specs_following_params
@@ -104,21 +105,7 @@ def _fingerprints(mesh: Mesh, leaves: list[jax.Array]) -> jax.Array:
     axes = mesh.axis_names
 
     def per_device(*local):
-        return jnp.stack([_fingerprint(x) for x in local])[None]
+        return jnp.stack([fingerprint(x) for x in local])[None]
 
     mapped = compat.shard_map(per_device, mesh, in_specs=tuple(P() for _ in leaves), out_specs=P(axes))
     return jax.jit(mapped)(*leaves)
-
-
-def _fingerprint(x: jax.Array) -> jax.Array:
-    flat = jnp.ravel(x)
-    if flat.dtype == jnp.bool_:
-        bits = flat.astype(jnp.uint32)
-    elif flat.dtype.itemsize == 8:
-        bits = jax.lax.bitcast_convert_type(flat, jnp.uint32).ravel()
-    else:
-        bits = jax.lax.bitcast_convert_type(flat, jnp.dtype(f"uint{8 * flat.dtype.itemsize}")).astype(jnp.uint32)
-    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-    return jnp.sum(bits * weights, dtype=jnp.uint32)
-
-

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import signal
+import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -31,9 +30,10 @@ from xlatrain.lowering.compile import CompileLog
 from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.program import Program, build_program
-from xlatrain.run_dir import prepare_run_dir
+from xlatrain.run_dir import open_run_dir, save_run_config
 from xlatrain.run_summary import RunSummary
 from xlatrain.state import with_shardings
+from xlatrain.stop import StopSignals, stop_signals
 
 
 class NonFiniteLoss(Exception):
@@ -57,15 +57,17 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
     """Train (or resume) a run. In a multi-process run only process 0 prints and writes logs.
 
     Each hook is called with a `Boundary` right after every executable is dispatched; it reads values
-    only through `boundary.add_step_closure` (see xlatrain/boundaries.py)."""
+    only through `boundary.add_step_closure` (see xlatrain/boundaries.py). A SIGTERM/SIGINT before the first
+    step raises StoppedBeforeFirstStep; after it, the run saves a checkpoint and returns (xlatrain/stop.py)."""
     if not is_primary():
         echo = _silent
     compile_log = CompileLog()
-    with compile_log.listening():
-        program = build_program(config, devices)
-        run_dir = prepare_run_dir(config, program.derived)
-        _describe(program, run_dir, echo)
-        result = _Run(program, run_dir, echo, compile_log, hooks).execute()
+    with stop_signals() as stop, compile_log.listening():
+        config = open_run_dir(config, echo)
+        with compile_log.phase("set-up"):
+            program = build_program(config, devices)
+        _describe(program, echo)
+        result = _Run(program, echo, compile_log, hooks, stop).execute()
     return result
 
 
@@ -73,9 +75,13 @@ def _silent(_: str) -> None:
     pass
 
 
-def _describe(program: Program, run_dir: Path, echo: Callable[[str], None]) -> None:
+def _warn(message: str) -> None:
+    print(f"xlatrain: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _describe(program: Program, echo: Callable[[str], None]) -> None:
     d = program.derived
-    echo(f"xlatrain: {program.config.name} -> {run_dir}")
+    echo(f"xlatrain: {program.config.name} -> {program.config.run_dir()}")
     echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}, "
          f"strategy {program.config.parallel.strategy}, params {program.param_count:,}")
     echo(f"  precision {program.config.precision.policy}: {program.policy.describe()}")
@@ -89,28 +95,16 @@ def _describe(program: Program, run_dir: Path, echo: Callable[[str], None]) -> N
             echo(f"    {line}")
 
 
-@contextmanager
-def _stop_signals() -> Iterator[list[int]]:
-    """SIGTERM/SIGINT only set a flag; the loop saves a checkpoint at the next boundary and exits."""
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 class _Run:
-    def __init__(self, program: Program, run_dir: Path, echo: Callable[[str], None], compile_log: CompileLog,
-                 hooks: Sequence[Hook]):
+    def __init__(self, program: Program, echo: Callable[[str], None], compile_log: CompileLog,
+                 hooks: Sequence[Hook], stop: StopSignals):
         self.program = program
         self.config = program.config
         self.trainer = program.config.trainer
         self.echo = echo
-        self.run_dir = run_dir
-        self.checkpoints = Checkpoints(run_dir / "checkpoints", self.trainer.keep_checkpoints)
+        self.run_dir = program.config.run_dir()
+        self.stop = stop
+        self.checkpoints = Checkpoints(self.run_dir / "checkpoints", self.trainer.keep_checkpoints)
         self.compile_log = compile_log
         self.hooks = hooks
         self.closures = StepClosures()
@@ -118,18 +112,26 @@ class _Run:
         self.host_to_device_bytes = 0
 
     def execute(self) -> TrainResult:
-        state, data_state, start = self._initial_state()
+        try:
+            return self._execute()
+        finally:
+            self.checkpoints.close()
+
+    def _execute(self) -> TrainResult:
+        with self.compile_log.phase("state"):
+            state, data_state, start = self._initial_state()
+        save_run_config(self.config, self.program.derived)
         result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log, summary=self.summary)
         self.summary.start_step = self.summary.final_step = start
         if start >= self.trainer.steps:
             self.echo(f"  already at step {start} of trainer.steps={self.trainer.steps}; nothing to do")
-            self.checkpoints.close()
             return result
         loader = self._loader(data_state)
         metrics_writer = (MetricsWriter(self.run_dir, resume_step=start if start else None) if is_primary()
                           else DiscardedMetrics())
         evaluation = self._eval_batches()
-        train_step, eval_step = self.program.train_step, self.program.eval_step
+        with self.compile_log.phase("steps"):
+            train_step, eval_step = self.program.train_step, self.program.eval_step
         k = self.trainer.steps_per_sync
         self.echo(f"  compiled train step in {train_step.first.compile_seconds:.1f}s; training steps {start}..."
                   f"{self.trainer.steps}" + (f", {k} steps per executable" if k > 1 else ""))
@@ -139,7 +141,8 @@ class _Run:
         record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
         step, last_saved, began = start, start, time.perf_counter()
         try:
-            with _stop_signals() as stop, compat.forbid_implicit_transfers():
+            stop = self.stop
+            with stop.loop(), compat.forbid_implicit_transfers(), self.compile_log.phase("steps"):
                 while step < self.trainer.steps and not stop:
                     if self.closures.must_run_before_dispatch:
                         self.closures.run()
@@ -170,8 +173,8 @@ class _Run:
             loader.close()
             metrics_writer.close()
             self.checkpoints.close()
+            self._summarise(step, began)  # also when the run stops on an error: `xlatrain report` shows why
         result.final_step = step
-        self._summarise(step, began)
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
                   f"checkpoint and metrics in {self.run_dir}")
         for line in self.summary.lines():
@@ -196,7 +199,8 @@ class _Run:
         return out
 
     def _save(self, step: int, state: Any, loader: DeviceLoader) -> None:
-        with compat.allow_transfers():  # orbax copies the state to the host itself
+        # orbax copies the state to the host itself
+        with compat.allow_transfers(), self.compile_log.phase("checkpoints"):
             self.checkpoints.save(step, state, loader.state())
         self.closures.device_to_host_bytes += sum(x.addressable_data(0).nbytes for x in jax.tree.leaves(state))
 
@@ -205,6 +209,7 @@ class _Run:
         s.final_step = step
         s.wall_seconds = time.perf_counter() - began
         s.compilations, s.compile_seconds = self.compile_log.count(), self.compile_log.seconds()
+        s.compilations_by_phase = self.compile_log.by_phase()
         s.step_compilations = [asdict(r) for r in self.program.compile_book.records]
         s.executions = self.program.train_step.executions + self.program.eval_step.executions
         s.result_wait_seconds = self.closures.wait_seconds
@@ -214,13 +219,13 @@ class _Run:
             s.append_to(self.run_dir)
 
     def _initial_state(self) -> tuple[Any, dict | None, int]:
-        latest = self.checkpoints.latest_step()
-        if latest is None:
-            return self.program.create_state(), None, 0
         abstract = with_shardings(self.program.abstract_state, self.program.specs, self.program.mesh)
-        state, data_state = self.checkpoints.restore(latest, abstract)
-        self.echo(f"  resuming from checkpoint at step {latest}")
-        return state, data_state, latest
+        restored = self.checkpoints.restore_newest_verified(abstract, warn=_warn)
+        if restored is None:
+            return self.program.create_state(), None, 0
+        state, data_state, step = restored
+        self.echo(f"  resuming from checkpoint at step {step} (verified)")
+        return state, data_state, step
 
     def _loader(self, data_state: dict | None) -> DeviceLoader:
         d, k = self.program.derived, self.trainer.steps_per_sync
@@ -253,6 +258,7 @@ class _Run:
                 writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:
         """Step closure: the host values of the metrics of steps first_step.. (one boundary)."""
         fused = self.trainer.steps_per_sync > 1
+        clock.boundary_done(first_step + self.trainer.steps_per_sync - 1)
         for offset in range(self.trainer.steps_per_sync):
             values = {k: float(v[offset] if fused else v) for k, v in metrics.items()}
             self._record_step(first_step + offset, values, result, writer, bar, clock)
@@ -263,10 +269,10 @@ class _Run:
         if not finite:
             self._nonfinite(step, values)
         result.losses[step] = values["loss"]
-        bar.set_postfix(loss=f"{values['loss']:.4f}", **clock.rates(step), refresh=False)
+        bar.set_postfix(loss=f"{values['loss']:.4f}", **clock.rates(), refresh=False)
         bar.update(1)
         if step % self.trainer.log_every == 0 or step == self.trainer.steps:
-            writer.write({"step": step, **values, **clock.rates(step, numeric=True), "skipped": not finite})
+            writer.write({"step": step, **values, **clock.rates(numeric=True), "skipped": not finite})
 
     def _nonfinite(self, step: int, values: dict[str, float]) -> None:
         scaling = self.program.policy.loss_scale
@@ -296,7 +302,8 @@ class _Run:
 
 
 class _Throughput:
-    """Samples (and tokens) per second over the steps since the last report."""
+    """Samples (and tokens) per second of wall time between boundaries whose results have reached the host, at
+    least 5 steps apart; every step of a fused group (trainer.steps_per_sync) reports its group's rate."""
 
     def __init__(self, program: Program, step: int):
         spec = program.dataset.spec
@@ -305,15 +312,17 @@ class _Throughput:
         self.mark = (step, time.perf_counter())
         self.last: dict[str, float] = {}
 
-    def rates(self, step: int, numeric: bool = False) -> dict[str, Any]:
+    def boundary_done(self, last_step: int) -> None:
         then_step, then = self.mark
-        now = time.perf_counter()
-        if step - then_step >= 5 or not self.last:
-            seconds = max(now - then, 1e-9)
-            self.last = {"samples_per_sec": self.samples * (step - then_step) / seconds}
-            if self.tokens:
-                self.last["tokens_per_sec"] = self.tokens * (step - then_step) / seconds
-            self.mark = (step, now)
+        if last_step - then_step < 5 and self.last:
+            return
+        seconds = max(time.perf_counter() - then, 1e-9)
+        self.last = {"samples_per_sec": self.samples * (last_step - then_step) / seconds}
+        if self.tokens:
+            self.last["tokens_per_sec"] = self.tokens * (last_step - then_step) / seconds
+        self.mark = (last_step, then + seconds)
+
+    def rates(self, numeric: bool = False) -> dict[str, Any]:
         if numeric:
             return {k: round(v, 2) for k, v in self.last.items()}
         return {k.replace("_per_sec", "/s"): f"{v:,.0f}" for k, v in self.last.items()}
