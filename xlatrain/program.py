@@ -222,7 +222,7 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     mesh = build_mesh(config, devices)
     if config.collectives.impl == "custom":
         prepare_custom_collectives(mesh)
-    dataset = open_dataset(config.data)
+    dataset = open_dataset(config.data, config.model.loss)
     policy = resolve_policy(config.precision, config.collectives.dtype)
     model = build_model(config.model, dataset.spec, policy.compute, config.seed, derived.data_parallel)
     if derived.stages > 1:

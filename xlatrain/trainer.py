@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -280,10 +281,15 @@ class _Run:
             return  # a loss-scale overflow: the step skipped its update and backed the scale off
         if self.trainer.on_nonfinite == "stop":
             at_min = f" with the loss scale at its minimum {scaling.min:g}" if scaling is not None else ""
+            numbers = f"loss={values['loss']}, grad_norm={values['grad_norm']}"
+            if step == 1 and not math.isfinite(values["loss"]):
+                raise NonFiniteLoss(
+                    f"non-finite loss at step 1, before any update ({numbers}), so the learning rate is not the "
+                    f"cause: {self.program.dataset.spec.origin} holds NaN/inf inputs or labels outside the model's "
+                    "classes, or the model's forward overflows")
             raise NonFiniteLoss(
-                f"non-finite loss at step {step}{at_min} (loss={values['loss']}, grad_norm={values['grad_norm']}); "
-                "lower optimizer.lr, enable optimizer.clip_norm, or set trainer.on_nonfinite=skip to "
-                "skip such updates")
+                f"non-finite loss at step {step}{at_min} ({numbers}); lower optimizer.lr, enable "
+                "optimizer.clip_norm, or set trainer.on_nonfinite=skip to skip such updates")
         self.echo(f"  step {step}: non-finite loss, update skipped (trainer.on_nonfinite=skip)")
 
     def _evaluate(self, step: int, state: Any, eval_step: Any, batches: list[dict], result: TrainResult,

@@ -6,6 +6,7 @@ Each source is a (train, eval) pair of grain-compatible random-access sources pl
 from __future__ import annotations
 
 import sysconfig
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from xlatrain.config import ArrayData, DataConfig, DigitsData, TextData
 from xlatrain.data.spec import DataSpec
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 
 _SPLIT_SEED = 20261122
 """Held-out splits are fixed, independent of the run's seed, so eval numbers compare across runs."""
@@ -80,12 +81,13 @@ class Dataset:
     spec: DataSpec
 
 
-def open_dataset(config: DataConfig) -> Dataset:
+def open_dataset(config: DataConfig, loss: str = "cross_entropy") -> Dataset:
+    """The data of a run, checked against the loss (model.loss) that will read its targets."""
     if isinstance(config, DigitsData):
         return _digits(config)
     if isinstance(config, TextData):
         return _text(config)
-    return _arrays(config)
+    return _arrays(config, loss)
 
 
 def default_text_dir() -> Path:
@@ -141,7 +143,8 @@ def _text_paragraphs(tokens: np.ndarray, config: TextData, directory: Path) -> D
         raise UserError(f"config: data.path={str(directory)!r} holds {len(spans)} paragraphs, too few to "
                         "hold some out; add text")
     buckets = tuple(sorted({*config.buckets, config.seq_len}))
-    spec = DataSpec((config.seq_len,), np.dtype(np.int32), (config.seq_len,), np.dtype(np.int32), 256, buckets)
+    spec = DataSpec((config.seq_len,), np.dtype(np.int32), (config.seq_len,), np.dtype(np.int32), 256,
+                    buckets=buckets)
     return Dataset(TokenSpans(tokens, spans[:-held_out]), TokenSpans(tokens, spans[-held_out:]), spec)
 
 
@@ -151,20 +154,46 @@ def _digits(config: DigitsData) -> Dataset:
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)
     labels = digits.target.astype(np.int32)
-    return _split(images, labels, config.holdout, num_outputs=10, shuffle_rows=True)
+    return _split(images, labels, config.holdout, num_outputs=10, shuffle_rows=True, origin="data.source=digits")
 
 
-def _arrays(config: ArrayData) -> Dataset:
+def _arrays(config: ArrayData, loss: str) -> Dataset:
     path = Path(config.path)
     inputs, targets = _load_arrays(path)
-    if len(inputs) != len(targets):
-        raise UserError(f"config: data.path={config.path!r}: inputs has {len(inputs)} rows but targets has "
-                        f"{len(targets)}; they must have the same first dimension")
+    _check_arrays(f"data.path={config.path!r}", inputs, targets, loss)
     if np.issubdtype(targets.dtype, np.integer):
         num_outputs = int(np.max(targets)) + 1
     else:
         num_outputs = int(np.prod(targets.shape[1:], dtype=np.int64))
-    return _split(inputs, targets, config.holdout, num_outputs=num_outputs, shuffle_rows=False)
+    return _split(inputs, targets, config.holdout, num_outputs=num_outputs, shuffle_rows=False,
+                  origin=f"data.path={config.path!r}")
+
+
+def _check_arrays(where: str, inputs: np.ndarray, targets: np.ndarray, loss: str) -> None:
+    """What the model and the loss need of the arrays, each problem naming the file, the key and the value."""
+    for key, array in (("inputs", inputs), ("targets", targets)):
+        if array.ndim == 0 or len(array) == 0:
+            raise UserError(f"data: {where}: {key} is empty (shape {list(array.shape)}); give one row per example")
+        if not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_) or np.iscomplexobj(array):
+            raise UserError(f"data: {where}: {key} has dtype {array.dtype}; use real numbers (float or int)")
+    if np.issubdtype(inputs.dtype, np.floating) and not np.all(np.isfinite(inputs)):
+        row = int(np.flatnonzero(~np.isfinite(np.asarray(inputs).reshape(len(inputs), -1)).all(axis=1))[0])
+        raise UserError(f"data: {where}: inputs[{row}] holds NaN or inf; clean or drop that row")
+    if len(inputs) != len(targets):
+        raise UserError(f"data: {where}: inputs has {len(inputs)} rows but targets has {len(targets)}; they must "
+                        "have the same first dimension")
+    if loss == "cross_entropy":
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise UserError(f"data: {where}: targets has dtype {targets.dtype}, but model.loss=cross_entropy needs "
+                            "integer class labels 0..classes-1; convert them (e.g. targets.astype('int32')) or use "
+                            "model.loss=mse for real-valued targets")
+        lowest = int(np.min(targets))
+        if lowest < 0:
+            row = int(np.argmin(np.asarray(targets).reshape(len(targets), -1).min(axis=1)))
+            raise UserError(f"data: {where}: targets[{row}] holds the label {lowest}; class labels must be "
+                            "0..classes-1")
+    elif not np.all(np.isfinite(np.asarray(targets, np.float64))):
+        raise UserError(f"data: {where}: targets holds NaN or inf; model.loss=mse needs finite targets")
 
 
 def _load_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -174,17 +203,23 @@ def _load_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
             if missing:
                 raise UserError(f"config: data.path={str(path)!r} lacks {', '.join(missing)}")
             return (np.load(path / "inputs.npy", mmap_mode="r"), np.load(path / "targets.npy", mmap_mode="r"))
-        with np.load(path) as archive:
+        loaded = np.load(path)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise UserError(f"config: data.path={str(path)!r} holds one array; give an .npz file with arrays "
+                            "'inputs' and 'targets' (np.savez(path, inputs=..., targets=...)), or a directory of "
+                            "inputs.npy and targets.npy")
+        with loaded as archive:
             missing = [n for n in ("inputs", "targets") if n not in archive.files]
             if missing:
                 raise UserError(f"config: data.path={str(path)!r} has arrays {archive.files}; it needs "
                                 f"{', '.join(missing)}")
             return archive["inputs"], archive["targets"]
-    except (ValueError, OSError) as err:
-        raise UserError(f"config: data.path={str(path)!r} could not be read as numpy arrays: {err}") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise UserError(f"config: data.path={str(path)!r} could not be read as numpy arrays (an .npz file, or a "
+                        f"directory of inputs.npy and targets.npy): {type(err).__name__}: {first_line(err)}") from None
 
 
-def _split(inputs: np.ndarray, targets: np.ndarray, holdout: float, *, num_outputs: int,
+def _split(inputs: np.ndarray, targets: np.ndarray, holdout: float, *, num_outputs: int, origin: str,
            shuffle_rows: bool) -> Dataset:
     rows = np.arange(len(inputs))
     if shuffle_rows:
@@ -192,6 +227,7 @@ def _split(inputs: np.ndarray, targets: np.ndarray, holdout: float, *, num_outpu
     held_out = max(1, int(len(rows) * holdout))
     if len(rows) - held_out < 1:
         raise UserError(f"data: only {len(rows)} examples; need more than the held-out {held_out}")
-    spec = DataSpec(tuple(inputs.shape[1:]), inputs.dtype, tuple(targets.shape[1:]), targets.dtype, num_outputs)
+    spec = DataSpec(tuple(inputs.shape[1:]), inputs.dtype, tuple(targets.shape[1:]), targets.dtype, num_outputs,
+                    origin)
     return Dataset(ArraySource(inputs, targets, rows[:-held_out]), ArraySource(inputs, targets, rows[-held_out:]),
                    spec)

@@ -14,6 +14,8 @@ class DataSpec:
     target_dtype: np.dtype
     num_outputs: int
     """Classes (or vocabulary) for cross-entropy; output features for mse."""
+    origin: str = "the data"
+    """Where the examples come from, for error messages (e.g. "data.path='x.npz'")."""
     buckets: tuple[int, ...] | None = None
     """Variable-length examples: batches are padded to one of these lengths (the last is input_shape[0])
     and carry a `mask` shaped like `targets`."""

@@ -9,14 +9,14 @@ from flax import nnx
 
 from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig, TorchModelConfig
 from xlatrain.data.spec import DataSpec
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.cnn import CNN
 from xlatrain.models.flax_module import flax_model, takes_rngs
 from xlatrain.models.gpt import GPT, GPTShape
 from xlatrain.models.interface import ModelDef
 from xlatrain.models.mlp import MLP
-from xlatrain.models.targets import import_target
+from xlatrain.models.targets import check_kwargs, import_target
 
 __all__ = ["BlockStack", "ModelDef", "build_model", "model_factory", "stack_blocks", "takes_rngs"]
 
@@ -61,4 +61,13 @@ def _custom_factory(config: CustomModelConfig) -> Callable[[nnx.Rngs], nnx.Modul
         raise UserError(f"config: model.target={config.target!r} is not a flax.nnx.Module subclass")
     if "rngs" not in inspect.signature(target.__init__).parameters:
         raise UserError(f"config: model.target={config.target!r} must accept a keyword argument `rngs`")
-    return lambda rngs: target(**config.kwargs, rngs=rngs)
+    check_kwargs(config.target, config.kwargs, target.__init__, skip_self=True, supplied=("rngs",))
+
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        try:
+            return target(**config.kwargs, rngs=rngs)
+        except Exception as err:  # the user's constructor: a wrong kwarg value, a bug
+            raise UserError(f"config: model.target={config.target!r} raised {type(err).__name__} when built with "
+                            f"model.kwargs={config.kwargs}: {first_line(err)}") from None
+
+    return build

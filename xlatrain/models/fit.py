@@ -51,5 +51,6 @@ def output_problem(shape: tuple[int, ...], dtype: np.dtype, spec: DataSpec, loss
         return (f"model.loss=cross_entropy needs logits shaped [*targets, classes] = {[*targets, 'classes']} "
                 f"(targets {list(targets)})")
     if shape[-1] < spec.num_outputs:
-        return f"the data has {spec.num_outputs} classes (labels 0..{spec.num_outputs - 1}), more than its {shape[-1]}"
+        return (f"{spec.origin} has labels up to {spec.num_outputs - 1} ({spec.num_outputs} classes), more than its "
+                f"{shape[-1]} outputs")
     return None

@@ -14,7 +14,6 @@ import contextlib
 import copy
 import fnmatch
 import importlib.util
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,7 +26,7 @@ from xlatrain import compat
 from xlatrain.config import TorchModelConfig
 from xlatrain.errors import UserError, first_line
 from xlatrain.models.interface import ModelDef
-from xlatrain.models.targets import import_target
+from xlatrain.models.targets import check_kwargs, import_target
 from xlatrain.models.torch_blocks import BlockStacking, TorchBlockParts, block_stacking
 
 SHARDED = "sharded"
@@ -163,7 +162,7 @@ def load_module(config: TorchModelConfig, seed: int) -> Any:
     if is_class and not issubclass(target, torch.nn.Module) or not callable(target):
         raise UserError(f"config: model.target={config.target!r} is not a torch.nn.Module subclass or a function "
                         "returning one")
-    _check_kwargs(config, target.__init__ if is_class else target, skip_self=is_class)
+    check_kwargs(config.target, config.kwargs, target.__init__ if is_class else target, skip_self=is_class)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -178,26 +177,6 @@ def load_module(config: TorchModelConfig, seed: int) -> Any:
     if config.init_from is not None:
         load_state_dict_file(module, Path(config.init_from), "model.init_from")
     return module
-
-
-def _check_kwargs(config: TorchModelConfig, constructor: Callable, skip_self: bool) -> None:
-    try:
-        signature = inspect.signature(constructor)
-    except (TypeError, ValueError):
-        return
-    parameters = list(signature.parameters.values())[1 if skip_self else 0:]
-    signature = signature.replace(parameters=parameters)
-    accepted = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters)
-    unknown = [k for k in config.kwargs if k not in accepted and not takes_any]
-    if unknown:
-        raise UserError(f"config: model.kwargs.{unknown[0]} is not an argument of {config.target!r}; it accepts "
-                        f"{', '.join(accepted) or 'no arguments'}")
-    missing = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
-               p.KEYWORD_ONLY) and p.name not in config.kwargs]
-    if missing:
-        raise UserError(f"config: {config.target!r} needs model.kwargs.{missing[0]} (required arguments: "
-                        f"{', '.join(missing)})")
 
 
 def load_state_dict_file(module: Any, path: Path, field: str) -> None:
