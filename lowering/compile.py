@@ -126,7 +126,7 @@ class CompileBook:
         if self.budget is not None and len(self.records) > self.budget:
             raise CompileBudgetExceeded(
                 f"trainer.compile_budget={self.budget} exceeded: the steps were compiled {len(self.records)} "
-                f"times, the last for {self.records[-1].cause}; pad inputs to fewer shapes (data.buckets) or "
+                f"times (the last for {self.records[-1].cause}); pad inputs to fewer shapes (data.buckets) or "
                 "raise trainer.compile_budget (every cause: xlatrain report RUN_DIR)")
 
 

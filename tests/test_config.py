@@ -6,6 +6,7 @@ from conftest import REPO, run_cli
 
 from xlatrain.cli import main
 from xlatrain.config import Config, derive, load_config
+from xlatrain.errors import UserError
 
 
 def cli_error(capsys, *args):
@@ -121,3 +122,27 @@ def test_errors_exit_2_in_a_real_process():
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=3" in result.stderr
+
+
+@pytest.mark.parametrize("overrides, mode", [
+    ([], "jit"),
+    (["parallel.strategy=fsdp"], "jit"),
+    (["mesh.stage=2"], "shard_map"),
+    (["collectives.impl=custom"], "shard_map"),
+    (["collectives.impl=custom", "parallel.mode=pmap"], "pmap"),
+])
+def test_parallel_mode_auto_picks_the_program_the_run_needs(overrides, mode):
+    assert load_config(None, overrides).parallel.mode == mode
+
+
+def test_parallel_mode_auto_names_its_choice_when_the_strategy_cannot_follow():
+    with pytest.raises(UserError, match=r"parallel.mode=shard_map \(chosen by parallel.mode=auto for a pipeline"):
+        load_config(None, ["mesh.stage=2", "parallel.strategy=fsdp"])
+
+
+def test_each_parity_side_gets_the_devices_of_its_whole_mesh():
+    from xlatrain.parity import side_devices
+
+    assert len(side_devices(load_config(None, ["mesh.data=3", "mesh.stage=2"]))) == 6
+    assert len(side_devices(load_config(None, ["mesh.data=2"]))) == 2
+    assert len(side_devices(load_config(None, []))) == 8

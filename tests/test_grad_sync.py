@@ -86,7 +86,8 @@ def test_lower_shows_the_custom_calls_and_no_xla_all_reduce():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["collectives.impl=custom"], "collectives.impl=custom syncs gradients in a per-device program"),
+    (["parallel.mode=jit", "collectives.impl=custom"], "collectives.impl=custom syncs gradients in a per-device "
+                                                        "program"),
     (["parallel.mode=shard_map", "parallel.strategy=fsdp"], "parallel.mode=shard_map supports parallel.strategy "
                                                              "replicated or zero1, not 'fsdp'"),
     (["parallel.mode=pmap", "parallel.strategy=zero1"], "parallel.mode=pmap supports"),

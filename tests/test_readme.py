@@ -1,8 +1,9 @@
 """The README stays true: every config key is documented, and its commands are the ones CI runs."""
 
+import shlex
 import typing
 
-from conftest import REPO
+from conftest import REPO, run_cli
 from pydantic import BaseModel
 
 from xlatrain.config import Config
@@ -35,3 +36,32 @@ def test_ci_runs_the_readme_test_command():
                     "python3 -m pytest")
     assert test_command in README
     assert test_command in (REPO / ".ci/run").read_text()
+
+
+def _block_after(marker: str, language: str) -> str:
+    start = README.index(f"```{language}\n", README.index(marker)) + len(language) + 4
+    return README[start:README.index("```", start)]
+
+
+def test_the_bring_your_own_model_snippet_runs_as_written(tmp_path):
+    (tmp_path / "my_model.py").write_text(_block_after("A complete model in a file of its own", "python"))
+    command = shlex.split(_block_after("trains on the digits from the directory that holds it", "bash"))
+    assert command[:2] == ["PYTHONPATH=.", "xlatrain"]
+    result = run_cli(*command[2:], "trainer.steps=3", "trainer.progress=false", f"trainer.run_dir={tmp_path / 'run'}",
+                     env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "finished at step 3" in result.stdout
+
+
+def test_the_pipeline_help_examples_run_as_written(tmp_path):
+    from xlatrain.cli import PIPELINE_EXAMPLES
+
+    lines = [line.strip() for line in PIPELINE_EXAMPLES.splitlines() if line.strip().startswith("xlatrain pipeline")]
+    assert len(lines) == 3
+    for line in lines:
+        args = shlex.split(line)[2:]
+        out = [a for a in args if a.endswith(".png")]
+        args = [str(tmp_path / a) if a in out else a for a in args]
+        result = run_cli("pipeline", *args, *([] if out else ["--out", str(tmp_path / "chart.png")]))
+        assert result.returncode == 0, (line, result.stderr[-2000:])
+        assert "bubble" in result.stdout

@@ -72,8 +72,22 @@ def test_every_recompile_is_counted_with_its_cause_and_summarised(tmp_path):
 def test_compile_budget_stops_the_run_with_the_report(tmp_path):
     config = load_config(None, [*corpus(tmp_path), "trainer.steps=4", "trainer.compile_budget=2",
                                 f"trainer.run_dir={tmp_path / 'run'}"])
-    with pytest.raises(CompileBudgetExceeded, match=r"(?s)compile_budget=2 exceeded.*3\. train_step.*-> \(1, 16, 8\)"):
+    with pytest.raises(CompileBudgetExceeded, match=r"compile_budget=2 exceeded: the steps were compiled 3 times "
+                       r"\(the last for batch\['inputs'\] shape \(1, 16, 32\) -> \(1, 16, 8\)"):
         train(config, echo=lambda _: None)
+
+
+def test_compile_budget_is_one_line_and_the_causes_go_to_the_report(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("train", *corpus(tmp_path), "trainer.steps=4", "trainer.compile_budget=2",
+                     f"trainer.run_dir={run_dir}")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("xlatrain: error: trainer.compile_budget=2 exceeded: the steps were compiled 3 times "
+                               "(the last for batch['inputs'] shape (1, 16, 32) -> (1, 16, 8);")
+    assert lines[0].endswith("(every cause: xlatrain report RUN_DIR)")
+    report = run_cli("report", str(run_dir))
+    assert report.returncode == 0 and "train_step (" in report.stdout and "-> (1, 16, 8)" in report.stdout
 
 
 def test_report_of_a_directory_without_a_summary_is_a_clear_error(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +35,13 @@ a compilation."""
 @functools.cache
 def _register_array_handler() -> None:
     handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=_SLICE_BYTES_FOR_REPLICA_PARALLEL)
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that it replaces its default handler: that is the point
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl.setLevel(level)
 
 
 class Checkpoints:

@@ -18,9 +18,15 @@ USAGE_EXAMPLES = """examples:
   xlatrain lower --json parallel.strategy=fsdp
   xlatrain parity examples/configs/digits_mlp.yaml --a mesh.data=1 --b parallel.strategy=fsdp --steps 20
   xlatrain report runs/gpt-stdlib
-  xlatrain pipeline mesh.stage=4 parallel.mode=shard_map parallel.pipeline.schedule=interleaved
+  xlatrain pipeline mesh.stage=4 parallel.pipeline.schedule=interleaved model.layers=8
   xlatrain parity examples/configs/torch_gpt.yaml --against torch --steps 10
   xlatrain export runs/torch-gpt --torch gpt.pt
+"""
+
+PIPELINE_EXAMPLES = """examples (8 CPU devices: export XLA_FLAGS=--xla_force_host_platform_device_count=8 first):
+  xlatrain pipeline mesh.stage=4
+  xlatrain pipeline mesh.stage=4 parallel.pipeline.schedule=interleaved model.layers=8 --out interleaved.png
+  xlatrain pipeline mesh.stage=2 parallel.pipeline.schedule=gpipe parallel.pipeline.microbatches=4
 """
 
 
@@ -69,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                         "environment that has torch_xla (default: $XLATRAIN_TORCH_XLA_PYTHON)")
     parity.set_defaults(command=_parity, args=[])
     pipeline = commands.add_parser("pipeline", help="print a pipeline's schedule table, partition and bubble, and "
-                                   "draw its Gantt chart")
+                                   "draw its Gantt chart", epilog=PIPELINE_EXAMPLES,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     pipeline.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
                           help="optional YAML file, then dotted overrides such as mesh.stage=4")
     pipeline.add_argument("--out", type=Path, default=Path("pipeline_schedule.png"), metavar="PATH",
@@ -93,7 +100,7 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
 
 
 def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
-    from xlatrain.stop import StoppedBeforeFirstStep, stop_signals
+    from xlatrain.stop import STOPPED_BEFORE_FIRST_STEP, StoppedBeforeFirstStep, stop_signals
 
     with stop_signals():
         try:
@@ -105,7 +112,7 @@ def _train(config_path: str | None, overrides: list[str], _args: argparse.Namesp
             initialize(config.distributed)
             train(config)
         except StoppedBeforeFirstStep as stop:
-            print(f"xlatrain: {stop}: stopped before the first step; nothing to save", flush=True)
+            print(f"xlatrain: {stop}: {STOPPED_BEFORE_FIRST_STEP}", flush=True)
         except NonFiniteLoss as err:
             print(f"xlatrain: stopped: {err}", file=sys.stderr)
             return 1

@@ -626,11 +626,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     raw = _read_yaml(Path(path)) if path is not None else {}
     _reject_malformed_overrides(overrides)
     try:
-        merged = OmegaConf.merge(OmegaConf.create(raw), OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.create(raw)
+    except (OmegaConfBaseException, TypeError, ValueError) as err:
+        raise UserError(f"config: {path}: {first_line(err)}") from None
+    for item in overrides:
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except (OmegaConfBaseException, yaml.YAMLError, TypeError, ValueError) as err:
+            raise UserError(f"config: override {item!r}: {first_line(err) or type(err).__name__}; values are YAML: "
+                            "quote ones that start with *, & or ! (e.g. data.glob='*.txt'), and a section takes "
+                            "its keys one by one (section.key=value)") from None
+    try:
         data = OmegaConf.to_container(merged, resolve=True)
-    except (OmegaConfBaseException, yaml.YAMLError) as err:
-        raise UserError(f"config: could not parse overrides {list(overrides)} ({first_line(err)}); values are YAML: "
-                        "quote ones that start with *, & or ! (e.g. data.glob='*.txt')") from None
+    except OmegaConfBaseException as err:
+        raise UserError(f"config: {first_line(err)} (a value with ${{...}} is an interpolation; quote or change "
+                        "it)") from None
     return validate_config(data)
 
 

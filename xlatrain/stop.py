@@ -2,9 +2,13 @@
 
 Before the training loop a signal ends start-up at once (`StoppedBeforeFirstStep`: nothing to save yet; the
 CLI exits 0). Inside the loop it only asks for a stop, and the loop saves a checkpoint at the next step
-boundary. A second signal exits the process at once, even while the main thread is inside a long compilation
-or a collective: Python runs signal handlers only between bytecodes of the main thread, so a watcher thread
-reads the signal numbers that the interpreter's C-level handler writes to a wakeup pipe.
+boundary. A second signal exits the process at once.
+
+Python runs signal handlers only between bytecodes of the main thread, so a main thread blocked in C++ (a long
+compilation, jax.distributed waiting for its coordinator, a collective) would not notice. A watcher thread
+therefore reads the signal numbers that the interpreter's C-level handler writes to a wakeup pipe: it exits on
+the second signal, and, before the first step, also when the main thread has not ended start-up within
+START_UP_GRACE_S of the first (nothing is written before the first step but whole files renamed into place).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+START_UP_GRACE_S = 5.0
+STOPPED_BEFORE_FIRST_STEP = "stopped before the first step; nothing to save"
 
 
 class StoppedBeforeFirstStep(BaseException):
@@ -29,18 +35,14 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.in_loop = False
+        self.start_up_deadline: threading.Timer | None = None
 
     def __bool__(self) -> bool:
         return bool(self.received)
 
-    @contextmanager
-    def loop(self) -> Iterator[None]:
-        """While inside, a signal only sets the flag that the loop checks at each boundary."""
+    def begin_loop(self) -> None:
+        """From now on a signal only sets the flag that the loop checks at each boundary."""
         self.in_loop = True
-        try:
-            yield
-        finally:
-            self.in_loop = False
 
     def _handle(self, signum: int, _frame) -> None:
         self.received.append(signum)
@@ -63,10 +65,12 @@ def stop_signals() -> Iterator[StopSignals]:
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    threading.Thread(target=_exit_on_second_signal, args=(read_end,), name="xlatrain-stop", daemon=True).start()
+    threading.Thread(target=_watch, args=(read_end, stop), name="xlatrain-stop", daemon=True).start()
     try:
         yield stop
     finally:
+        if stop.start_up_deadline is not None:
+            stop.start_up_deadline.cancel()
         signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -74,13 +78,28 @@ def stop_signals() -> Iterator[StopSignals]:
         _current = None
 
 
-def _exit_on_second_signal(read_end: int) -> None:
+def _watch(read_end: int, stop: StopSignals) -> None:
     seen = 0
     with os.fdopen(read_end, "rb", buffering=0) as pipe:
         while chunk := pipe.read(64):
             for signum in chunk:
-                seen += signum in STOP_SIGNALS
+                if signum not in STOP_SIGNALS:
+                    continue
+                seen += 1
+                name = signal.Signals(signum).name
                 if seen >= 2:
-                    print(f"xlatrain: second {signal.Signals(signum).name}: exiting now, without saving",
-                          file=sys.stderr, flush=True)
-                    os._exit(128 + signum)
+                    _exit_now(f"second {name}: exiting now, without saving", 128 + signum)
+                if not stop.in_loop and stop.start_up_deadline is None:
+                    stop.start_up_deadline = threading.Timer(START_UP_GRACE_S, _exit_if_still_starting, (stop, name))
+                    stop.start_up_deadline.daemon = True
+                    stop.start_up_deadline.start()
+
+
+def _exit_if_still_starting(stop: StopSignals, name: str) -> None:
+    if not stop.in_loop:
+        _exit_now(f"{name}: {STOPPED_BEFORE_FIRST_STEP}", 0)
+
+
+def _exit_now(message: str, code: int) -> None:
+    print(f"xlatrain: {message}", file=sys.stderr if code else sys.stdout, flush=True)
+    os._exit(code)

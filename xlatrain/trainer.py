@@ -138,16 +138,18 @@ class _Run:
                   f"{self.trainer.steps}" + (f", {k} steps per executable" if k > 1 else ""))
         bar = tqdm(total=self.trainer.steps, initial=start, disable=not (self.trainer.progress and is_primary()),
                    unit="step", dynamic_ncols=True)
-        clock = _Throughput(self.program, start)
+        clock = _Throughput(self.program)
         record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
         step, last_saved, began = start, start, time.perf_counter()
         try:
             stop = self.stop
-            with stop.loop(), compat.forbid_implicit_transfers(), self.compile_log.phase("steps"):
+            stop.begin_loop()
+            with compat.forbid_implicit_transfers(), self.compile_log.phase("steps"):
                 while step < self.trainer.steps and not stop:
                     if self.closures.must_run_before_dispatch:
                         self.closures.run()
                     batch = self._next_batch(loader)
+                    clock.dispatching(step + 1)
                     state, metrics = self._dispatch(train_step, state, batch)
                     self.closures.will_donate(state)
                     first, step = step + 1, step + k
@@ -259,7 +261,7 @@ class _Run:
                 writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:
         """Step closure: the host values of the metrics of steps first_step.. (one boundary)."""
         fused = self.trainer.steps_per_sync > 1
-        clock.boundary_done(first_step + self.trainer.steps_per_sync - 1)
+        clock.boundary_done(first_step, self.trainer.steps_per_sync)
         for offset in range(self.trainer.steps_per_sync):
             values = {k: float(v[offset] if fused else v) for k, v in metrics.items()}
             self._record_step(first_step + offset, values, result, writer, bar, clock)
@@ -308,25 +310,34 @@ class _Run:
 
 
 class _Throughput:
-    """Samples (and tokens) per second of wall time between boundaries whose results have reached the host, at
-    least 5 steps apart; every step of a fused group (trainer.steps_per_sync) reports its group's rate."""
+    """Samples (and tokens) per second of wall time over windows of at least 5 steps: from the dispatch of the
+    window's first boundary to the moment its last boundary's results reached the host. The steps cannot run
+    outside that window, so a rate is never overstated however the reads bunch up (fused steps, the final
+    flush); every step of a fused group (trainer.steps_per_sync) reports its window's rate."""
 
-    def __init__(self, program: Program, step: int):
+    def __init__(self, program: Program):
         spec = program.dataset.spec
         self.samples = program.derived.global_batch
         self.tokens = self.samples * spec.input_shape[0] if spec.input_dtype.kind in "iu" else 0
-        self.mark = (step, time.perf_counter())
+        self.dispatched: dict[int, float] = {}
+        self.window: tuple[float, int] | None = None
         self.last: dict[str, float] = {}
 
-    def boundary_done(self, last_step: int) -> None:
-        then_step, then = self.mark
-        if last_step - then_step < 5 and self.last:
+    def dispatching(self, first_step: int) -> None:
+        self.dispatched[first_step] = time.perf_counter()
+
+    def boundary_done(self, first_step: int, steps: int) -> None:
+        began, counted = self.window or (self.dispatched[first_step], 0)
+        del self.dispatched[first_step]
+        counted += steps
+        if counted < 5 and self.last:
+            self.window = (began, counted)
             return
-        seconds = max(time.perf_counter() - then, 1e-9)
-        self.last = {"samples_per_sec": self.samples * (last_step - then_step) / seconds}
+        seconds = max(time.perf_counter() - began, 1e-9)
+        self.last = {"samples_per_sec": self.samples * counted / seconds}
         if self.tokens:
-            self.last["tokens_per_sec"] = self.tokens * (last_step - then_step) / seconds
-        self.mark = (last_step, then + seconds)
+            self.last["tokens_per_sec"] = self.tokens * counted / seconds
+        self.window = None
 
     def rates(self, numeric: bool = False) -> dict[str, Any]:
         if numeric:

@@ -1,0 +1,182 @@
+"""Faults a long run meets: corrupt or incomplete checkpoints, a broken run directory, signals from the first
+second. Each must end in one clear line and a run that resumes; nothing is deleted or rewritten too early."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import DIGITS_MLP, REPO, run_cli
+
+from xlatrain.metrics import read_metrics
+
+STEPS = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=5"]
+
+
+def _train(run_dir, steps, *extra):
+    return run_cli("train", *DIGITS_MLP, *STEPS, f"trainer.steps={steps}", f"trainer.run_dir={run_dir}", *extra)
+
+
+def _flip_bytes_inside_the_arrays(step_dir):
+    """Silent corruption: change bytes in the middle of the largest array file, keeping its size."""
+    largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    for offset in range(len(data) // 2, len(data) // 2 + 64):
+        data[offset] ^= 0x5A
+    largest.write_bytes(bytes(data))
+
+
+def test_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the_newest_that_verifies(tmp_path):
+    run_dir, horizon = tmp_path / "run", "optimizer.decay_steps=8"
+    assert _train(run_dir, 6, horizon).returncode == 0
+    _flip_bytes_inside_the_arrays(run_dir / "checkpoints" / "6")
+    (run_dir / "checkpoints" / "4" / "state" / "_METADATA").unlink()  # an incomplete checkpoint
+    reference = _train(tmp_path / "reference", 8, horizon)
+
+    result = _train(run_dir, 8, horizon)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("xlatrain: warning:")]
+    assert len(warnings) == 2 and "checkpoint 6 is unusable" in warnings[0], result.stderr
+    assert "checkpoint 4 is unusable" in warnings[1] and "Traceback" not in result.stderr
+    assert "resuming from checkpoint at step 2 (verified)" in result.stdout
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert {"4.corrupt", "6.corrupt"} <= set(names) and "2" in names and "8" in names
+    # Resumed from step 2, the run repeats steps 3..8 exactly as an uninterrupted run.
+    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+    expected = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "reference" / "metrics.jsonl") if "loss" in r}
+    assert reference.returncode == 0 and losses == pytest.approx(expected, rel=1e-6)
+
+
+def test_when_no_checkpoint_verifies_nothing_is_rewritten_and_the_error_is_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    assert _train(run_dir, 4).returncode == 0
+    for step in ("2", "4"):
+        _flip_bytes_inside_the_arrays(run_dir / "checkpoints" / step)
+    saved = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    result = _train(run_dir, 6)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("xlatrain: warning:")]
+    assert len(errors) == 1 and "no checkpoint in" in errors[0] and "4.corrupt, 2.corrupt" in errors[0], errors
+    assert {name: (run_dir / name).read_bytes() for name in saved} == saved
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["2.corrupt", "4.corrupt"]
+
+
+@pytest.mark.parametrize("content", ["- a list\n- not a config\n", "model: [unclosed\n", "model: {layerz: 3}\n"])
+def test_run_dir_with_an_invalid_config_yaml_is_refused(tmp_path, content):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(content)
+    result = _train(run_dir, 2)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert str(run_dir / "config.yaml") in result.stderr
+    assert (run_dir / "config.yaml").read_text() == content
+
+
+def _start(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "xlatrain.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                     **(env or {})})
+
+
+def _wait_for_line(process, text, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if text in line:
+            return
+        assert line or process.poll() is None, process.stderr.read()
+    raise AssertionError(f"no line with {text!r} within {timeout}s")
+
+
+def test_sigterm_during_start_up_exits_zero_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start("train", *DIGITS_MLP, "trainer.steps=50", f"trainer.run_dir={run_dir}")
+    _wait_for_line(process, f"-> {run_dir}")  # the program is built; state init and compilation follow
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert "SIGTERM: stopped before the first step; nothing to save" in out and "Traceback" not in err, (out, err)
+    assert not list((run_dir / "checkpoints").glob("[0-9]*"))
+
+
+def _unused_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _waiting_for_a_coordinator(tmp_path):
+    """Process 1 of 2 whose coordinator never comes: its main thread blocks inside jax.distributed (C++)."""
+    return _start("train", *DIGITS_MLP, f"trainer.run_dir={tmp_path / 'run'}",
+                  f"distributed.coordinator=127.0.0.1:{_unused_port()}", "distributed.num_processes=2",
+                  "distributed.process_id=1")
+
+
+def test_a_signal_stops_start_up_even_while_blocked_in_cpp(tmp_path):
+    process = _waiting_for_a_coordinator(tmp_path)
+    time.sleep(6)
+    process.send_signal(signal.SIGINT)
+    began = time.monotonic()
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0 and time.monotonic() - began < 15, (out, err)
+    assert "SIGINT: stopped before the first step; nothing to save" in out and "Traceback" not in err
+
+
+def test_a_second_ctrl_c_exits_at_once(tmp_path):
+    process = _waiting_for_a_coordinator(tmp_path)
+    time.sleep(6)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    began = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGINT and time.monotonic() - began < 2, (out, err)
+    assert err.strip().splitlines() == ["xlatrain: second SIGINT: exiting now, without saving"]
+
+
+def test_throughput_with_fused_steps_matches_wall_time(tmp_path):
+    """Each fused group of 10 steps takes at least the 50 ms a hook sleeps, so the rate is bounded by wall time."""
+    from xlatrain.config import load_config
+    from xlatrain.trainer import train
+
+    config = load_config(None, [*DIGITS_MLP, "trainer.steps=60", "trainer.steps_per_sync=10", "trainer.log_every=10",
+                                f"trainer.run_dir={tmp_path / 'run'}"])
+    train(config, hooks=[lambda boundary: time.sleep(0.05)], echo=lambda _: None)
+    rates = [r["samples_per_sec"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    bound = 32 * 10 / 0.05  # global batch 32, 10 steps per 50 ms at most
+    assert len(rates) == 6 and all(0 < rate <= bound for rate in rates), rates
+    assert max(rates[1:]) > bound / 4, rates  # and not wildly low either: the device work is much shorter
+
+
+def test_summary_accounts_for_every_compilation(tmp_path):
+    result = _train(tmp_path / "run", 2)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.jsonl").read_text().splitlines()[-1])
+    assert sum(summary["compilations_by_phase"].values()) == summary["compilations"]
+    assert summary["compilations_by_phase"]["steps"] == len(summary["step_compilations"]) == 2
+    assert "compilations" in result.stdout and "set-up" in result.stdout
+
+
+def _lrs(run_dir):
+    return {r["step"]: r["lr"] for r in read_metrics(run_dir / "metrics.jsonl") if "lr" in r}
+
+
+def test_the_learning_rate_horizon_is_fixed_when_the_run_is_created(tmp_path):
+    warm = "optimizer.warmup_steps=4"
+    kept, stretched, fresh = tmp_path / "kept", tmp_path / "stretched", tmp_path / "fresh"
+    for run_dir in (kept, stretched):
+        assert _train(run_dir, 10, warm).returncode == 0
+        assert "decay_steps: 10" in (run_dir / "config.yaml").read_text()
+    resumed = _train(kept, 20, warm)
+    assert resumed.returncode == 0 and "keeping this run's horizon of 10 steps" in resumed.stdout, resumed.stdout
+    assert _lrs(kept)[20] == pytest.approx(_lrs(kept)[10])  # past the horizon: the final learning rate
+
+    changed = _train(stretched, 20, warm, "optimizer.decay_steps=20")
+    assert changed.returncode == 0 and "horizon changed from 10 to 20 steps" in changed.stdout, changed.stdout
+    assert _train(fresh, 20, warm).returncode == 0
+    later = range(11, 21)
+    assert [_lrs(stretched)[s] for s in later] == pytest.approx([_lrs(fresh)[s] for s in later], rel=1e-6)
