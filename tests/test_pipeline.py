@@ -221,7 +221,7 @@ ERRORS = {
     "stage-does-not-divide": (["mesh.stage=3", "model.layers=3"],
                               "mesh.stage=3 needs a multiple of 3 devices but 8 cpu device(s)"),
     "mesh-too-small": (["mesh.stage=2", "mesh.data=2"], "mesh.data=2 x mesh.stage=2 needs 4 devices but 8"),
-    "jit-mode": (["mesh.stage=2", "parallel.mode=jit"], "set parallel.mode=shard_map"),
+    "jit-mode": (["mesh.stage=2", "parallel.mode=jit"], "use parallel.mode=auto or shard_map"),
     "zero1": (["mesh.stage=2", "parallel.strategy=zero1"], "use parallel.strategy=replicated"),
     "pipeline-without-stages": (["parallel.pipeline.schedule=gpipe"], "is set but mesh.stage=1"),
     "batch-split": (["mesh.stage=2", "parallel.pipeline.microbatches=3"], "not divisible by batch.microbatches 1 x "

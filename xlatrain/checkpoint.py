@@ -89,6 +89,11 @@ class Checkpoints:
         against the saved fingerprints."""
         try:
             state, data, saved = self._restore(step, abstract_state)
+            if saved is not None:
+                _verify(state, saved)
+            return state, data
+        except CorruptCheckpoint:
+            raise
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
             legacy = _without_model_state(abstract_state)
             if legacy is None:
@@ -97,10 +102,9 @@ class Checkpoints:
                 fields, data, saved = self._restore(step, legacy)
             except Exception:
                 raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
-            state = abstract_state.replace(**fields, model_state={})
         if saved is not None:
-            _verify(state, saved)
-        return state, data
+            _verify(fields, saved)
+        return abstract_state.replace(**fields, model_state={}), data
 
     def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict | None]:
         items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}

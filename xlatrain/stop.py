@@ -58,7 +58,7 @@ def stop_signals() -> Iterator[StopSignals]:
     """Install the handlers (main thread only; elsewhere signals stay as they are). Nested uses share one."""
     global _current
     if _current is not None or threading.current_thread() is not threading.main_thread():
-        yield _current or StopSignals()
+        yield _current if _current is not None else StopSignals()
         return
     stop = _current = StopSignals()
     previous = {sig: signal.signal(sig, stop._handle) for sig in STOP_SIGNALS}

@@ -175,7 +175,6 @@ class _Run:
             bar.close()
             loader.close()
             metrics_writer.close()
-            self.checkpoints.close()
             self._summarise(step, began)  # also when the run stops on an error: `xlatrain report` shows why
         result.final_step = step
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
