@@ -139,3 +139,8 @@ def test_model_whose_import_raises(tmp_path):
         result = run_cli("train", *CUSTOM, f"model.target={module}:Net", f"trainer.run_dir={tmp_path / 'run'}",
                          env={"PYTHONPATH": str(tmp_path)})
         assert_one_line_error(result, f"importing {module!r} raised", expected)
+
+
+def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path):
+    result = run_cli("train", "model.width=60000", "model.heads=1", f"trainer.run_dir={tmp_path / 'run'}")
+    assert_one_line_error(result, "the train state (params and optimizer state) needs", "GiB", "model.* sizes")

@@ -32,6 +32,7 @@ from xlatrain.sharding import named, param_specs
 from xlatrain.state import (
     ModelDef,
     TrainState,
+    check_state_fits,
     create_state,
     init_variables,
     make_init,
@@ -238,6 +239,7 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     rules = model.rules(config.parallel.logical_rules)
     abstract, specs = state_specs(init, model, tx, config.parallel.strategy, rules, mesh,
                                   fixed_param_specs=pipeline.layout.param_specs if pipeline else None)
+    check_state_fits(with_shardings(abstract, specs, mesh), mesh)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
                    CompileBook(config.trainer.compile_budget), pipeline)
 

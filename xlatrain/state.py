@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any, Callable
 
 import flax.struct
@@ -81,6 +83,26 @@ def create_state(init: Callable[[Any], TrainState], specs: TrainState, mesh: Mes
 def with_shardings(abstract: Any, specs: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, named(mesh, specs), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def check_state_fits(abstract_sharded: Any, mesh: Mesh) -> None:
+    """Refuse, before allocating anything, a train state that alone exceeds the memory of the devices holding
+    it (a mistyped size would otherwise end in an out-of-memory kill without a word). CPU devices of one
+    process share the host's RAM."""
+    per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                     for a in jax.tree.leaves(abstract_sharded))
+    devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    if devices[0].platform == "cpu":
+        needed, available = per_device * len(devices), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = f"the host's {available / 2**30:.1f} GiB of RAM ({len(devices)} CPU devices of this process)"
+    else:
+        stats = devices[0].memory_stats() or {}
+        needed, available = per_device, stats.get("bytes_limit")
+        where = f"the {available / 2**30 if available else 0:.1f} GiB of one {devices[0].device_kind}"
+    if available and needed > available:
+        raise UserError(f"config: the train state (params and optimizer state) needs {needed / 2**30:.1f} GiB, more "
+                        f"than {where}; make the model smaller (model.* sizes), or shard it "
+                        "(parallel.strategy=zero1/fsdp, mesh.stage)")
 
 
 def verify_replicas_identical(state: Any, specs: Any, mesh: Mesh) -> None:
