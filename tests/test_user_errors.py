@@ -144,3 +144,45 @@ def test_model_whose_import_raises(tmp_path):
 def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path):
     result = run_cli("train", "model.width=60000", "model.heads=1", f"trainer.run_dir={tmp_path / 'run'}")
     assert_one_line_error(result, "the train state (params and optimizer state) needs", "GiB", "model.* sizes")
+
+
+MISFITS = '''
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Out(nnx.Module):
+    """A model whose output does not fit the loss, in the way `kind` names."""
+
+    def __init__(self, kind: str, *, rngs: nnx.Rngs):
+        self.kind = kind
+        self.linear = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        logits = self.linear(x.reshape(x.shape[0], -1))
+        return {"rows": logits[:, 0], "extra_axis": jnp.stack([logits, logits], -1), "broadcast": logits[:1],
+                "integer": logits.astype(jnp.int32), "complex": logits.astype(jnp.complex64),
+                "three_features": logits[:, :3]}[self.kind]
+'''
+
+
+@pytest.mark.parametrize("kind, loss, expected", [
+    ("rows", "cross_entropy", "returns [2] float32"),
+    ("extra_axis", "cross_entropy", "needs logits shaped [*targets, classes]"),
+    ("broadcast", "cross_entropy", "returns [1, 10] float32"),
+    ("integer", "cross_entropy", "needs floating-point outputs"),
+    ("complex", "cross_entropy", "needs floating-point outputs"),
+    ("three_features", "mse", "model.loss=mse needs outputs shaped like the targets [2, 2]"),
+])
+def test_a_user_models_output_that_does_not_fit_the_loss(tmp_path, kind, loss, expected):
+    (tmp_path / "misfits.py").write_text(MISFITS)
+    data = ["data.source=digits"]
+    if loss == "mse":
+        rng = np.random.default_rng(0)
+        path = _arrays(tmp_path / "pairs.npz", rng.normal(size=(40, 8, 8)).astype(np.float32),
+                       rng.normal(size=(40, 2)).astype(np.float32))
+        data = ["data.source=arrays", f"data.path={path}"]
+    result = run_cli("train", "model.name=custom", "model.target=misfits:Out", f"model.kwargs.kind={kind}",
+                     f"model.loss={loss}", *data, "trainer.steps=2", f"trainer.run_dir={tmp_path / 'run'}",
+                     env={"PYTHONPATH": str(tmp_path)})
+    assert_one_line_error(result, "model: model.target='misfits:Out' returns", expected)
