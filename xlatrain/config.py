@@ -415,7 +415,7 @@ class Config(Strict):
                    if self.collectives.impl == "custom" else None)
             object.__setattr__(self, "parallel", self.parallel.model_copy(
                 update={"mode": "shard_map" if why else "jit"}))
-            self._mode_chosen_for = why or "no per-device program needed"
+            self._mode_chosen_for = why
         return self
 
     @model_validator(mode="after")
