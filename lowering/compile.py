@@ -4,6 +4,7 @@ per-shape executable cache that counts, times and explains every (re)compilation
 from __future__ import annotations
 
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -29,10 +30,7 @@ class CompileLog:
         return sum(secs for _, secs, _ in self.events)
 
     def by_phase(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for _, _, phase in self.events:
-            counts[phase] = counts.get(phase, 0) + 1
-        return counts
+        return dict(Counter(phase for _, _, phase in self.events))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -89,22 +89,19 @@ class Checkpoints:
         against the saved fingerprints."""
         try:
             state, data, saved = self._restore(step, abstract_state)
-            if saved is not None:
-                _verify(state, saved)
-            return state, data
-        except CorruptCheckpoint:
-            raise
+            written = state
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
             legacy = _without_model_state(abstract_state)
             if legacy is None:
                 raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
             try:
-                fields, data, saved = self._restore(step, legacy)
+                written, data, saved = self._restore(step, legacy)
             except Exception:
                 raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
-        if saved is not None:
-            _verify(fields, saved)
-        return abstract_state.replace(**fields, model_state={}), data
+            state = abstract_state.replace(**written, model_state={})
+        if saved is not None:  # the fingerprints follow the tree as it was written
+            _verify(written, saved)
+        return state, data
 
     def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict | None]:
         items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}

@@ -689,12 +689,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: dict[Any, yaml.Node] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # unhashable keys are refused by the schema later
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (first at line {seen[key].start_mark.line + 1}); "
                     "give each key once", key_node.start_mark)
-            if isinstance(key, (str, int, float, bool)):
-                seen[key] = key_node
+            seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
 
 

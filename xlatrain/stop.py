@@ -37,7 +37,8 @@ class StopSignals:
         self.in_loop = False
         self.start_up_deadline: threading.Timer | None = None
 
-    def __bool__(self) -> bool:
+    @property
+    def requested(self) -> bool:
         return bool(self.received)
 
     def begin_loop(self) -> None:

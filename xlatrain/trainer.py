@@ -142,10 +142,9 @@ class _Run:
         record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
         step, last_saved, began = start, start, time.perf_counter()
         try:
-            stop = self.stop
-            stop.begin_loop()
+            self.stop.begin_loop()
             with compat.forbid_implicit_transfers(), self.compile_log.phase("steps"):
-                while step < self.trainer.steps and not stop:
+                while step < self.trainer.steps and not self.stop.requested:
                     if self.closures.must_run_before_dispatch:
                         self.closures.run()
                     batch = self._next_batch(loader)
@@ -162,15 +161,15 @@ class _Run:
                     if self._crossed(self.trainer.eval_every, first, step) or step == self.trainer.steps:
                         self._evaluate(step, state, eval_step, evaluation, result, metrics_writer)
                     if self._crossed(self.trainer.checkpoint_every, first, step) or step == self.trainer.steps \
-                            or stop:
+                            or self.stop.requested:
                         # Run this step's closures first: a non-finite state must never become a checkpoint.
                         self.closures.run()
                         self._save(step, state, loader)
                         last_saved = step
                 self.closures.run()
-                if stop and last_saved != step:
+                if self.stop.requested and last_saved != step:
                     self._save(step, state, loader)
-                result.interrupted = bool(stop)
+                result.interrupted = self.stop.requested
         finally:
             bar.close()
             loader.close()
