@@ -1,9 +1,13 @@
-"""Two real processes on 127.0.0.1 (jax.distributed, gloo) train exactly like one process with 8 devices."""
+"""Real processes on 127.0.0.1 (jax.distributed, gloo): started by hand, by `xlatrain launch`, with SLURM's
+variables and by Open MPI's mpirun; the watchdog; signals; resuming on other process and device counts."""
 
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -12,9 +16,14 @@ from conftest import REPO
 from xlatrain.config import load_config
 from xlatrain.metrics import read_metrics
 from xlatrain.trainer import train
+from xlatrain.watchdog import WATCHDOG_EXIT
 
+CONFIG = "examples/configs/digits_mlp.yaml"
 COMMON = ["trainer.steps=12", "trainer.log_every=1", "trainer.eval_every=6", "trainer.checkpoint_every=6",
           "trainer.progress=false", "model.hidden=[32]", "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
+LONG = ["trainer.steps=100000", "trainer.checkpoint_every=10", "trainer.eval_every=100000", "trainer.log_every=1",
+        "trainer.progress=false", "model.hidden=[32]"]
+TIMEOUT_S = 240
 
 
 def free_port() -> int:
@@ -23,37 +32,82 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(run_dir, port, steps, extra=()):
-    """Both processes' (returncode, stdout, stderr)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    args = [sys.executable, "-m", "xlatrain.cli", "train", "examples/configs/digits_mlp.yaml", *COMMON,
-            f"trainer.steps={steps}", f"trainer.run_dir={run_dir}", f"distributed.coordinator=127.0.0.1:{port}",
-            "distributed.num_processes=2", *extra]
-    processes = [subprocess.Popen([*args, f"distributed.process_id={i}"], cwd=REPO, env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
-    outputs = [p.communicate(timeout=300) for p in processes]
-    return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs, strict=True)]
+def devices_env(count: int) -> dict:
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}
 
 
-def launch(run_dir, port, steps):
-    outputs = start(run_dir, port, steps)
+def start(run_dir, port, extra=(), *, processes=2, devices=4, program=("-m", "xlatrain.cli", "train"),
+          per_rank=lambda i: []):
+    """The processes of one run, started by hand with distributed.* keys."""
+    args = [sys.executable, *program, CONFIG, *COMMON, f"trainer.run_dir={run_dir}",
+            f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={processes}", *extra]
+    return [subprocess.Popen([*args, f"distributed.process_id={i}", *per_rank(i)], cwd=REPO, env=devices_env(devices),
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(processes)]
+
+
+def finish(processes, timeout=TIMEOUT_S):
+    """Every process's (returncode, stdout, stderr); kills them all if one outlives the timeout."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for p in processes:
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            outputs.append((p.returncode, out, err))
+    finally:
+        for p in processes:
+            p.kill()
+    return outputs
+
+
+def succeed(processes):
+    outputs = finish(processes)
     for returncode, _, err in outputs:
         assert returncode == 0, err[-3000:]
-    return [(out, err) for _, out, err in outputs]
+    return outputs
+
+
+def launch(processes, devices, *overrides):
+    """`xlatrain launch` of the test config, with `overrides` after COMMON."""
+    command = [sys.executable, "-m", "xlatrain.cli", "launch", "--nproc", str(processes), "--devices-per-proc",
+               str(devices), CONFIG, *COMMON, *overrides]
+    return subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def losses_of(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def assert_same_losses(losses, reference, steps, rtol=1e-5):
+    np.testing.assert_allclose([losses[s] for s in steps], [reference[s] for s in steps], rtol=rtol)
+
+
+def wait_for_step(run_dir, step, processes, timeout=TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and max(losses_of(run_dir), default=0) >= step:
+            return
+        assert all(p.poll() is None for p in processes), "a process ended before reaching the step"
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def reference_losses(tmp_path, extra=()) -> dict[int, float]:
+    config = load_config(REPO / CONFIG, [*COMMON, f"trainer.run_dir={tmp_path / 'one'}", *extra])
+    return train(config, echo=lambda _: None).losses
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_and_resume(tmp_path, devices):
     run_dir = tmp_path / "two"
-    outputs = launch(run_dir, free_port(), steps=6)
-    assert "data-parallel 8" in outputs[0][0] and "xlatrain:" not in outputs[1][0]
-    launch(run_dir, free_port(), steps=12)
+    outputs = succeed(start(run_dir, free_port(), ["trainer.steps=6"]))
+    assert "data-parallel 8" in outputs[0][1] and "xlatrain:" not in outputs[1][1]
+    succeed(start(run_dir, free_port()))
     logged = read_metrics(run_dir / "metrics.jsonl")
     losses = {r["step"]: r["loss"] for r in logged if "loss" in r}
     evals = {r["step"]: r["eval_loss"] for r in logged if "eval_loss" in r}
 
-    reference = train(load_config(REPO / "examples/configs/digits_mlp.yaml",
-                                  [*COMMON, f"trainer.run_dir={tmp_path / 'one'}"]), echo=lambda _: None)
+    reference = train(load_config(REPO / CONFIG, [*COMMON, f"trainer.run_dir={tmp_path / 'one'}"]),
+                      echo=lambda _: None)
     assert sorted(losses) == list(range(1, 13)) and sorted(evals) == [6, 12]
     np.testing.assert_allclose([losses[s] for s in range(1, 13)], [reference.losses[s] for s in range(1, 13)],
                                rtol=1e-5)
@@ -62,8 +116,138 @@ def test_two_processes_match_one_process_and_resume(tmp_path, devices):
 
 
 @pytest.mark.slow
+def test_processes_that_disagree_name_the_rank_and_the_keys(tmp_path):
+    outputs = finish(start(tmp_path / "run", free_port(), per_rank=lambda i: ["seed=7"] if i else []))
+    for returncode, _, err in outputs:
+        assert returncode == 2, err[-2000:]
+        assert "the processes disagree before compiling: rank 1 (host " in err and "seed=7 vs 0" in err
+
+
+@pytest.mark.slow
 def test_custom_cpu_collectives_refuse_a_multi_process_run(tmp_path):
-    outputs = start(tmp_path / "custom", free_port(), steps=2,
-                    extra=["parallel.mode=shard_map", "collectives.impl=custom"])
+    outputs = finish(start(tmp_path / "custom", free_port(), ["parallel.mode=shard_map", "collectives.impl=custom"]))
     for returncode, _, err in outputs:
         assert returncode == 2 and "collectives.impl=custom on CPU runs across the devices of one process" in err
+
+
+@pytest.mark.slow
+def test_launch_shows_rank_0_stops_every_rank_on_sigterm_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = launch(2, 4, *LONG, f"trainer.run_dir={run_dir}")
+    wait_for_step(run_dir, 15, [launcher])
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "xlatrain launch: 2 processes x 4 devices" in out and "data-parallel 8" in out
+    assert "[Gloo]" not in out + err and "stopped by signal at step" in out
+    stopped = int(out.split("stopped by signal at step ")[1].split(";")[0])
+    assert "xlatrain: digits-mlp" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert "[Gloo] Rank 4" in (run_dir / "logs" / "rank-1.log").read_text()  # its devices are the run's 4..7
+    assert (run_dir / "checkpoints" / str(stopped)).is_dir()
+
+    resumed = launch(2, 4, *LONG, f"trainer.run_dir={run_dir}",
+                     f"trainer.steps={stopped + 3}")
+    out, err = resumed.communicate(timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"resuming from checkpoint at step {stopped}" in out and f"finished at step {stopped + 3}" in out
+
+
+@pytest.mark.slow
+def test_launch_stops_the_others_when_a_rank_dies(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = launch(2, 2, *LONG, f"trainer.run_dir={run_dir}")
+    wait_for_step(run_dir, 5, [launcher])
+    rank_1 = subprocess.run(["pgrep", "-f", f"trainer.run_dir={run_dir} .*process_id=1"], capture_output=True,
+                            text=True).stdout.split()
+    os.kill(int(rank_1[0]), signal.SIGKILL)
+    began = time.monotonic()
+    _, err = launcher.communicate(timeout=60)
+    assert time.monotonic() - began < 30
+    assert launcher.returncode != 0
+    assert err.strip().splitlines()[-1].startswith("xlatrain launch: error: rank 1 was killed by SIGKILL")
+
+
+@pytest.mark.slow
+def test_the_watchdog_names_a_killed_rank_and_the_last_checkpoint_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    processes = start(run_dir, free_port(), LONG, devices=2)
+    wait_for_step(run_dir, 25, processes)
+    processes[1].kill()
+    began = time.monotonic()
+    (returncode, _, err), _ = finish(processes, timeout=60)
+    assert time.monotonic() - began < 30
+    assert returncode == WATCHDOG_EXIT
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("xlatrain: error: rank 1 (host ") and " stopped responding at step " in last
+    assert "no heartbeat for" in last and "last checkpoint: step " in last and "Check failure" not in err
+    checkpoint = int(last.split("last checkpoint: step ")[1])
+
+    resumed = launch(2, 2, *LONG, f"trainer.run_dir={run_dir}",
+                     f"trainer.steps={checkpoint + 2}")
+    out, err = resumed.communicate(timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"resuming from checkpoint at step {checkpoint} (verified)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fault", "words", "phase"), [("stuck-hook", "in a hook", "hook"),
+                                                       ("stuck-loader", "loading data", "loading_data")])
+def test_the_watchdog_names_a_stuck_rank_within_its_stall_timeout(tmp_path, fault, words, phase):
+    processes = start(tmp_path / "run", free_port(), [*LONG, f"distributed.stall_timeout.{phase}=3"], devices=2,
+                      program=("tests/multiprocess_driver.py", fault))
+    wait_for_step(tmp_path / "run", 20, processes)
+    began = time.monotonic()
+    outputs = finish(processes, timeout=60)
+    assert time.monotonic() - began < 3 + 10
+    for returncode, _, err in outputs:
+        assert returncode == WATCHDOG_EXIT, err[-2000:]
+        assert f"rank 1 (host {socket.gethostname()}) has been {words} at step 2" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_no_false_alarm_while_a_rank_compiles_and_checkpoints_slowly(tmp_path):
+    timeouts = ["distributed.stall_timeout.training=2", "distributed.stall_timeout.hook=2",
+                "distributed.stall_timeout.loading_data=2"]
+    succeed(start(tmp_path / "run", free_port(), [*timeouts, "trainer.steps=12"], devices=2,
+                  program=("tests/multiprocess_driver.py", "slow-start")))
+
+
+def slurm_env(rank: int, port: int) -> dict:
+    """What srun gives each task (jax derives the coordinator port from the job id)."""
+    return {**devices_env(4), "SLURM_JOB_ID": str(port - (65535 - 2**12 + 1)), "SLURM_STEP_NODELIST": "127.0.0.1",
+            "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_STEP_NUM_NODES": "1"}
+
+
+def free_port_in_slurm_range() -> int:
+    for port in range(65535 - 2**12 + 1, 65535):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port for the SLURM test")
+
+
+@pytest.mark.slow
+def test_slurm_environment_alone_joins_the_processes(tmp_path, devices):
+    port = free_port_in_slurm_range()
+    args = [sys.executable, "-m", "xlatrain.cli", "train", CONFIG, *COMMON, f"trainer.run_dir={tmp_path / 'run'}"]
+    processes = [subprocess.Popen(args, cwd=REPO, env=slurm_env(i, port), text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for i in range(2)]
+    outputs = succeed(processes)
+    assert "data-parallel 8" in outputs[0][1]
+    assert_same_losses(losses_of(tmp_path / "run"), reference_losses(tmp_path), steps=range(1, 13))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed (apt install "
+                    "openmpi-bin; .ci/run installs it)")
+def test_mpirun_alone_joins_the_processes(tmp_path, devices):
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
+               "--mca", "btl_tcp_if_include", "lo", "-np", "2", "-x", "XLA_FLAGS",
+               sys.executable, "-m", "xlatrain.cli", "train", CONFIG, *COMMON, f"trainer.run_dir={tmp_path / 'run'}"]
+    done = subprocess.run(command, cwd=REPO, env=devices_env(4), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "data-parallel 8" in done.stdout
+    assert_same_losses(losses_of(tmp_path / "run"), reference_losses(tmp_path), steps=range(1, 13))

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -21,6 +23,7 @@ USAGE_EXAMPLES = """examples:
   xlatrain pipeline mesh.stage=4 parallel.pipeline.schedule=interleaved model.layers=8
   xlatrain parity examples/configs/torch_gpt.yaml --against torch --steps 10
   xlatrain export runs/torch-gpt --torch gpt.pt
+  xlatrain launch --nproc 2 --devices-per-proc 4 examples/configs/digits_mlp.yaml
 """
 
 PIPELINE_EXAMPLES = """examples (8 CPU devices: export XLA_FLAGS=--xla_force_host_platform_device_count=8 first):
@@ -90,7 +93,25 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--torch", type=Path, required=True, metavar="OUT.pt", help="where to write the state_dict")
     export.add_argument("--step", type=int, help="which checkpoint (default: the latest)")
     export.set_defaults(command=_export, args=[])
+    launch = commands.add_parser("launch", help="train with N local processes joined through jax.distributed")
+    launch.add_argument("--nproc", type=_positive, required=True, metavar="N", help="how many processes")
+    launch.add_argument("--devices-per-proc", type=_positive, metavar="K",
+                        help="CPU devices of each process (on a GPU host: K GPUs each); default: as the environment "
+                        "gives them")
+    launch.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
+                        help="what `xlatrain train` takes; distributed.* is set for each process")
+    launch.set_defaults(command=_launch)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
 
 
 def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
@@ -115,8 +136,40 @@ def _train(config_path: str | None, overrides: list[str], _args: argparse.Namesp
             print(f"xlatrain: {stop}: {STOPPED_BEFORE_FIRST_STEP}", flush=True)
         except NonFiniteLoss as err:
             print(f"xlatrain: stopped: {err}", file=sys.stderr)
-            return 1
+            return _leave(1)
+        except UserError as err:
+            print(f"xlatrain: error: {err}", file=sys.stderr)
+            return _leave(err.exit_code)
+        except Exception:
+            if _in_multi_process_run():
+                traceback.print_exc()
+                _leave(1)
+            raise
     return 0
+
+
+def _in_multi_process_run() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from xlatrain import compat
+
+    return compat.distributed_client() is not None
+
+
+def _leave(code: int) -> int:
+    """A failing process of a multi-process run exits at once: jax.distributed's orderly shutdown would wait at
+    a barrier for the other processes, which this failure stops (their watchdogs see it)."""
+    if _in_multi_process_run():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _launch(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.launch import launch
+
+    return launch(args.nproc, args.devices_per_proc, args.args)
 
 
 def _config(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:

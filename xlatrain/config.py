@@ -376,19 +376,44 @@ class TrainerConfig(Strict):
         return self
 
 
+Seconds = Annotated[float, Field(gt=0, le=7 * 24 * 3600)]
+
+
+class StallTimeouts(Strict):
+    """How long a process may stay in one phase at one step before the watchdog stops the run (seconds).
+    A single number sets every phase."""
+
+    starting: Seconds = 600
+    compiling: Seconds = 1800
+    loading_data: Seconds = 300
+    training: Seconds = 180
+    hook: Seconds = 180
+    evaluating: Seconds = 600
+    checkpointing: Seconds = 900
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_for_all(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {phase: value for phase in cls.model_fields}
+        return value
+
+
 class DistributedConfig(Strict):
     coordinator: Annotated[str, Field(pattern=r"^[\w.\-\[\]:]+:\d+$")] | None = None
-    """"host:port" of process 0; set it (on every process) to run multi-process with jax.distributed."""
-    num_processes: PositiveInt = 1
-    process_id: NonNegativeInt = 0
+    """"host:port" of process 0. Unset: a single process, or the cluster's own values when run under SLURM,
+    Open MPI's mpirun or Kubernetes (detected by jax.distributed); set keys win over detected ones."""
+    num_processes: PositiveInt | None = None
+    process_id: NonNegativeInt | None = None
+    stall_timeout: StallTimeouts = StallTimeouts()
+    heartbeat_timeout: Annotated[float, Field(ge=2, le=3600)] = 10.0
+    """Seconds without a heartbeat from a process before the watchdog counts it as dead."""
 
     @model_validator(mode="after")
     def _consistent(self) -> DistributedConfig:
-        if self.process_id >= self.num_processes:
+        if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
             raise ValueError(f"distributed.process_id={self.process_id} must be below "
                              f"distributed.num_processes={self.num_processes}")
-        if self.num_processes > 1 and self.coordinator is None:
-            raise ValueError("distributed.num_processes > 1 needs distributed.coordinator=host:port")
         return self
 
 
@@ -774,3 +799,14 @@ def _did_you_mean(loc: tuple) -> str:
     close = difflib.get_close_matches(str(loc[-1]), list(cls.model_fields), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{hint}; valid keys here: {', '.join(cls.model_fields)}"
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys (`trainer.steps`); empty mappings stay as values."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

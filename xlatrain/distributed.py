@@ -1,28 +1,124 @@
-"""Multi-process runs through JAX's own runtime (jax.distributed); process 0 owns the run directory."""
+"""Multi-process runs through JAX's own runtime (jax.distributed); process 0 owns the run directory.
+
+Processes join either through `distributed.*` keys (set by `xlatrain launch`, or by hand) or through the
+cluster that jax.distributed detects from the environment: SLURM's `srun`, Open MPI's `mpirun`, Kubernetes.
+Before anything compiles, every process checks that all agree on the config, the versions and the devices.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import socket
+from importlib.metadata import version
+from typing import Any
 
 import jax
 
 from xlatrain import compat
-from xlatrain.config import DistributedConfig
+from xlatrain.config import Config, DistributedConfig, flatten
 from xlatrain.errors import UserError, first_line
+from xlatrain.stop import StopSignals
+
+START_TIMEOUT_S = 300.0
+"""How long a process waits for the others' start-up facts (they joined already, so this is generous)."""
 
 
 def initialize(config: DistributedConfig) -> None:
     """Join the other processes before any device is touched; a no-op for single-process runs."""
-    if config.coordinator is None:
+    cluster = compat.detected_cluster()
+    if config.coordinator is None and cluster is None:
+        if (config.num_processes or 1) > 1:
+            raise UserError(f"distributed.num_processes={config.num_processes} needs distributed.coordinator="
+                            "host:port (process 0's address), or a launcher that jax.distributed detects "
+                            "(srun, mpirun, a Kubernetes Job), or `xlatrain launch --nproc N`")
         return
     compat.use_gloo_for_cpu_collectives()
+    compat.keep_our_signal_handlers()
+    joined_through = (f"distributed.coordinator={config.coordinator}" if config.coordinator
+                      else f"the {cluster} cluster's environment")
     try:
         jax.distributed.initialize(coordinator_address=config.coordinator, num_processes=config.num_processes,
                                    process_id=config.process_id)
     except Exception as err:  # connection and timeout errors come from deep inside the runtime
-        raise UserError(f"distributed: could not join distributed.coordinator={config.coordinator} as process "
-                        f"{config.process_id} of {config.num_processes} ({type(err).__name__}: "
-                        f"{first_line(err)}); start every process with the same "
+        raise UserError(f"distributed: could not join the other processes through {joined_through} "
+                        f"({type(err).__name__}: {first_line(err)}); start every process with the same "
                         "coordinator and num_processes, and a distinct process_id") from None
 
 
 def is_primary() -> bool:
     return jax.process_index() == 0
+
+
+def host_name() -> str:
+    return socket.gethostname()
+
+
+def start_facts(config: Config) -> dict[str, Any]:
+    """What every process must agree on before compiling, plus where it runs (for messages)."""
+    flat = flatten(config.model_dump(mode="json"))
+    flat.pop("distributed.process_id", None)
+    return {"host": host_name(), "config": flat,
+            "config_hash": hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest(),
+            "xlatrain": version("xlatrain"), "jax": jax.__version__, "jaxlib": compat.jaxlib_version(),
+            "platform": jax.devices()[0].platform, "local_devices": jax.local_device_count(),
+            "devices": jax.device_count()}
+
+
+def disagreements(facts: list[dict[str, Any]]) -> list[str]:
+    """How each process's start facts differ from process 0's, one phrase per differing process."""
+    reference = facts[0]
+    found = []
+    for rank, mine in enumerate(facts[1:], start=1):
+        differences = [f"{key} {mine[key]} vs {reference[key]}" for key in
+                       ("xlatrain", "jax", "jaxlib", "platform", "local_devices", "devices")
+                       if mine[key] != reference[key]]
+        if mine["config_hash"] != reference["config_hash"]:
+            keys = sorted(set(mine["config"]) | set(reference["config"]))
+            differences += [f"{key}={mine['config'].get(key)!r} vs {reference['config'].get(key)!r}"
+                            for key in keys if mine["config"].get(key) != reference["config"].get(key)]
+        if differences:
+            found.append(f"rank {rank} (host {mine['host']}) differs from rank 0 (host {reference['host']}): "
+                         + ", ".join(differences))
+    return found
+
+
+def check_processes_agree(config: Config) -> None:
+    """Every process publishes its start facts and reads everyone's; a mismatch is one error on every process."""
+    if jax.process_count() == 1:
+        return
+    compat.key_value_set(f"xlatrain/start/{jax.process_index()}", json.dumps(start_facts(config)).encode())
+    facts = [json.loads(compat.key_value_get(f"xlatrain/start/{rank}", START_TIMEOUT_S))
+             for rank in range(jax.process_count())]
+    problems = disagreements(facts)
+    if problems:
+        raise UserError("distributed: the processes disagree before compiling: " + "; ".join(problems)
+                        + "; start every process with the same config, xlatrain, jax and device count")
+
+
+class StopAgreement:
+    """When a multi-process run stops on a signal, every process must stop after the same step, or the ones
+    still stepping wait forever in a collective for those saving a checkpoint.
+
+    A process that received a signal publishes the boundary it was at (t) in the key-value store; every
+    process stops at boundary t + LAG. Why every process learns of t in time: at each boundary a process
+    reads the previous boundary's results, which needs every process to have dispatched that executable, so
+    each has finished its host work of two boundaries before, the publishing included; a process at
+    boundary t + LAG therefore already sees t. Single-process runs stop at the next boundary."""
+
+    LAG = 2
+
+    def __init__(self, stop: StopSignals):
+        self.stop = stop
+        self.processes = jax.process_count()
+        self.published = False
+
+    def should_stop(self, boundary: int) -> bool:
+        """Called once per boundary, after its results of the previous boundary were read."""
+        if self.processes == 1:
+            return self.stop.requested
+        if self.stop.requested and not self.published:
+            compat.key_value_set(f"xlatrain/stop/{jax.process_index()}", str(boundary).encode())
+            self.published = True
+        requested_at = [int(value) for _, value in compat.key_value_dir_get("xlatrain/stop/")]
+        return any(at + self.LAG <= boundary for at in requested_at)

@@ -10,14 +10,16 @@ from typing import Callable
 import yaml
 
 from xlatrain import compat
-from xlatrain.config import Config, Derived, config_to_yaml, parse_yaml, validate_config
+from xlatrain.config import Config, Derived, config_to_yaml, flatten, parse_yaml, validate_config
 from xlatrain.distributed import is_primary
 from xlatrain.errors import UserError, first_line
 
 CONFIG_FILE = "config.yaml"
-RESUMABLE_KEYS = ("trainer.", "derived.", "distributed.", "optimizer.decay_steps")
-"""Keys that may differ between a run and its resumption (more steps, other devices or processes, a new
-learning-rate horizon given on purpose)."""
+RESUMABLE_KEYS = ("trainer.", "derived.", "distributed.", "optimizer.decay_steps", "mesh.data")
+"""Keys that may differ between a run and its resumption (more steps, other devices or processes and so another
+data-parallel size, a new learning-rate horizon given on purpose)."""
+LOGS_DIR = "logs"
+"""Where `xlatrain launch` writes each process's output; it may exist before the run's first start."""
 
 
 def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
@@ -27,7 +29,7 @@ def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
     run_dir = config.run_dir()
     _check_writable(run_dir)
     saved_path = run_dir / CONFIG_FILE
-    if not any(run_dir.iterdir()):
+    if not any(path.name != LOGS_DIR for path in run_dir.iterdir()):
         compat.barrier("xlatrain-run-dir-checked")
         return _with_horizon(config, config.optimizer.decay_steps or config.trainer.steps)
     if not saved_path.is_file():
@@ -83,23 +85,13 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def _check_same_run(config: Config, saved: Config, saved_path: Path) -> None:
-    before, now = _flatten(saved.model_dump(mode="json")), _flatten(config.model_dump(mode="json"))
+    before, now = flatten(saved.model_dump(mode="json")), flatten(config.model_dump(mode="json"))
     changed = sorted(key for key in set(before) | set(now)
                      if before.get(key) != now.get(key) and not key.startswith(RESUMABLE_KEYS))
     if changed:
         raise UserError(f"trainer.run_dir={str(saved_path.parent)!r} holds a run with a different config "
                         f"({', '.join(changed)} differ); resume it with the same settings or choose a new "
                         "trainer.run_dir")
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def read_run_config(run_dir: Path) -> Config:

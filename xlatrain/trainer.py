@@ -26,7 +26,7 @@ from xlatrain.data.loader import (
     stack_steps,
     train_iterator,
 )
-from xlatrain.distributed import is_primary
+from xlatrain.distributed import StopAgreement, check_processes_agree, host_name, is_primary
 from xlatrain.lowering.compile import CompileLog
 from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
@@ -35,6 +35,7 @@ from xlatrain.run_dir import open_run_dir, save_run_config
 from xlatrain.run_summary import RunSummary
 from xlatrain.state import with_shardings
 from xlatrain.stop import StopSignals, stop_signals
+from xlatrain.watchdog import Progress, watching
 
 
 class NonFiniteLoss(Exception):
@@ -63,12 +64,13 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
     if not is_primary():
         echo = _silent
     compile_log = CompileLog()
-    with stop_signals() as stop, compile_log.listening():
+    with stop_signals() as stop, compile_log.listening(), watching(config.distributed, host_name()) as progress:
+        check_processes_agree(config)
         config = open_run_dir(config, echo)
-        with compile_log.phase("set-up"):
+        with compile_log.phase("set-up"), progress.during("compiling"):
             program = build_program(config, devices)
         _describe(program, echo)
-        result = _Run(program, echo, compile_log, hooks, stop).execute()
+        result = _Run(program, echo, compile_log, hooks, stop, progress).execute()
     return result
 
 
@@ -98,13 +100,15 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
 
 class _Run:
     def __init__(self, program: Program, echo: Callable[[str], None], compile_log: CompileLog,
-                 hooks: Sequence[Hook], stop: StopSignals):
+                 hooks: Sequence[Hook], stop: StopSignals, progress: Progress):
         self.program = program
         self.config = program.config
         self.trainer = program.config.trainer
         self.echo = echo
         self.run_dir = program.config.run_dir()
         self.stop = stop
+        self.stop_agreement = StopAgreement(stop)
+        self.progress = progress
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", self.trainer.keep_checkpoints)
         self.compile_log = compile_log
         self.hooks = hooks
@@ -119,7 +123,7 @@ class _Run:
             self.checkpoints.close()
 
     def _execute(self) -> TrainResult:
-        with self.compile_log.phase("state"):
+        with self.compile_log.phase("state"), self.progress.during("compiling"):
             state, data_state, start = self._initial_state()
         save_run_config(self.config, self.program.derived)
         result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log, summary=self.summary)
@@ -131,7 +135,7 @@ class _Run:
         metrics_writer = (MetricsWriter(self.run_dir, resume_step=start if start else None) if is_primary()
                           else DiscardedMetrics())
         evaluation = self._eval_batches()
-        with self.compile_log.phase("steps"):
+        with self.compile_log.phase("steps"), self.progress.during("compiling"):
             train_step, eval_step = self.program.train_step, self.program.eval_step
         k = self.trainer.steps_per_sync
         self.echo(f"  compiled train step in {train_step.first.compile_seconds:.1f}s; training steps {start}..."
@@ -140,11 +144,13 @@ class _Run:
                    unit="step", dynamic_ncols=True)
         clock = _Throughput(self.program)
         record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
-        step, last_saved, began = start, start, time.perf_counter()
+        step, began = start, time.perf_counter()
+        stopping = False
         try:
             self.stop.begin_loop()
+            self.progress.phase = "training"
             with compat.forbid_implicit_transfers(), self.compile_log.phase("steps"):
-                while step < self.trainer.steps and not self.stop.requested:
+                while step < self.trainer.steps and not stopping:
                     if self.closures.must_run_before_dispatch:
                         self.closures.run()
                     batch = self._next_batch(loader)
@@ -152,24 +158,24 @@ class _Run:
                     state, metrics = self._dispatch(train_step, state, batch)
                     self.closures.will_donate(state)
                     first, step = step + 1, step + k
+                    self.progress.step = step
                     boundary = Boundary(first, step, state, metrics, self.closures)
                     boundary.add_step_closure(partial(record, first), metrics)
-                    for hook in self.hooks:
-                        call_hook(hook, boundary)
+                    with self.progress.during("hook"):
+                        for hook in self.hooks:
+                            call_hook(hook, boundary)
                     self.closures.run(through_step=first - 1)
                     self.summary.boundaries += 1
+                    stopping = self.stop_agreement.should_stop(self.summary.boundaries)
                     if self._crossed(self.trainer.eval_every, first, step) or step == self.trainer.steps:
                         self._evaluate(step, state, eval_step, evaluation, result, metrics_writer)
                     if self._crossed(self.trainer.checkpoint_every, first, step) or step == self.trainer.steps \
-                            or self.stop.requested:
+                            or stopping:
                         # Run this step's closures first: a non-finite state must never become a checkpoint.
                         self.closures.run()
                         self._save(step, state, loader)
-                        last_saved = step
                 self.closures.run()
-                if self.stop.requested and last_saved != step:
-                    self._save(step, state, loader)
-                result.interrupted = self.stop.requested
+                result.interrupted = stopping
         finally:
             bar.close()
             loader.close()
@@ -189,7 +195,8 @@ class _Run:
 
     def _next_batch(self, loader: DeviceLoader) -> dict:
         started = time.perf_counter()
-        batch = next(loader)
+        with self.progress.during("loading_data"):
+            batch = next(loader)
         self.summary.data_wait_seconds += time.perf_counter() - started
         return batch
 
@@ -201,8 +208,9 @@ class _Run:
 
     def _save(self, step: int, state: Any, loader: DeviceLoader) -> None:
         # orbax copies the state to the host itself
-        with compat.allow_transfers(), self.compile_log.phase("checkpoints"):
+        with compat.allow_transfers(), self.compile_log.phase("checkpoints"), self.progress.during("checkpointing"):
             self.checkpoints.save(step, state, loader.state())
+        self.progress.last_checkpoint = step
         self.closures.device_to_host_bytes += sum(x.addressable_data(0).nbytes for x in jax.tree.leaves(state))
 
     def _summarise(self, step: int, began: float) -> None:
@@ -225,6 +233,7 @@ class _Run:
         if restored is None:
             return self.program.create_state(), None, 0
         state, data_state, step = restored
+        self.progress.last_checkpoint = step
         self.echo(f"  resuming from checkpoint at step {step} (verified)")
         return state, data_state, step
 
@@ -296,7 +305,8 @@ class _Run:
                   writer: MetricsWriter | DiscardedMetrics) -> None:
         if not batches:
             return
-        outputs = [self._dispatch(eval_step, state, b) for b in batches]
+        with self.progress.during("evaluating"):
+            outputs = [self._dispatch(eval_step, state, b) for b in batches]
 
         def report(outputs: list[dict]) -> None:
             record = {k: float(np.mean([o[k] for o in outputs])) for k in outputs[0]}

@@ -1,0 +1,92 @@
+"""The watchdog's judgement (pure) and the start-up agreement check, without processes."""
+
+from xlatrain.config import Config, DistributedConfig, StallTimeouts, flatten
+from xlatrain.distributed import disagreements
+from xlatrain.watchdog import Observer, verdict
+
+CONFIG = DistributedConfig(stall_timeout={"training": 30, "hook": 5}, heartbeat_timeout=10)
+
+
+def published(step, phase, beat=1, checkpoint=None, error="", host="h"):
+    return {"host": host, "beat": beat, "step": step, "phase": phase, "last_checkpoint": checkpoint, "error": error}
+
+
+def observer_at(now, **ranks) -> Observer:
+    observer = Observer()
+    observer.update({int(r[1:]): p for r, p in ranks.items()}, now)
+    return observer
+
+
+def test_a_single_number_sets_every_phase():
+    assert StallTimeouts.model_validate(7).hook == 7 and StallTimeouts.model_validate(7).compiling == 7
+    assert DistributedConfig(stall_timeout=7).stall_timeout.training == 7
+
+
+def test_all_alive_and_moving_is_no_verdict():
+    observer = observer_at(0, r0=published(5, "training"), r1=published(5, "training"))
+    observer.update({0: published(6, "training", beat=2), 1: published(6, "training", beat=2)}, 8)
+    assert verdict(observer, 2, 9, CONFIG) is None
+
+
+def test_a_rank_without_heartbeats_is_named_with_its_step_phase_and_the_last_checkpoint():
+    observer = observer_at(0, r0=published(57, "training", checkpoint=50), r1=published(57, "training", host="b"))
+    observer.update({0: published(58, "training", beat=2, checkpoint=50), 1: published(57, "training", host="b")}, 9)
+    message = verdict(observer, 2, 10.5, CONFIG)
+    assert message == ("rank 1 (host b) stopped responding at step 57 while training (no heartbeat for 10 s); "
+                       "last checkpoint: step 50")
+
+
+def test_the_rank_behind_is_blamed_not_the_ones_waiting_for_it():
+    observer = observer_at(0, r0=published(59, "training"), r1=published(57, "hook", host="b"))
+    beats = {0: published(59, "training", beat=9), 1: published(57, "hook", beat=9, host="b")}
+    observer.update(beats, 4)
+    assert verdict(observer, 2, 4.5, CONFIG) is None  # within hook's 5 s
+    observer.update(beats | {0: published(59, "training", beat=10), 1: published(57, "hook", beat=10, host="b")}, 6)
+    assert verdict(observer, 2, 6, CONFIG) == ("rank 1 (host b) has been in a hook at step 57 for 6 s, longer than "
+                                               "distributed.stall_timeout.hook=5; no checkpoint yet")
+
+
+def test_a_process_waiting_for_a_slow_compile_elsewhere_is_no_stall():
+    observer = observer_at(0, r0=published(0, "training"), r1=published(0, "compiling"))
+    observer.update({0: published(0, "training", beat=90), 1: published(0, "compiling", beat=90)}, 100)
+    assert verdict(observer, 2, 100, CONFIG) is None
+
+
+def test_every_process_stuck_at_the_same_place_is_said_so():
+    observer = observer_at(0, r0=published(7, "training"), r1=published(7, "training"))
+    observer.update({0: published(7, "training", beat=40), 1: published(7, "training", beat=40)}, 31)
+    assert verdict(observer, 2, 31, CONFIG).startswith("every process has been training at step 7 for 31 s")
+
+
+def test_a_failed_rank_is_reported_with_its_error_and_a_finished_one_never_as_dead():
+    observer = observer_at(0, r0=published(3, "training"), r1=published(3, "failed", error="boom"))
+    assert verdict(observer, 2, 1, CONFIG) == "rank 1 (host h) failed at step 3: boom; no checkpoint yet"
+    observer = observer_at(0, r0=published(9, "finished"), r1=published(9, "training"))
+    observer.update({1: published(10, "training", beat=2)}, 60)
+    assert verdict(observer, 2, 60, CONFIG) is None
+
+
+def test_an_unreachable_store_names_the_coordinator():
+    observer = observer_at(0, r0=published(4, "training"), r1=published(4, "training"))
+    observer.store_unreachable(1)
+    assert verdict(observer, 2, 5, CONFIG) is None
+    assert verdict(observer, 2, 12, CONFIG).startswith("rank 0 (the coordinator) stopped responding at step 4 "
+                                                       "while training: the key-value store has been unreachable")
+
+
+def facts(of: Config, **changes) -> dict:
+    flat = flatten(of.model_dump(mode="json"))
+    base = {"host": "a", "config": flat, "config_hash": str(sorted(flat.items())), "xlatrain": "0.1.0",
+            "jax": "0.10.2", "jaxlib": "0.10.2", "platform": "cpu", "local_devices": 4, "devices": 8}
+    return base | changes
+
+
+def test_disagreements_name_the_rank_and_the_differing_keys():
+    config = Config()
+    other = config.model_copy(update={"seed": 3})
+    flat_other = flatten(other.model_dump(mode="json"))
+    found = disagreements([facts(config), facts(config, host="b"),
+                           facts(config, host="c", jax="0.12.0", local_devices=2, config=flat_other,
+                                 config_hash="x")])
+    assert found == ["rank 2 (host c) differs from rank 0 (host a): jax 0.12.0 vs 0.10.2, local_devices 2 vs 4, "
+                     "seed=3 vs 0"]
