@@ -3,12 +3,14 @@ the CUDA/NCCL one (built only with -Ccmake.define.XLATRAIN_CUDA=ON)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib
 import itertools
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from xlatrain import compat
@@ -52,9 +54,32 @@ def communicator_key(axis_name: str) -> int:
     return int.from_bytes(hashlib.blake2b(axis_name.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def lowering(op: str, attributes: Callable[..., dict[str, Any]]) -> dict[str, Callable]:
+def processes_along(mesh: jax.sharding.Mesh | None, axis_name: str) -> int:
+    """How many processes each group of devices along `axis_name` spans (1 inside one process). Across processes
+    the CPU collectives need each group to hold equal blocks of consecutive ranks per process, in process order,
+    over every process (they reduce across processes in MPI_COMM_WORLD)."""
+    if mesh is None or jax.process_count() == 1:
+        return 1
+    owners = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    lines = np.moveaxis(owners, mesh.axis_names.index(axis_name), -1).reshape(-1, mesh.shape[axis_name])
+    spans = {len(set(line.tolist())) for line in lines}
+    if spans == {1}:
+        return 1
+    processes = jax.process_count()
+    in_order = all(np.array_equal(line, np.repeat(np.arange(processes), len(line) // processes)) for line in lines)
+    if spans != {processes} or not in_order:
+        raise UserError(f"collectives.impl=custom: the devices along mesh axis {axis_name!r} span some but not all "
+                        f"{processes} processes, or not in equal blocks in process order; the CPU collectives "
+                        "reduce across all processes at once: use collectives.impl=xla for this mesh")
+    return processes
+
+
+def lowering(op: str, attributes: Callable[..., dict[str, Any]], crosses_processes: bool = False,
+             ) -> dict[str, Callable]:
     """MLIR lowering rules per platform for `op`. `attributes(**params)` gives the handler's attributes;
-    every lowered instance gets its own call-site id (how the CPU rendezvous tells calls apart)."""
+    every lowered instance gets its own call-site id (how the CPU rendezvous tells calls apart). An op that
+    `crosses_processes` gets, on CPU, how many processes its axis spans (two-level, with MPI); the others
+    refuse an axis that spans processes."""
 
     def rule_for(platform: str) -> Callable:
         def rule(ctx, x, where, **params):
@@ -66,8 +91,31 @@ def lowering(op: str, attributes: Callable[..., dict[str, Any]]) -> dict[str, Ca
             attrs = {**attributes(**params), "site": np.int64(next(_sites))}
             if platform == "cuda":
                 attrs["comm"] = np.int64(communicator_key(axis_name))
+            else:
+                processes = processes_along(compat.lowering_mesh(ctx), axis_name)
+                if crosses_processes:
+                    attrs["processes"] = np.int64(processes)
+                elif processes > 1:
+                    raise UserError(f"collectives.impl=custom: {op} over mesh axis {axis_name!r} would cross "
+                                    "processes; on CPU only the all-reduce does (parallel.strategy=replicated and "
+                                    "data parallelism): use collectives.impl=xla for this run")
             return compat.ffi_lowering(PREFIX[platform] + op)(ctx, x, where, **attrs)
 
         return rule
 
     return {platform: rule_for(platform) for platform in PREFIX}
+
+
+def check_mpi_spans(processes: int) -> None:
+    """Refuse, with the fix, a multi-process run whose CPU collectives cannot reach the other processes."""
+    size = cpu_extension().mpi_world_size() if compat.detected_cluster() == "ompi" else None
+    if size == processes:
+        atexit.register(cpu_extension().mpi_finalize)
+        return
+    if size == -1:
+        raise UserError("collectives.impl=custom across processes on CPU needs MPI, and this xlatrain was built "
+                        "without it: install Open MPI (apt install libopenmpi-dev openmpi-bin), reinstall with "
+                        "`python3 -m pip install -e .`, or set collectives.impl=xla")
+    raise UserError(f"collectives.impl=custom across processes on CPU reduces between processes with MPI: start "
+                    f"the {processes} processes with mpirun (e.g. `mpirun -np {processes} xlatrain train ...`), or "
+                    "set collectives.impl=xla (gloo)")

@@ -65,6 +65,9 @@ class ExplicitReplicas:
     all_reduce: Callable
     shard_dims: Tree | None = None
     """ZeRO-1: per param, the dimension its optimizer state is split along over `axis` (None: whole)."""
+    buckets_by_all_reduce: bool = False
+    """Sum each bucket with one all-reduce instead of reduce-scatter + all-gather (the two-level custom
+    all-reduce across processes, which reduces inside each process first anyway)."""
 
     def split(self, batch: dict) -> dict:
         return jax.tree.map(lambda x: x[None], batch)
@@ -87,6 +90,8 @@ class ExplicitReplicas:
 
     def sum_gradients(self, grads_R: Tree, dtype: jnp.dtype) -> Tree:
         grads = jax.tree.map(lambda g: g[0], grads_R)
+        if self.buckets_by_all_reduce:
+            return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants, lambda b: self.all_reduce(b, self.axis))
         return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants,
                             lambda b: self.all_gather(self.reduce_scatter(b, self.axis), self.axis))
 
@@ -128,7 +133,7 @@ def update(tx: optax.GradientTransformation, grads: Tree, opt_state: Tree, param
 
 
 def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str, timeout_s: float,
-                      shard_dims: Tree | None = None) -> ExplicitReplicas:
+                      shard_dims: Tree | None = None, across_processes: bool = False) -> ExplicitReplicas:
     if impl == "custom":
         from xlatrain import custom_calls as ops
 
@@ -136,7 +141,8 @@ def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str
             axis, participants, bucket_bytes,
             reduce_scatter=lambda x, a: ops.reduce_scatter(x, a, timeout_s=timeout_s),
             all_gather=lambda x, a: ops.all_gather(x, a, tiled=True, timeout_s=timeout_s),
-            all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s), shard_dims=shard_dims)
+            all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s), shard_dims=shard_dims,
+            buckets_by_all_reduce=across_processes)
     return ExplicitReplicas(axis, participants, bucket_bytes,
                             reduce_scatter=lambda x, a: jax.lax.psum_scatter(x, a, tiled=True),
                             all_gather=lambda x, a: jax.lax.all_gather(x, a, tiled=True),

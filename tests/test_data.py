@@ -61,7 +61,7 @@ def test_shuffle_is_deterministic_per_seed_and_reshuffles_each_epoch():
     source = dataset("model.name=mlp", "data.source=digits").train
 
     def labels(seed, batches):
-        it = train_iterator(source, seed=seed, shuffle=True, local_batch=1438, process_index=0, process_count=1)
+        it = train_iterator(source, seed=seed, shuffle=True, local_batch=1438, block=0, blocks=1)
         return [next(it)["targets"] for _ in range(batches)]
 
     first, second = labels(0, 2), labels(0, 2)
@@ -74,15 +74,15 @@ def test_processes_read_disjoint_parts_of_each_global_batch():
     source = dataset("model.name=mlp", "data.source=digits").train
     rows = []
     for process in range(2):
-        it = train_iterator(source, seed=0, shuffle=False, local_batch=8, process_index=process, process_count=2)
+        it = train_iterator(source, seed=0, shuffle=False, local_batch=8, block=process, blocks=2)
         rows.append(next(it)["inputs"].reshape(8, -1))
-    whole = next(train_iterator(source, seed=0, shuffle=False, local_batch=16, process_index=0, process_count=1))
+    whole = next(train_iterator(source, seed=0, shuffle=False, local_batch=16, block=0, blocks=1))
     assert sorted(map(bytes, np.concatenate(rows))) == sorted(map(bytes, whole["inputs"].reshape(16, -1)))
 
 
 def test_eval_batches_are_fixed_and_bounded():
     source = dataset("model.name=mlp", "data.source=digits").eval
-    batches = eval_batches(source, local_batch=100, max_batches=10, process_index=0, process_count=1)
+    batches = eval_batches(source, local_batch=100, max_batches=10, block=0, blocks=1)
     assert len(batches) == 3
 
 
@@ -92,7 +92,7 @@ def test_device_loader_prefetches_sharded_batches_and_resumes_at_the_consumed_po
     sharding = train_batch_sharding(build_mesh(config))
 
     def loader(state=None):
-        host = train_iterator(source, seed=3, shuffle=True, local_batch=32, process_index=0, process_count=1)
+        host = train_iterator(source, seed=3, shuffle=True, local_batch=32, block=0, blocks=1)
         if state is not None:
             host.set_state(state)
         return DeviceLoader(host, lambda b: make_global(split_microbatches(b[0], 2), sharding, 1, 1), prefetch=3)

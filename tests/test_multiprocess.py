@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, TINY_GPT
 
 from xlatrain.config import load_config
 from xlatrain.metrics import read_metrics
@@ -37,9 +37,9 @@ def devices_env(count: int) -> dict:
 
 
 def start(run_dir, port, extra=(), *, processes=2, devices=4, program=("-m", "xlatrain.cli", "train"),
-          per_rank=lambda i: []):
+          per_rank=lambda i: [], base=(CONFIG, *COMMON)):
     """The processes of one run, started by hand with distributed.* keys."""
-    args = [sys.executable, *program, CONFIG, *COMMON, f"trainer.run_dir={run_dir}",
+    args = [sys.executable, *program, *base, f"trainer.run_dir={run_dir}",
             f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={processes}", *extra]
     return [subprocess.Popen([*args, f"distributed.process_id={i}", *per_rank(i)], cwd=REPO, env=devices_env(devices),
                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(processes)]
@@ -251,3 +251,46 @@ def test_mpirun_alone_joins_the_processes(tmp_path, devices):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "data-parallel 8" in done.stdout
     assert_same_losses(losses_of(tmp_path / "run"), reference_losses(tmp_path), steps=range(1, 13))
+
+
+def train_leg(run_dir, steps, processes, devices, extra, base=(CONFIG, *COMMON)):
+    """One leg of a run: `processes` x `devices`, to trainer.steps=steps."""
+    overrides = [*extra, f"trainer.steps={steps}"]
+    if processes == 1:
+        command = [sys.executable, "-m", "xlatrain.cli", "train", *base, f"trainer.run_dir={run_dir}", *overrides]
+        done = subprocess.run(command, cwd=REPO, env=devices_env(devices), capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        succeed(start(run_dir, free_port(), overrides, processes=processes, devices=devices, base=base))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
+def test_a_run_resumes_on_other_process_and_device_counts_exactly(tmp_path, devices, strategy):
+    """2 processes x 4 devices -> 1 x 8 -> 1 x 4 -> 2 x 2: the state is resharded on restore and the data position
+    is kept in global samples, so the losses are the uninterrupted run's."""
+    extra = [f"parallel.strategy={strategy}", "trainer.checkpoint_every=4", "trainer.eval_every=1000"]
+    run_dir = tmp_path / "elastic"
+    for steps, (processes, devices_each) in zip((4, 8, 12, 16), ((2, 4), (1, 8), (1, 4), (2, 2)), strict=True):
+        train_leg(run_dir, steps, processes, devices_each, extra)
+    reference = reference_losses(tmp_path, [*extra, "trainer.steps=16"])
+    assert_same_losses(losses_of(run_dir), reference, steps=range(1, 17), rtol=1e-6)
+
+
+PIPELINED_GPT = [*TINY_GPT, "model.width=16", "data.seq_len=16", "batch.global_size=32", "mesh.stage=2",
+                 "parallel.pipeline.microbatches=2", "trainer.checkpoint_every=4", "optimizer.schedule=constant",
+                 "optimizer.warmup_steps=0"]
+
+
+@pytest.mark.slow
+def test_a_pipeline_whose_stages_span_two_processes_equals_one_process_and_resumes_on_fewer_replicas(
+        tmp_path, devices):
+    """2 processes x 4 devices with one pipeline stage per process (data 4 x stage 2), then resumed on one process
+    with 4 devices (data 2 x stage 2): the losses are those of one process with 8 devices, uninterrupted."""
+    run_dir = tmp_path / "pipelined"
+    train_leg(run_dir, 4, 2, 4, [], base=PIPELINED_GPT)
+    train_leg(run_dir, 8, 1, 4, [], base=PIPELINED_GPT)
+    reference = train(load_config(None, [*PIPELINED_GPT, "trainer.steps=8", f"trainer.run_dir={tmp_path / 'one'}"]),
+                      echo=lambda _: None).losses
+    assert_same_losses(losses_of(run_dir), reference, steps=range(1, 9))

@@ -208,6 +208,12 @@ def ffi_lowering(target: str) -> Callable:
     return jax.ffi.ffi_lowering(target, has_side_effect=True)
 
 
+def lowering_mesh(ctx: Any) -> jax.sharding.Mesh | None:
+    """The concrete mesh a shard_map being lowered runs on (None under pmap, or for an abstract mesh)."""
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    return mesh if isinstance(mesh, jax.sharding.Mesh) else None
+
+
 def register_ffi_targets(handlers: dict[str, Any], prefix: str, platform: str) -> None:
     for op, capsule in handlers.items():
         jax.ffi.register_ffi_target(f"{prefix}{op}", capsule, platform=platform)

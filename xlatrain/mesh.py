@@ -14,13 +14,27 @@ STAGE = "stage"
 
 
 def build_mesh(config: Config, devices: list | None = None) -> Mesh:
-    """A mesh over every device, with axis `data` (and `stage` for a pipeline, neighbouring stages on
-    consecutive devices); fails clearly when config and devices disagree."""
+    """A mesh over every device, with axis `data` (and `stage` for a pipeline); fails clearly when config and
+    devices disagree. Within one process neighbouring stages sit on consecutive devices; over several processes
+    the stages are spread over the processes and each data replica's rows stay within one (the pipeline sends
+    only activations between processes, the data-parallel all-reduce stays inside each)."""
     devices = jax.devices() if devices is None else devices
     data = resolve_data_parallel(config.mesh, devices)
-    if config.mesh.stage > 1:
-        return Mesh(np.asarray(devices).reshape(data, config.mesh.stage), (DATA, STAGE))
-    return Mesh(np.asarray(devices).reshape(data), (DATA,))
+    stages = config.mesh.stage
+    if stages == 1:
+        return Mesh(np.asarray(devices).reshape(data), (DATA,))
+    if len({d.process_index for d in devices}) > 1:
+        return Mesh(np.asarray(devices).reshape(stages, data).T, (DATA, STAGE))
+    return Mesh(np.asarray(devices).reshape(data, stages), (DATA, STAGE))
+
+
+def process_row_block(mesh: Mesh) -> tuple[int, int]:
+    """(this process's block, number of blocks): every batch's rows split into equal blocks along the data axis,
+    one per group of processes whose devices hold the same data replicas; this process reads only its block."""
+    axis = mesh.axis_names.index(DATA)
+    mine = sorted({index[axis] for index, device in np.ndenumerate(mesh.devices)
+                   if device.process_index == jax.process_index()})
+    return mine[0] // len(mine), mesh.shape[DATA] // len(mine)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -152,7 +152,13 @@ class Program:
             return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree))
         c = self.config.collectives
         return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s,
-                                 self._zero1_dims() if self.config.parallel.strategy == "zero1" else None)
+                                 self._zero1_dims() if self.config.parallel.strategy == "zero1" else None,
+                                 across_processes=c.impl == "custom" and self._data_axis_processes() > 1)
+
+    def _data_axis_processes(self) -> int:
+        from xlatrain.custom_calls.backend import processes_along
+
+        return processes_along(self.mesh, DATA)
 
     def _zero1_dims(self) -> Any:
         """Per param, the dimension its optimizer state is split along over `data` (None: not split)."""
@@ -206,11 +212,13 @@ def batch_structs(spec: DataSpec, rows: tuple[int, ...], sharding=None) -> dict[
 
 
 def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
-    """The CPU backend meets in one process; the CUDA one needs its NCCL communicators before the first step."""
+    """The CPU backend meets in each process and reduces across processes with MPI; the CUDA one needs its NCCL
+    communicators before the first step."""
     platform = mesh.devices.flat[0].platform
     if platform == "cpu" and jax.process_count() > 1:
-        raise UserError("collectives.impl=custom on CPU runs across the devices of one process; this run has "
-                        f"{jax.process_count()} processes: use collectives.impl=xla (gloo) for multi-process CPU runs")
+        from xlatrain.custom_calls.backend import check_mpi_spans
+
+        check_mpi_spans(jax.process_count())
     if platform in ("gpu", "cuda"):
         from xlatrain.custom_calls.nccl import setup_communicators
 

@@ -99,7 +99,7 @@ def host_batches(config: Config, steps: int) -> list[dict[str, np.ndarray]]:
     dataset = open_dataset(config.data, config.model.loss)
     global_batch = derive(config, side_devices(config)).global_batch
     iterator = train_iterator(dataset.train, seed=config.seed, shuffle=config.data.shuffle, local_batch=global_batch,
-                              process_index=0, process_count=1, buckets=dataset.spec.buckets)
+                              block=0, blocks=1, buckets=dataset.spec.buckets)
     return [next(iterator) for _ in range(steps)]
 
 

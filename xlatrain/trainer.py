@@ -28,7 +28,7 @@ from xlatrain.data.loader import (
 )
 from xlatrain.distributed import StopAgreement, check_processes_agree, host_name, is_primary
 from xlatrain.lowering.compile import CompileLog
-from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
+from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import open_run_dir, save_run_config
@@ -239,9 +239,9 @@ class _Run:
 
     def _loader(self, data_state: dict | None) -> DeviceLoader:
         d, k = self.program.derived, self.trainer.steps_per_sync
+        block, blocks = process_row_block(self.program.mesh)
         host = train_iterator(self.program.dataset.train, seed=self.config.seed, shuffle=self.config.data.shuffle,
-                              local_batch=d.global_batch // jax.process_count(),
-                              process_index=jax.process_index(), process_count=jax.process_count(),
+                              local_batch=d.global_batch // blocks, block=block, blocks=blocks,
                               buckets=self.program.dataset.spec.buckets)
         if data_state is not None:
             host.set_state(data_state)
@@ -251,18 +251,18 @@ class _Run:
             split = [split_microbatches(b, d.microbatches) for b in batches]
             local = split[0] if k == 1 else stack_steps(split)
             self.host_to_device_bytes += sum(v.nbytes for v in local.values())
-            return make_global(local, sharding, rows_axis=2 if k > 1 else 1, process_count=jax.process_count())
+            return make_global(local, sharding, rows_axis=2 if k > 1 else 1, blocks=blocks)
 
         return DeviceLoader(host, to_device, self.config.data.prefetch, group=k)
 
     def _eval_batches(self) -> list[dict]:
         sharding = eval_batch_sharding(self.program.mesh)
-        host = eval_batches(self.program.dataset.eval, local_batch=self.program.derived.global_batch
-                            // jax.process_count(), max_batches=self.trainer.eval_batches,
-                            process_index=jax.process_index(), process_count=jax.process_count(),
+        block, blocks = process_row_block(self.program.mesh)
+        host = eval_batches(self.program.dataset.eval, local_batch=self.program.derived.global_batch // blocks,
+                            max_batches=self.trainer.eval_batches, block=block, blocks=blocks,
                             buckets=self.program.dataset.spec.buckets)
         self.host_to_device_bytes += sum(v.nbytes for b in host for v in b.values())
-        return [make_global(b, sharding, rows_axis=0, process_count=jax.process_count()) for b in host]
+        return [make_global(b, sharding, rows_axis=0, blocks=blocks) for b in host]
 
     def _record(self, first_step: int, metrics: dict, *, result: TrainResult,
                 writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:

@@ -9,6 +9,11 @@
 // (reduce-scatter then all-gather, in place), so no thread reduces everything. When all shares are
 // written, every promise completes. A watchdog fails the promises of a meeting that is still missing
 // participants after the timeout, with an error naming the op and who came: never a silent hang.
+//
+// An all-reduce over devices of several processes (started by mpirun) is two-level, like NCCL's intra/inter-
+// node split: the devices of each process meet and reduce in memory as above into one float32/float64/int32
+// buffer, the MPI thread (cpu_mpi.cc) all-reduces that buffer across processes, and the result is written to
+// every local output.
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -27,6 +33,7 @@
 #include <vector>
 
 #include "collectives.h"
+#include "cpu_mpi.h"
 
 namespace xlatrain {
 namespace {
@@ -38,8 +45,17 @@ struct Participant {
   void* out = nullptr;
 };
 
-// One participant's part of the work, given everyone's buffers.
-using Share = std::function<void(const std::vector<Participant>&)>;
+// One participant's part of the work, given everyone's buffers (and the meeting's scratch buffer, used by
+// two-level all-reduces).
+using Share = std::function<void(const std::vector<Participant>&, void* scratch)>;
+
+// What the inter-process level of an all-reduce needs: the element type, the reduction, the element count
+// and how many participants there are over all processes (for the mean).
+struct InterProcess {
+  ffi::DataType type;
+  Reduction reduction;
+  int64_t count, total_participants;
+};
 
 struct Call {
   const char* op;
@@ -79,7 +95,12 @@ struct Meeting {
   int64_t arrived_count = 0;
   int64_t bytes = -1;  // every participant must bring the same size
   Clock::time_point deadline;
+  std::optional<InterProcess> inter;
+  std::vector<char> scratch;
+  std::shared_ptr<InterProcessJob> job;
 };
+
+std::shared_ptr<InterProcessJob> InterProcessJobFor(std::shared_ptr<Meeting> meeting);
 
 // Runs the shares of complete meetings; shares never block, so a few threads serve any number of devices.
 class Workers {
@@ -94,9 +115,13 @@ class Workers {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& share : meeting->shares) {
       tasks_.push_back([meeting, remaining, share] {
-        share(meeting->parts);
+        share(meeting->parts, meeting->scratch.data());
         if (remaining->fetch_sub(1) == 1) {
-          for (auto& promise : meeting->promises) promise.SetAvailable();
+          if (meeting->job) {
+            meeting->job->MarkReady();  // the MPI thread takes it from here
+          } else {
+            for (auto& promise : meeting->promises) promise.SetAvailable();
+          }
         }
       });
     }
@@ -141,7 +166,8 @@ class Rendezvous {
 
   // Registers one participant; returns its future, already complete if it was the last to arrive
   // and its share is done, or failed if the call does not fit the meeting.
-  ffi::Future Arrive(Call call, const void* in, void* out, int64_t bytes, Share share) {
+  ffi::Future Arrive(Call call, const void* in, void* out, int64_t bytes, Share share,
+                     std::optional<InterProcess> inter) {
     ffi::Promise promise;
     ffi::Future future(promise);
     std::shared_ptr<Meeting> complete;
@@ -151,6 +177,7 @@ class Rendezvous {
       auto& meeting = meetings_[{call.run, call.site, call.group, call.sequence}];
       if (!meeting) {
         meeting = std::make_shared<Meeting>(call);
+        meeting->inter = inter;
         watchdog_cv_.notify_all();
       }
       if (meeting->arrived[call.rank]) {
@@ -171,6 +198,9 @@ class Rendezvous {
       if (++meeting->arrived_count == call.participants) {
         complete = meeting;
         meetings_.erase({call.run, call.site, call.group, call.sequence});
+        // Submitted under the lock, so the MPI thread sees meetings in the order they completed here: program
+        // order, the same on every process.
+        if (complete->inter) SubmitInterProcess(complete->job = InterProcessJobFor(complete));
       }
     }
     if (complete) Workers::Get().Run(std::move(complete));
@@ -245,11 +275,12 @@ ffi::Future Failed(ffi::Error error) {
   return ffi::Future(promise);
 }
 
-ffi::Future Meet(const Call& call, const void* in, void* out, int64_t bytes, Share share) {
+ffi::Future Meet(const Call& call, const void* in, void* out, int64_t bytes, Share share,
+                 std::optional<InterProcess> inter = std::nullopt) {
   if (call.rank < 0 || call.rank >= call.participants) {
     return Failed(ffi::Error::InvalidArgument(Describe(call) + ": rank out of range"));
   }
-  return Rendezvous::Get().Arrive(call, in, out, bytes, std::move(share));
+  return Rendezvous::Get().Arrive(call, in, out, bytes, std::move(share), inter);
 }
 
 // 16-bit floats are reduced in float32: widen, combine, round back to nearest even.
@@ -347,23 +378,118 @@ void ReduceShare(ffi::DataType type, const std::vector<Participant>& parts, int6
   }
 }
 
-Call MakeCall(const char* op, ffi::RunId run, ffi::Buffer<ffi::S32> where, int64_t participants, int64_t site,
-              int64_t timeout_ms) {
-  const int32_t* rank_group = where.typed_data();
-  return Call{op, run.run_id, site, rank_group[1], rank_group[0], participants, -1, timeout_ms};
-}
-
 std::vector<void*> Outputs(const std::vector<Participant>& parts) {
   std::vector<void*> outs;
   for (const auto& p : parts) outs.push_back(p.out);
   return outs;
 }
 
+// Two-level all-reduce, local level: elements [begin, end) of every local input combined (sum for a mean) into
+// the meeting's scratch buffer, in Acc.
+template <typename T, typename Acc>
+void AccumulateBlocks(const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r, Acc* scratch,
+                      ffi::DataType type) {
+  constexpr int64_t kBlock = 4096;
+  std::vector<Acc> widened(std::is_same_v<T, Acc> ? 0 : kBlock);
+  for (int64_t start = begin; start < end; start += kBlock) {
+    const int64_t len = std::min(kBlock, end - start);
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const Acc* values = AsAcc<T, Acc>(static_cast<const T*>(parts[p].in) + start, widened.data(), len, type);
+      if (p == 0) {
+        std::copy(values, values + len, scratch + start);
+      } else {
+        Accumulate(scratch + start, values, len, r);
+      }
+    }
+  }
+}
+
+void AccumulateShare(ffi::DataType type, const std::vector<Participant>& parts, int64_t begin, int64_t end,
+                     Reduction r, void* scratch) {
+  switch (type) {
+    case ffi::F32: return AccumulateBlocks<float, float>(parts, begin, end, r, static_cast<float*>(scratch), type);
+    case ffi::F64: return AccumulateBlocks<double, double>(parts, begin, end, r, static_cast<double*>(scratch), type);
+    case ffi::S32:
+      return AccumulateBlocks<int32_t, int32_t>(parts, begin, end, r, static_cast<int32_t*>(scratch), type);
+    default:
+      return AccumulateBlocks<uint16_t, float>(parts, begin, end, r, static_cast<float*>(scratch), type);
+  }
+}
+
+// Two-level all-reduce, last step: the reduced scratch buffer (divided for a mean, rounded back for 16-bit
+// floats) into every local output.
+template <typename T, typename Acc>
+void ScatterResult(const Acc* acc, int64_t count, Reduction r, int64_t total, const std::vector<void*>& outs,
+                   ffi::DataType type) {
+  constexpr int64_t kBlock = 4096;
+  std::vector<Acc> block(kBlock);
+  std::vector<T> narrowed(kBlock);
+  for (int64_t start = 0; start < count; start += kBlock) {
+    const int64_t len = std::min(kBlock, count - start);
+    std::copy(acc + start, acc + start + len, block.data());
+    if (r == Reduction::kMean) {
+      for (int64_t i = 0; i < len; ++i) block[i] /= static_cast<Acc>(total);
+    }
+    const void* result = block.data();
+    if constexpr (!std::is_same_v<T, Acc>) {
+      for (int64_t i = 0; i < len; ++i) narrowed[i] = Narrow(block[i], type);
+      result = narrowed.data();
+    }
+    for (void* out : outs) std::memcpy(static_cast<T*>(out) + start, result, len * sizeof(T));
+  }
+}
+
+ffi::DataType AccType(ffi::DataType type) { return type == ffi::F64 || type == ffi::S32 ? type : ffi::F32; }
+
+std::shared_ptr<InterProcessJob> InterProcessJobFor(std::shared_ptr<Meeting> meeting) {
+  const InterProcess inter = *meeting->inter;
+  const ffi::DataType acc = AccType(inter.type);
+  meeting->scratch.resize(inter.count * (acc == ffi::F64 ? 8 : 4));
+  auto job = std::make_shared<InterProcessJob>();
+  job->data = meeting->scratch.data();
+  job->count = inter.count;
+  job->type = acc;
+  job->reduction = inter.reduction == Reduction::kMean ? Reduction::kSum : inter.reduction;
+  job->finish = [meeting, inter](const std::string& error) {
+    if (!error.empty()) {
+      for (auto& promise : meeting->promises) promise.SetError(ffi::Error::Internal(Describe(meeting->call) + ": " + error));
+      return;
+    }
+    const void* acc = meeting->scratch.data();
+    const auto outs = Outputs(meeting->parts);
+    switch (inter.type) {
+      case ffi::F32:
+        ScatterResult<float, float>(static_cast<const float*>(acc), inter.count, inter.reduction,
+                                    inter.total_participants, outs, inter.type);
+        break;
+      case ffi::F64:
+        ScatterResult<double, double>(static_cast<const double*>(acc), inter.count, inter.reduction,
+                                      inter.total_participants, outs, inter.type);
+        break;
+      case ffi::S32:
+        ScatterResult<int32_t, int32_t>(static_cast<const int32_t*>(acc), inter.count, inter.reduction,
+                                        inter.total_participants, outs, inter.type);
+        break;
+      default:
+        ScatterResult<uint16_t, float>(static_cast<const float*>(acc), inter.count, inter.reduction,
+                                       inter.total_participants, outs, inter.type);
+    }
+    for (auto& promise : meeting->promises) promise.SetAvailable();
+  };
+  return job;
+}
+
+Call MakeCall(const char* op, ffi::RunId run, ffi::Buffer<ffi::S32> where, int64_t participants, int64_t site,
+              int64_t timeout_ms) {
+  const int32_t* rank_group = where.typed_data();
+  return Call{op, run.run_id, site, rank_group[1], rank_group[0], participants, -1, timeout_ms};
+}
+
 // The shares capture plain values: the FFI buffer views are only valid while the handler runs.
 
 ffi::Future AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
-                      ffi::Result<ffi::AnyBuffer> out, int32_t reduction, int64_t participants, int64_t site,
-                      int64_t timeout_ms) {
+                      ffi::Result<ffi::AnyBuffer> out, int32_t reduction, int64_t participants, int64_t processes,
+                      int64_t site, int64_t timeout_ms) {
   const ffi::DataType type = x.element_type();
   if (!IsSupportedType(type)) return Failed(UnsupportedType("all_reduce", type));
   const auto r = static_cast<Reduction>(reduction);
@@ -372,10 +498,24 @@ ffi::Future AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
   }
   const int64_t count = static_cast<int64_t>(x.element_count());
   if (count == 0) return Ready();
+  if (processes > 1) {
+    // The axis spans `processes` processes in equal blocks of consecutive ranks (checked when lowering).
+    const int64_t local = participants / processes;
+    Call call = MakeCall("all_reduce", run, where, local, site, timeout_ms);
+    call.rank %= local;
+    const int64_t begin = ShareBegin(count, local, call.rank), end = ShareBegin(count, local, call.rank + 1);
+    return Meet(call, x.untyped_data(), out->untyped_data(), x.size_bytes(),
+                [=](const std::vector<Participant>& parts, void* scratch) {
+                  AccumulateShare(type, parts, begin, end, r, scratch);
+                },
+                InterProcess{type, r, count, participants});
+  }
   const Call call = MakeCall("all_reduce", run, where, participants, site, timeout_ms);
   const int64_t begin = ShareBegin(count, participants, call.rank), end = ShareBegin(count, participants, call.rank + 1);
   return Meet(call, x.untyped_data(), out->untyped_data(), x.size_bytes(),
-              [=](const std::vector<Participant>& parts) { ReduceShare(type, parts, begin, end, r, Outputs(parts), 0); });
+              [=](const std::vector<Participant>& parts, void*) {
+                ReduceShare(type, parts, begin, end, r, Outputs(parts), 0);
+              });
 }
 
 ffi::Future ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
@@ -394,7 +534,7 @@ ffi::Future ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   const Call call = MakeCall("reduce_scatter", run, where, participants, site, timeout_ms);
   const int64_t chunk = count / participants, begin = call.rank * chunk;
   void* mine = out->untyped_data();
-  return Meet(call, x.untyped_data(), mine, x.size_bytes(), [=](const std::vector<Participant>& parts) {
+  return Meet(call, x.untyped_data(), mine, x.size_bytes(), [=](const std::vector<Participant>& parts, void*) {
     ReduceShare(type, parts, begin, begin + chunk, r, {mine}, begin);
   });
 }
@@ -407,7 +547,7 @@ ffi::Future AllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
   const Call call = MakeCall("all_gather", run, where, participants, site, timeout_ms);
   const void* in = x.untyped_data();
   const int64_t rank = call.rank;
-  return Meet(call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts) {
+  return Meet(call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts, void*) {
     for (const auto& p : parts) std::memcpy(static_cast<char*>(p.out) + rank * bytes, in, bytes);
   });
 }
@@ -426,7 +566,7 @@ ffi::Future Ppermute(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> whe
     if (sources[i] == rank) target = targets[i];
   }
   const void* in = x.untyped_data();
-  return Meet(call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts) {
+  return Meet(call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts, void*) {
     if (!receives) std::memset(parts[rank].out, 0, bytes);
     if (target >= 0) std::memcpy(parts[target].out, in, bytes);
   });
@@ -440,7 +580,7 @@ ffi::Future Broadcast(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
   const Call call = MakeCall("broadcast", run, where, participants, site, timeout_ms);
   void* mine = out->untyped_data();
   return Meet(call, x.untyped_data(), mine, bytes,
-              [=](const std::vector<Participant>& parts) { std::memcpy(mine, parts[root].in, bytes); });
+              [=](const std::vector<Participant>& parts, void*) { std::memcpy(mine, parts[root].in, bytes); });
 }
 
 }  // namespace
@@ -451,7 +591,11 @@ ffi::Future Broadcast(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
 #define XLATRAIN_CPU_ATTRS Attr<int64_t>("participants").Attr<int64_t>("site").Attr<int64_t>("timeout_ms")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduce, AllReduce,
-                              XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction").XLATRAIN_CPU_ATTRS);
+                              XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction")
+                                  .Attr<int64_t>("participants")
+                                  .Attr<int64_t>("processes")
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("timeout_ms"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatter, ReduceScatter,
                               XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction").XLATRAIN_CPU_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGather, AllGather, XLATRAIN_CPU_BINDING.XLATRAIN_CPU_ATTRS);

@@ -2,6 +2,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include "cpu_mpi.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace xlatrain {
@@ -26,4 +27,9 @@ NB_MODULE(_cpu, m) {
     handlers["broadcast"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuBroadcast));
     return handlers;
   }, "FFI handlers of the CPU collectives, by op name.");
+  m.def("mpi_world_size", &xlatrain::MpiWorldSize,
+        "MPI_COMM_WORLD's size, initialising MPI on first use; -1 when built without MPI.");
+  m.def("mpi_world_rank", &xlatrain::MpiWorldRank, "this process's rank in MPI_COMM_WORLD.");
+  m.def("mpi_finalize", &xlatrain::MpiFinalize, nanobind::call_guard<nanobind::gil_scoped_release>(),
+        "finalise MPI after the queued collectives (a no-op when MPI was never initialised).");
 }

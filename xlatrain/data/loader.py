@@ -21,30 +21,30 @@ from xlatrain.data.sources import Source
 Batch = dict[str, Any]
 
 
-def train_iterator(source: Source, *, seed: int, shuffle: bool, local_batch: int, process_index: int,
-                   process_count: int, buckets: tuple[int, ...] | None = None) -> grain.DatasetIterator:
+def train_iterator(source: Source, *, seed: int, shuffle: bool, local_batch: int, block: int,
+                   blocks: int, buckets: tuple[int, ...] | None = None) -> grain.DatasetIterator:
     """An endless, epoch-reshuffled iterator of this process's batches; its state is checkpointable."""
     dataset = grain.MapDataset.source(source)
     if shuffle:
         dataset = dataset.shuffle(seed=seed)
-    dataset = _batches(dataset.repeat(), local_batch, process_index, process_count, buckets)
+    dataset = _batches(dataset.repeat(), local_batch, block, blocks, buckets)
     return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
 
 
-def eval_batches(source: Source, *, local_batch: int, max_batches: int, process_index: int,
-                 process_count: int, buckets: tuple[int, ...] | None = None) -> list[Batch]:
+def eval_batches(source: Source, *, local_batch: int, max_batches: int, block: int,
+                 blocks: int, buckets: tuple[int, ...] | None = None) -> list[Batch]:
     """The first `max_batches` held-out batches of this process, in a fixed order."""
-    dataset = _batches(grain.MapDataset.source(source), local_batch, process_index, process_count, buckets)
+    dataset = _batches(grain.MapDataset.source(source), local_batch, block, blocks, buckets)
     return [dataset[i] for i in range(min(max_batches, len(dataset)))]
 
 
-def _batches(dataset: grain.MapDataset, local_batch: int, process_index: int, process_count: int,
+def _batches(dataset: grain.MapDataset, local_batch: int, block: int, blocks: int,
              buckets: tuple[int, ...] | None) -> grain.MapDataset:
     if buckets is None:
-        return dataset[process_index::process_count].batch(local_batch, drop_remainder=True)
+        return dataset[block::blocks].batch(local_batch, drop_remainder=True)
     # Every process pads the same global batch, so all agree on its bucket, then keeps its own rows.
-    rows = slice(process_index * local_batch, (process_index + 1) * local_batch)
-    padded = dataset.batch(local_batch * process_count, drop_remainder=True,
+    rows = slice(block * local_batch, (block + 1) * local_batch)
+    padded = dataset.batch(local_batch * blocks, drop_remainder=True,
                            batch_fn=partial(pad_to_bucket, buckets=buckets))
     return padded.map(lambda batch: {k: v[rows] for k, v in batch.items()})
 
@@ -135,11 +135,11 @@ class DeviceLoader:
             self._queue.put(err)
 
 
-def make_global(batch: Batch, sharding: jax.sharding.Sharding, rows_axis: int, process_count: int) -> Batch:
-    """This process's rows -> global arrays whose `rows_axis` holds every process's rows."""
+def make_global(batch: Batch, sharding: jax.sharding.Sharding, rows_axis: int, blocks: int) -> Batch:
+    """This process's block of rows -> global arrays whose `rows_axis` holds all `blocks` blocks."""
 
     def global_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (*shape[:rows_axis], shape[rows_axis] * process_count, *shape[rows_axis + 1:])
+        return (*shape[:rows_axis], shape[rows_axis] * blocks, *shape[rows_axis + 1:])
 
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), global_shape(np.shape(v)))
             for k, v in batch.items()}
