@@ -90,10 +90,13 @@ class ExplicitReplicas:
 
     def sum_gradients(self, grads_R: Tree, dtype: jnp.dtype) -> Tree:
         grads = jax.tree.map(lambda g: g[0], grads_R)
-        if self.buckets_by_all_reduce:
-            return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants, lambda b: self.all_reduce(b, self.axis))
-        return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants,
-                            lambda b: self.all_gather(self.reduce_scatter(b, self.axis), self.axis))
+
+        def reduce_bucket(bucket: jax.Array) -> jax.Array:
+            if self.buckets_by_all_reduce:
+                return self.all_reduce(bucket, self.axis)
+            return self.all_gather(self.reduce_scatter(bucket, self.axis), self.axis)
+
+        return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants, reduce_bucket)
 
     def sum_metrics(self, sums_R: Tree) -> Tree:
         return jax.tree.map(lambda s: self.all_reduce(s[0], self.axis), sums_R)

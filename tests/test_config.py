@@ -99,7 +99,7 @@ def test_distributed_settings_must_agree(capsys):
     assert "process_id=2 must be below distributed.num_processes=2" in cli_error(
         capsys, "config", "distributed.coordinator=127.0.0.1:1234", "distributed.num_processes=2",
         "distributed.process_id=2")
-    assert "needs distributed.coordinator" in cli_error(capsys, "config", "distributed.num_processes=2")
+    assert "needs distributed.coordinator" in cli_error(capsys, "train", "distributed.num_processes=2")
 
 
 def test_missing_data_path(capsys, tmp_path):

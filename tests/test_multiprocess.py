@@ -115,7 +115,6 @@ def test_two_processes_match_one_process_and_resume(tmp_path, devices):
                                rtol=1e-5)
 
 
-@pytest.mark.slow
 def test_processes_that_disagree_name_the_rank_and_the_keys(tmp_path):
     outputs = finish(start(tmp_path / "run", free_port(), per_rank=lambda i: ["seed=7"] if i else []))
     for returncode, _, err in outputs:
@@ -123,11 +122,12 @@ def test_processes_that_disagree_name_the_rank_and_the_keys(tmp_path):
         assert "the processes disagree before compiling: rank 1 (host " in err and "seed=7 vs 0" in err
 
 
-@pytest.mark.slow
-def test_custom_cpu_collectives_refuse_a_multi_process_run(tmp_path):
+def test_custom_cpu_collectives_across_processes_need_mpirun(tmp_path):
     outputs = finish(start(tmp_path / "custom", free_port(), ["parallel.mode=shard_map", "collectives.impl=custom"]))
     for returncode, _, err in outputs:
-        assert returncode == 2 and "collectives.impl=custom on CPU runs across the devices of one process" in err
+        assert returncode == 2, err[-2000:]
+        assert "collectives.impl=custom across processes on CPU reduces between processes with MPI: start the 2 " \
+               "processes with mpirun" in err
 
 
 @pytest.mark.slow
@@ -240,17 +240,36 @@ def test_slurm_environment_alone_joins_the_processes(tmp_path, devices):
     assert_same_losses(losses_of(tmp_path / "run"), reference_losses(tmp_path), steps=range(1, 13))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed (apt install "
-                    "openmpi-bin; .ci/run installs it)")
-def test_mpirun_alone_joins_the_processes(tmp_path, devices):
+NO_MPIRUN = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed "
+                               "(apt install openmpi-bin libopenmpi-dev; .ci/run installs it)")
+
+
+def mpirun(run_dir, *overrides, processes=2, devices=4):
+    """`xlatrain train` under Open MPI's mpirun on 127.0.0.1, with no distributed.* keys."""
     command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
-               "--mca", "btl_tcp_if_include", "lo", "-np", "2", "-x", "XLA_FLAGS",
-               sys.executable, "-m", "xlatrain.cli", "train", CONFIG, *COMMON, f"trainer.run_dir={tmp_path / 'run'}"]
-    done = subprocess.run(command, cwd=REPO, env=devices_env(4), capture_output=True, text=True, timeout=TIMEOUT_S)
+               "--mca", "btl_tcp_if_include", "lo", "-np", str(processes), "-x", "XLA_FLAGS",
+               sys.executable, "-m", "xlatrain.cli", "train", CONFIG, *COMMON, f"trainer.run_dir={run_dir}", *overrides]
+    done = subprocess.run(command, cwd=REPO, env=devices_env(devices), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "data-parallel 8" in done.stdout
+    return done
+
+
+@pytest.mark.slow
+@NO_MPIRUN
+def test_mpirun_alone_joins_the_processes(tmp_path, devices):
+    assert "data-parallel 8" in mpirun(tmp_path / "run").stdout
     assert_same_losses(losses_of(tmp_path / "run"), reference_losses(tmp_path), steps=range(1, 13))
+
+
+@pytest.mark.slow
+@NO_MPIRUN
+def test_custom_collectives_across_processes_under_mpirun_match_xla_over_50_steps(tmp_path):
+    """2 processes x 4 devices: the custom all-reduce meets in each process and reduces across them with MPI."""
+    steps = ["trainer.steps=50", "trainer.checkpoint_every=50", "trainer.eval_every=50", "parallel.mode=shard_map"]
+    for impl in ("custom", "xla"):
+        mpirun(tmp_path / impl, *steps, f"collectives.impl={impl}")
+    assert_same_losses(losses_of(tmp_path / "custom"), losses_of(tmp_path / "xla"), steps=range(1, 51), rtol=1e-6)
 
 
 def train_leg(run_dir, steps, processes, devices, extra, base=(CONFIG, *COMMON)):
