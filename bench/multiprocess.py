@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -67,12 +68,12 @@ def all_reduce_worker() -> None:
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+    from xlatrain.custom_calls.backend import check_mpi_spans
 
     from bench.common import interleaved_medians
     from xlatrain import compat
     from xlatrain import custom_calls as ours
     from xlatrain.config import DistributedConfig
-    from xlatrain.custom_calls.backend import check_mpi_spans
     from xlatrain.distributed import initialize
 
     initialize(DistributedConfig())
@@ -84,10 +85,10 @@ def all_reduce_worker() -> None:
         sharding = NamedSharding(mesh, P("data"))
         x = jax.make_array_from_callback((n * per_device,), sharding,
                                          lambda index: np.ones((n * per_device,), np.float32)[index])
-        runners = {}
-        for name, fn in (("xlatrain", lambda v: ours.all_reduce(v, "data")), ("xla", lambda v: jax.lax.psum(v, "data"))):
-            compiled = jax.jit(compat.shard_map(fn, mesh, P("data"), P("data"))).lower(x).compile()
-            runners[name] = (lambda c: lambda: c(x))(compiled)
+        compiled = {name: jax.jit(compat.shard_map(fn, mesh, P("data"), P("data"))).lower(x).compile()
+                    for name, fn in (("xlatrain", lambda v: ours.all_reduce(v, "data")),
+                                     ("xla", lambda v: jax.lax.psum(v, "data")))}
+        runners = {name: partial(executable, x) for name, executable in compiled.items()}
         rounds, steps = (8, 8) if size <= 2**20 else (6, 3)
         seconds = interleaved_medians(runners, rounds=rounds, steps_per_round=steps, warmup=2)
         row = {"bytes_per_device": size}

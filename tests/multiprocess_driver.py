@@ -18,7 +18,11 @@ FOREVER_S = 3600
 
 
 def on_rank_1(fn):
-    return lambda *args, **kwargs: (jax.process_index() == 1 and fn(*args, **kwargs))
+    def only_there(*args, **kwargs):
+        if jax.process_index() == 1:
+            fn(*args, **kwargs)
+
+    return only_there
 
 
 def stuck_hook() -> None:
@@ -45,8 +49,16 @@ def stuck_loader() -> None:
 
 def slow_start() -> None:
     build, save = trainer.build_program, checkpoint.Checkpoints.save
-    trainer.build_program = lambda *a, **kw: (on_rank_1(time.sleep)(6), build(*a, **kw))[1]
-    checkpoint.Checkpoints.save = lambda self, *a: (on_rank_1(time.sleep)(6), save(self, *a))[1]
+
+    def slow_build(*args, **kwargs):
+        on_rank_1(time.sleep)(6)
+        return build(*args, **kwargs)
+
+    def slow_save(self, *args):
+        on_rank_1(time.sleep)(6)
+        return save(self, *args)
+
+    trainer.build_program, checkpoint.Checkpoints.save = slow_build, slow_save
 
 
 if __name__ == "__main__":

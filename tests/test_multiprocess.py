@@ -152,6 +152,15 @@ def test_launch_shows_rank_0_stops_every_rank_on_sigterm_and_resumes(tmp_path):
     assert f"resuming from checkpoint at step {stopped}" in out and f"finished at step {stopped + 3}" in out
 
 
+def test_launch_shows_every_ranks_error_prefixed_and_exits_with_the_first(tmp_path):
+    launcher = launch(2, 2, f"trainer.run_dir={tmp_path / 'run'}", "mesh.data=3")
+    out, err = launcher.communicate(timeout=TIMEOUT_S)
+    assert launcher.returncode == 2
+    assert "[rank 1] xlatrain: error: " in err and "mesh.data=3 needs 3 devices" in err
+    assert err.strip().splitlines()[-1].startswith("xlatrain launch: error: rank 0 exited with code 2: xlatrain: "
+                                                   "error: ")
+
+
 @pytest.mark.slow
 def test_launch_stops_the_others_when_a_rank_dies(tmp_path):
     run_dir = tmp_path / "run"

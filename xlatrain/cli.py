@@ -169,7 +169,7 @@ def _leave(code: int) -> int:
 def _launch(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.launch import launch
 
-    return launch(args.nproc, args.devices_per_proc, args.args)
+    return launch(args.nproc, args.devices_per_proc, config_path, overrides)
 
 
 def _config(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from xlatrain.config import load_config
-from xlatrain.run_dir import LOGS_DIR
+from xlatrain.run_dir import LOGS_DIR, check_writable
 
 GRACE_S = 10.0
 POLL_S = 0.1
@@ -114,12 +114,13 @@ class Terminal:
                 terminal.flush()
 
 
-def launch(processes: int, devices_per_process: int | None, config_args: list[str]) -> int:
+def launch(processes: int, devices_per_process: int | None, config_path: str | None, overrides: list[str]) -> int:
     """Run the processes to the end; the launcher's exit code (0, or the first failing process's)."""
-    config_path = config_args[0] if config_args and "=" not in config_args[0] else None
-    config = load_config(config_path, config_args[1:] if config_path else config_args)
+    config = load_config(config_path, overrides)
+    config_args = [config_path, *overrides] if config_path else overrides
+    check_writable(config.run_dir())
     logs = config.run_dir() / LOGS_DIR
-    logs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(exist_ok=True)
     port = free_port()
     print(f"xlatrain launch: {processes} processes"
           + (f" x {devices_per_process} devices" if devices_per_process else "")

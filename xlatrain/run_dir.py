@@ -27,7 +27,7 @@ def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
     run has this config. Returns the config to train with: the learning-rate schedule's horizon
     (optimizer.decay_steps) fixed when the run was created, unless this config sets it."""
     run_dir = config.run_dir()
-    _check_writable(run_dir)
+    check_writable(run_dir)
     saved_path = run_dir / CONFIG_FILE
     if not any(path.name != LOGS_DIR for path in run_dir.iterdir()):
         compat.barrier("xlatrain-run-dir-checked")
@@ -65,7 +65,7 @@ def _with_horizon(config: Config, steps: int) -> Config:
     return config.model_copy(update={"optimizer": config.optimizer.model_copy(update={"decay_steps": steps})})
 
 
-def _check_writable(run_dir: Path) -> None:
+def check_writable(run_dir: Path) -> None:
     existing = run_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
