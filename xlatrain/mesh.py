@@ -16,8 +16,8 @@ STAGE = "stage"
 def build_mesh(config: Config, devices: list | None = None) -> Mesh:
     """A mesh over every device, with axis `data` (and `stage` for a pipeline); fails clearly when config and
     devices disagree. Within one process neighbouring stages sit on consecutive devices; over several processes
-    the stages are spread over the processes and each data replica's rows stay within one (the pipeline sends
-    only activations between processes, the data-parallel all-reduce stays inside each)."""
+    the stages are spread over the processes, each process holding whole stages of every data replica (the
+    pipeline sends only activations between processes, each stage's gradient all-reduce stays inside one)."""
     devices = jax.devices() if devices is None else devices
     data = resolve_data_parallel(config.mesh, devices)
     stages = config.mesh.stage

@@ -62,7 +62,7 @@ class Progress:
 
 @dataclass
 class Seen:
-    """Another process's last published progress and when this process saw it change (its own clock)."""
+    """A process's last published progress and when this process saw it change (its own clock)."""
 
     host: str
     beat: int
@@ -80,7 +80,7 @@ class Seen:
 
 @dataclass
 class Observer:
-    """Everything one process knows about the others, updated from each read of the key-value store."""
+    """Everything one process knows about every process, updated from each read of the key-value store."""
 
     seen: dict[int, Seen] = field(default_factory=dict)
     unreachable_since: float | None = None
