@@ -106,11 +106,16 @@ def lowering(op: str, attributes: Callable[..., dict[str, Any]], crosses_process
     return {platform: rule_for(platform) for platform in PREFIX}
 
 
+@functools.cache
+def _finalize_mpi_at_exit() -> None:
+    atexit.register(cpu_extension().mpi_finalize)
+
+
 def check_mpi_spans(processes: int) -> None:
     """Refuse, with the fix, a multi-process run whose CPU collectives cannot reach the other processes."""
     size = cpu_extension().mpi_world_size() if compat.detected_cluster() == "ompi" else None
     if size == processes:
-        atexit.register(cpu_extension().mpi_finalize)
+        _finalize_mpi_at_exit()
         return
     if size == -1:
         raise UserError("collectives.impl=custom across processes on CPU needs MPI, and this xlatrain was built "

@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO, TINY_GPT
 
 from xlatrain.config import load_config
+from xlatrain.launch import free_port
 from xlatrain.metrics import read_metrics
 from xlatrain.trainer import train
 from xlatrain.watchdog import WATCHDOG_EXIT
@@ -24,12 +25,6 @@ COMMON = ["trainer.steps=12", "trainer.log_every=1", "trainer.eval_every=6", "tr
 LONG = ["trainer.steps=100000", "trainer.checkpoint_every=10", "trainer.eval_every=100000", "trainer.log_every=1",
         "trainer.progress=false", "model.hidden=[32]"]
 TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def devices_env(count: int) -> dict:

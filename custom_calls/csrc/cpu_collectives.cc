@@ -335,47 +335,65 @@ void Accumulate(Acc* acc, const Acc* values, int64_t len, Reduction r) {
   }
 }
 
-// Reduces elements [begin, end) over every participant's input, a cache-sized block at a time, in Acc
-// (float32 for 16-bit floats); each reduced block is copied to every one of `outs` at index i - shift.
-template <typename T, typename Acc>
-void ReduceBlocks(const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r,
-                  const std::vector<void*>& outs, int64_t shift, ffi::DataType type) {
-  constexpr int64_t kBlock = 4096;
-  constexpr bool kWiden = !std::is_same_v<T, Acc>;
-  std::vector<Acc> acc(kBlock), widened(kWiden ? kBlock : 0);
-  std::vector<T> narrowed(kWiden ? kBlock : 0);
-  const auto n = static_cast<int64_t>(parts.size());
-  for (int64_t start = begin; start < end; start += kBlock) {
-    const int64_t len = std::min(kBlock, end - start);
-    for (int64_t p = 0; p < n; ++p) {
-      const Acc* values = AsAcc<T, Acc>(static_cast<const T*>(parts[p].in) + start, widened.data(), len, type);
-      if (p == 0) {
-        std::copy(values, values + len, acc.data());
-      } else {
-        Accumulate(acc.data(), values, len, r);
-      }
-    }
-    if (r == Reduction::kMean) {
-      for (int64_t i = 0; i < len; ++i) acc[i] /= static_cast<Acc>(n);
-    }
-    const void* result = acc.data();
-    if constexpr (kWiden) {
-      for (int64_t i = 0; i < len; ++i) narrowed[i] = Narrow(acc[i], type);
-      result = narrowed.data();
-    }
-    for (void* out : outs) std::memcpy(static_cast<T*>(out) + (start - shift), result, len * sizeof(T));
+// Calls f(T{}, Acc{}) with the element type of `type` and the type it is reduced in (float32 for 16-bit floats).
+template <typename F>
+void WithTypes(ffi::DataType type, F&& f) {
+  switch (type) {
+    case ffi::F32: return f(float{}, float{});
+    case ffi::F64: return f(double{}, double{});
+    case ffi::S32: return f(int32_t{}, int32_t{});
+    default: return f(uint16_t{}, float{});  // F16, BF16
   }
 }
 
-// Reduces elements [begin, end) over every input; element i goes to each of `outs` at index i - shift.
+constexpr int64_t kBlock = 4096;  // elements reduced at a time, so each participant's slice stays in cache
+
+// acc[0, len) = elements [start, start + len) of every participant's input combined (summed for a mean), in Acc.
+template <typename T, typename Acc>
+void CombineBlock(const std::vector<Participant>& parts, int64_t start, int64_t len, Reduction r, Acc* acc,
+                  Acc* widened, ffi::DataType type) {
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const Acc* values = AsAcc<T, Acc>(static_cast<const T*>(parts[p].in) + start, widened, len, type);
+    if (p == 0) {
+      std::copy(values, values + len, acc);
+    } else {
+      Accumulate(acc, values, len, r);
+    }
+  }
+}
+
+// acc[0, len), divided by `participants` for a mean and rounded back to T, into every one of `outs` at `at`.
+template <typename T, typename Acc>
+void WriteBlock(Acc* acc, int64_t len, Reduction r, int64_t participants, const std::vector<void*>& outs, int64_t at,
+                T* narrowed, ffi::DataType type) {
+  if (r == Reduction::kMean) {
+    for (int64_t i = 0; i < len; ++i) acc[i] /= static_cast<Acc>(participants);
+  }
+  const void* result = acc;
+  if constexpr (!std::is_same_v<T, Acc>) {
+    for (int64_t i = 0; i < len; ++i) narrowed[i] = Narrow(acc[i], type);
+    result = narrowed;
+  }
+  for (void* out : outs) std::memcpy(static_cast<T*>(out) + at, result, len * sizeof(T));
+}
+
+// Reduces elements [begin, end) over every input, a block at a time; element i goes to each of `outs` at
+// index i - shift.
 void ReduceShare(ffi::DataType type, const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r,
                  const std::vector<void*>& outs, int64_t shift) {
-  switch (type) {
-    case ffi::F32: return ReduceBlocks<float, float>(parts, begin, end, r, outs, shift, type);
-    case ffi::F64: return ReduceBlocks<double, double>(parts, begin, end, r, outs, shift, type);
-    case ffi::S32: return ReduceBlocks<int32_t, int32_t>(parts, begin, end, r, outs, shift, type);
-    default: return ReduceBlocks<uint16_t, float>(parts, begin, end, r, outs, shift, type);  // F16, BF16
-  }
+  WithTypes(type, [&](auto t, auto a) {
+    using T = decltype(t);
+    using Acc = decltype(a);
+    constexpr int64_t kWiden = std::is_same_v<T, Acc> ? 0 : kBlock;
+    std::vector<Acc> acc(kBlock), widened(kWiden);
+    std::vector<T> narrowed(kWiden);
+    for (int64_t start = begin; start < end; start += kBlock) {
+      const int64_t len = std::min(kBlock, end - start);
+      CombineBlock<T, Acc>(parts, start, len, r, acc.data(), widened.data(), type);
+      WriteBlock<T, Acc>(acc.data(), len, r, static_cast<int64_t>(parts.size()), outs, start - shift, narrowed.data(),
+                         type);
+    }
+  });
 }
 
 std::vector<void*> Outputs(const std::vector<Participant>& parts) {
@@ -384,59 +402,32 @@ std::vector<void*> Outputs(const std::vector<Participant>& parts) {
   return outs;
 }
 
-// Two-level all-reduce, local level: elements [begin, end) of every local input combined (sum for a mean) into
-// the meeting's scratch buffer, in Acc.
-template <typename T, typename Acc>
-void AccumulateBlocks(const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r, Acc* scratch,
-                      ffi::DataType type) {
-  constexpr int64_t kBlock = 4096;
-  std::vector<Acc> widened(std::is_same_v<T, Acc> ? 0 : kBlock);
-  for (int64_t start = begin; start < end; start += kBlock) {
-    const int64_t len = std::min(kBlock, end - start);
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const Acc* values = AsAcc<T, Acc>(static_cast<const T*>(parts[p].in) + start, widened.data(), len, type);
-      if (p == 0) {
-        std::copy(values, values + len, scratch + start);
-      } else {
-        Accumulate(scratch + start, values, len, r);
-      }
-    }
-  }
-}
-
+// Two-level all-reduce, local level: elements [begin, end) of every local input combined (summed for a mean)
+// into the meeting's scratch buffer, in Acc.
 void AccumulateShare(ffi::DataType type, const std::vector<Participant>& parts, int64_t begin, int64_t end,
                      Reduction r, void* scratch) {
-  switch (type) {
-    case ffi::F32: return AccumulateBlocks<float, float>(parts, begin, end, r, static_cast<float*>(scratch), type);
-    case ffi::F64: return AccumulateBlocks<double, double>(parts, begin, end, r, static_cast<double*>(scratch), type);
-    case ffi::S32:
-      return AccumulateBlocks<int32_t, int32_t>(parts, begin, end, r, static_cast<int32_t*>(scratch), type);
-    default:
-      return AccumulateBlocks<uint16_t, float>(parts, begin, end, r, static_cast<float*>(scratch), type);
-  }
+  WithTypes(type, [&](auto t, auto a) {
+    using Acc = decltype(a);
+    std::vector<Acc> widened(std::is_same_v<decltype(t), Acc> ? 0 : kBlock);
+    for (int64_t start = begin; start < end; start += kBlock) {
+      CombineBlock<decltype(t), Acc>(parts, start, std::min(kBlock, end - start), r, static_cast<Acc*>(scratch) + start,
+                                     widened.data(), type);
+    }
+  });
 }
 
-// Two-level all-reduce, last step: the reduced scratch buffer (divided for a mean, rounded back for 16-bit
-// floats) into every local output.
-template <typename T, typename Acc>
-void ScatterResult(const Acc* acc, int64_t count, Reduction r, int64_t total, const std::vector<void*>& outs,
-                   ffi::DataType type) {
-  constexpr int64_t kBlock = 4096;
-  std::vector<Acc> block(kBlock);
-  std::vector<T> narrowed(kBlock);
-  for (int64_t start = 0; start < count; start += kBlock) {
-    const int64_t len = std::min(kBlock, count - start);
-    std::copy(acc + start, acc + start + len, block.data());
-    if (r == Reduction::kMean) {
-      for (int64_t i = 0; i < len; ++i) block[i] /= static_cast<Acc>(total);
+// Two-level all-reduce, last step: the scratch buffer reduced across processes (divided for a mean, rounded back
+// for 16-bit floats) into every local output.
+void ScatterResult(const InterProcess& inter, void* scratch, const std::vector<void*>& outs) {
+  WithTypes(inter.type, [&](auto t, auto a) {
+    using T = decltype(t);
+    using Acc = decltype(a);
+    std::vector<T> narrowed(std::is_same_v<T, Acc> ? 0 : kBlock);
+    for (int64_t start = 0; start < inter.count; start += kBlock) {
+      WriteBlock<T, Acc>(static_cast<Acc*>(scratch) + start, std::min(kBlock, inter.count - start), inter.reduction,
+                         inter.total_participants, outs, start, narrowed.data(), inter.type);
     }
-    const void* result = block.data();
-    if constexpr (!std::is_same_v<T, Acc>) {
-      for (int64_t i = 0; i < len; ++i) narrowed[i] = Narrow(block[i], type);
-      result = narrowed.data();
-    }
-    for (void* out : outs) std::memcpy(static_cast<T*>(out) + start, result, len * sizeof(T));
-  }
+  });
 }
 
 ffi::DataType AccType(ffi::DataType type) { return type == ffi::F64 || type == ffi::S32 ? type : ffi::F32; }
@@ -455,25 +446,7 @@ std::shared_ptr<InterProcessJob> InterProcessJobFor(std::shared_ptr<Meeting> mee
       for (auto& promise : meeting->promises) promise.SetError(ffi::Error::Internal(Describe(meeting->call) + ": " + error));
       return;
     }
-    const void* acc = meeting->scratch.data();
-    const auto outs = Outputs(meeting->parts);
-    switch (inter.type) {
-      case ffi::F32:
-        ScatterResult<float, float>(static_cast<const float*>(acc), inter.count, inter.reduction,
-                                    inter.total_participants, outs, inter.type);
-        break;
-      case ffi::F64:
-        ScatterResult<double, double>(static_cast<const double*>(acc), inter.count, inter.reduction,
-                                      inter.total_participants, outs, inter.type);
-        break;
-      case ffi::S32:
-        ScatterResult<int32_t, int32_t>(static_cast<const int32_t*>(acc), inter.count, inter.reduction,
-                                        inter.total_participants, outs, inter.type);
-        break;
-      default:
-        ScatterResult<uint16_t, float>(static_cast<const float*>(acc), inter.count, inter.reduction,
-                                       inter.total_participants, outs, inter.type);
-    }
+    ScatterResult(inter, meeting->scratch.data(), Outputs(meeting->parts));
     for (auto& promise : meeting->promises) promise.SetAvailable();
   };
   return job;

@@ -29,7 +29,6 @@ NB_MODULE(_cpu, m) {
   }, "FFI handlers of the CPU collectives, by op name.");
   m.def("mpi_world_size", &xlatrain::MpiWorldSize,
         "MPI_COMM_WORLD's size, initialising MPI on first use; -1 when built without MPI.");
-  m.def("mpi_world_rank", &xlatrain::MpiWorldRank, "this process's rank in MPI_COMM_WORLD.");
   m.def("mpi_finalize", &xlatrain::MpiFinalize, nanobind::call_guard<nanobind::gil_scoped_release>(),
         "finalise MPI after the queued collectives (a no-op when MPI was never initialised).");
 }

@@ -32,7 +32,6 @@ class MpiThread {
   }
 
   int64_t size() const { return size_; }
-  int64_t rank() const { return rank_; }
 
   void Finalize() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -47,12 +46,10 @@ class MpiThread {
     std::condition_variable started;
     bool up = false;
     std::thread([&] {
-      int provided = 0, size = 0, rank = 0;
+      int provided = 0, size = 0;
       MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
       MPI_Comm_size(MPI_COMM_WORLD, &size);
-      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
       size_ = size;
-      rank_ = rank;
       {
         std::lock_guard<std::mutex> lock(started_mu);
         up = true;
@@ -106,7 +103,7 @@ class MpiThread {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<InterProcessJob>> jobs_;
-  int64_t size_ = 0, rank_ = 0;
+  int64_t size_ = 0;
   bool finalizing_ = false, finalized_ = false;
 };
 
@@ -121,8 +118,6 @@ int64_t MpiWorldSize() {
   return MpiThread::Get().size();
 }
 
-int64_t MpiWorldRank() { return MpiThread::Get().rank(); }
-
 void MpiFinalize() {
   if (initialised) MpiThread::Get().Finalize();
 }
@@ -133,7 +128,6 @@ void SubmitInterProcess(std::shared_ptr<InterProcessJob> job) {
   job->finish("xlatrain was built without MPI, so its CPU collectives cannot reach other processes");
 }
 int64_t MpiWorldSize() { return -1; }
-int64_t MpiWorldRank() { return -1; }
 void MpiFinalize() {}
 
 #endif

@@ -46,7 +46,6 @@ void SubmitInterProcess(std::shared_ptr<InterProcessJob> job);
 
 // MPI_COMM_WORLD's size (initialising MPI on first use), or -1 when built without MPI.
 int64_t MpiWorldSize();
-int64_t MpiWorldRank();
 
 // Finalizes MPI once every queued job ran; a no-op when MPI was never initialised.
 void MpiFinalize();
