@@ -194,6 +194,22 @@ def test_the_watchdog_names_a_killed_rank_and_the_last_checkpoint_resumes(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_killed_rank_0_ends_the_others_with_xlatrain_s_line_not_the_runtime_s_abort(tmp_path):
+    """jax's runtime aborts the others within milliseconds of losing process 0 (which hosts its service): the
+    stderr guard prints xlatrain's line instead of its fatal dump, as under srun or mpirun."""
+    processes = start(tmp_path / "run", free_port(), LONG, devices=2)
+    wait_for_step(tmp_path / "run", 25, processes)
+    processes[0].kill()
+    began = time.monotonic()
+    _, (returncode, _, err) = finish(processes, timeout=60)
+    assert time.monotonic() - began < 30
+    assert returncode == WATCHDOG_EXIT, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"xlatrain: error: rank 0 (the coordinator, host "
+                                                   f"{socket.gethostname()}) stopped responding at step ")
+    assert "last checkpoint: step " in err and "Check failure" not in err and "Terminating process" not in err
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("fault", "words", "phase"), [("stuck-hook", "in a hook", "hook"),
                                                        ("stuck-loader", "loading data", "loading_data")])
 def test_the_watchdog_names_a_stuck_rank_within_its_stall_timeout(tmp_path, fault, words, phase):

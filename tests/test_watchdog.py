@@ -2,7 +2,7 @@
 
 from xlatrain.config import Config, DistributedConfig, StallTimeouts, flatten
 from xlatrain.distributed import disagreements
-from xlatrain.watchdog import Observer, verdict
+from xlatrain.watchdog import Observer, coordinator_lost, verdict
 
 CONFIG = DistributedConfig(stall_timeout={"training": 30, "hook": 5}, heartbeat_timeout=10)
 
@@ -70,8 +70,16 @@ def test_an_unreachable_store_names_the_coordinator():
     observer = observer_at(0, r0=published(4, "training"), r1=published(4, "training"))
     observer.store_unreachable(1)
     assert verdict(observer, 2, 5, CONFIG) is None
-    assert verdict(observer, 2, 12, CONFIG).startswith("rank 0 (the coordinator) stopped responding at step 4 "
-                                                       "while training: the key-value store has been unreachable")
+    assert verdict(observer, 2, 12, CONFIG).startswith("rank 0 (the coordinator, host h) stopped responding at "
+                                                       "step 4 while training: the key-value store has been "
+                                                       "unreachable")
+
+
+def test_a_lost_coordinator_before_anything_was_seen_is_lost_while_starting():
+    assert coordinator_lost({}, "gone") == "rank 0 (the coordinator) stopped responding while starting: gone"
+    observer = observer_at(0, r0=published(9, "checkpointing", checkpoint=5, host="a"))
+    assert coordinator_lost(observer.seen, "gone") == ("rank 0 (the coordinator, host a) stopped responding at step "
+                                                       "9 while checkpointing: gone; last checkpoint: step 5")
 
 
 def facts(of: Config, **changes) -> dict:

@@ -160,8 +160,11 @@ def _leave(code: int) -> int:
     """A failing process of a multi-process run exits at once: jax.distributed's orderly shutdown would wait at
     a barrier for the other processes, which this failure stops (their watchdogs see it)."""
     if _in_multi_process_run():
+        from xlatrain.watchdog import release_stderr
+
         sys.stdout.flush()
         sys.stderr.flush()
+        release_stderr()
         os._exit(code)
     return code
 

@@ -19,6 +19,7 @@ from xlatrain import compat
 from xlatrain.config import Config, DistributedConfig, flatten
 from xlatrain.errors import UserError, first_line
 from xlatrain.stop import StopSignals
+from xlatrain.watchdog import guard_against_runtime_abort
 
 START_TIMEOUT_S = 300.0
 """How long a process waits for the others' start-up facts (they joined already, so this is generous)."""
@@ -44,6 +45,7 @@ def initialize(config: DistributedConfig) -> None:
         raise UserError(f"distributed: could not join the other processes through {joined_through} "
                         f"({type(err).__name__}: {first_line(err)}); start every process with the same "
                         "coordinator and num_processes, and a distinct process_id") from None
+    guard_against_runtime_abort()
 
 
 def is_primary() -> bool:

@@ -8,10 +8,14 @@ longer than that phase's `distributed.stall_timeout` is stuck, but only when no 
 (the others are then merely waiting for it in a collective). Either way every process prints one line naming
 the rank, its host, its last step and phase and the last checkpoint, and exits with WATCHDOG_EXIT at once:
 never through XLA's or gloo's own failure paths, which hang for minutes and then dump C++ stacks.
+
+When process 0 dies, jax's runtime aborts every other process within milliseconds, before any Python code can
+run; `guard_against_runtime_abort` has a native thread print xlatrain's line about rank 0 in its place.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -38,6 +42,10 @@ read the verdict (or its failure) and exit with xlatrain's line: once it is gone
 PHASES = ("starting", "compiling", "training", "hook", "evaluating", "checkpointing", "loading_data")
 """In the order a process passes them within one step (for telling who is behind whom)."""
 DONE = ("finished", "failed")
+RUNTIME_FATAL = "Terminating process because the JAX distributed service detected fatal errors"
+RUNTIME_FATAL_PREAMBLE = "Polled an error from coordination service"
+"""The fatal line of jax's coordination-service client when it loses the service (process 0), and the line just
+before it: both are held back by the stderr guard."""
 WORDS = {"loading_data": "loading data", "hook": "in a hook"}
 
 
@@ -103,10 +111,8 @@ def verdict(observer: Observer, processes: int, now: float, config: DistributedC
     seen = observer.seen
     checkpoint = _last_checkpoint(seen)
     if observer.unreachable_since is not None and now - observer.unreachable_since > config.heartbeat_timeout:
-        coordinator = seen.get(0)
-        where = f" at step {coordinator.step} while {_words(coordinator.phase)}" if coordinator else ""
-        return (f"rank 0 (the coordinator) stopped responding{where}: the key-value store has been unreachable for "
-                f"{now - observer.unreachable_since:.0f} s; {checkpoint}")
+        return coordinator_lost(seen, f"the key-value store has been unreachable for "
+                                      f"{now - observer.unreachable_since:.0f} s")
     missing = [rank for rank in range(processes) if rank not in seen]
     running = {rank: s for rank, s in seen.items() if s.phase not in DONE}
     for rank, s in sorted(seen.items()):
@@ -129,6 +135,15 @@ def verdict(observer: Observer, processes: int, now: float, config: DistributedC
             return (f"{who} has been {_words(s.phase)} at step {s.step} for {stuck:.0f} s, longer than "
                     f"distributed.stall_timeout.{s.phase}={limit:g}; {checkpoint}")
     return None
+
+
+def coordinator_lost(seen: dict[int, Seen], why: str) -> str:
+    """The line for a lost rank 0, which hosts jax's distributed service and the key-value store."""
+    coordinator = seen.get(0)
+    if coordinator is None:
+        return f"rank 0 (the coordinator) stopped responding while starting: {why}"
+    return (f"rank 0 (the coordinator, host {coordinator.host}) stopped responding at step {coordinator.step} while "
+            f"{_words(coordinator.phase)}: {why}; {_last_checkpoint(seen)}")
 
 
 def _words(phase: str) -> str:
@@ -200,6 +215,7 @@ class Watchdog:
             published = {int(key.rsplit("/", 1)[1]): json.loads(value) for key, value in entries.items()}
             published[self.rank] = self._mine()  # judged like the others, by the value it just published
             self.observer.update(published, now)
+            _say_on_runtime_abort(self.observer.seen)
             found = verdict(self.observer, self.processes, now, self.config)
             if found is not None and not self.done.is_set():
                 self._stop_everyone(found)
@@ -213,7 +229,41 @@ class Watchdog:
 
 def _exit_with(message: str) -> None:
     print(f"xlatrain: error: {message}", file=sys.stderr, flush=True)
+    release_stderr()
     os._exit(WATCHDOG_EXIT)
+
+
+def _stderr_guard():
+    from xlatrain import _stderr_guard
+
+    return _stderr_guard
+
+
+def _runtime_abort_line(seen: dict[int, Seen]) -> str:
+    return f"xlatrain: error: {coordinator_lost(seen, 'jax.distributed lost its connection to it')}\n"
+
+
+def guard_against_runtime_abort() -> None:
+    """On a process other than 0 of a multi-process run: native writes to stderr go through the guard, which
+    replaces the runtime's fatal abort on losing process 0 by xlatrain's line (kept current by the watchdog)
+    and exit code. Python's sys.stderr then writes to the real stderr directly."""
+    if jax.process_index() == 0:
+        return
+    atexit.register(release_stderr)
+    real = _stderr_guard().start(RUNTIME_FATAL, RUNTIME_FATAL_PREAMBLE, WATCHDOG_EXIT, _runtime_abort_line({}))
+    sys.stderr.flush()
+    sys.stderr = open(real, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+
+
+def _say_on_runtime_abort(seen: dict[int, Seen]) -> None:
+    if jax.process_index() != 0:
+        _stderr_guard().set_message(_runtime_abort_line(seen))
+
+
+def release_stderr() -> None:
+    """Give stderr back to the process after passing on what native code wrote (before os._exit too)."""
+    if "xlatrain._stderr_guard" in sys.modules:
+        _stderr_guard().release()
 
 
 @contextmanager
