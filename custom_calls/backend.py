@@ -57,7 +57,7 @@ def communicator_key(axis_name: str) -> int:
 def processes_along(mesh: jax.sharding.Mesh | None, axis_name: str) -> int:
     """How many processes each group of devices along `axis_name` spans (1 inside one process). Across processes
     the CPU collectives need each group to hold equal blocks of consecutive ranks per process, in process order,
-    over every process (they exchange with every process of MPI_COMM_WORLD)."""
+    over every process (they reduce across processes in MPI_COMM_WORLD)."""
     if mesh is None or jax.process_count() == 1:
         return 1
     owners = np.vectorize(lambda d: d.process_index)(mesh.devices)
@@ -74,10 +74,12 @@ def processes_along(mesh: jax.sharding.Mesh | None, axis_name: str) -> int:
     return processes
 
 
-def lowering(op: str, attributes: Callable[..., dict[str, Any]]) -> dict[str, Callable]:
+def lowering(op: str, attributes: Callable[..., dict[str, Any]], crosses_processes: bool = False,
+             ) -> dict[str, Callable]:
     """MLIR lowering rules per platform for `op`. `attributes(**params)` gives the handler's attributes;
-    every lowered instance gets its own call-site id (how the CPU rendezvous tells calls apart). On CPU it also
-    gets how many processes its axis spans and the axis's position in the mesh (its MPI lanes across processes)."""
+    every lowered instance gets its own call-site id (how the CPU rendezvous tells calls apart). An op that
+    `crosses_processes` gets, on CPU, how many processes its axis spans (two-level, with MPI); the others
+    refuse an axis that spans processes."""
 
     def rule_for(platform: str) -> Callable:
         def rule(ctx, x, where, **params):
@@ -90,9 +92,13 @@ def lowering(op: str, attributes: Callable[..., dict[str, Any]]) -> dict[str, Ca
             if platform == "cuda":
                 attrs["comm"] = np.int64(communicator_key(axis_name))
             else:
-                mesh = compat.lowering_mesh(ctx)
-                attrs["processes"] = np.int64(processes_along(mesh, axis_name))
-                attrs["axis"] = np.int64(mesh.axis_names.index(axis_name) if mesh is not None else 0)
+                processes = processes_along(compat.lowering_mesh(ctx), axis_name)
+                if crosses_processes:
+                    attrs["processes"] = np.int64(processes)
+                elif processes > 1:
+                    raise UserError(f"collectives.impl=custom: {op} over mesh axis {axis_name!r} would cross "
+                                    "processes; on CPU only the all-reduce does (parallel.strategy=replicated and "
+                                    "data parallelism): use collectives.impl=xla for this run")
             return compat.ffi_lowering(PREFIX[platform] + op)(ctx, x, where, **attrs)
 
         return rule
@@ -105,19 +111,12 @@ def _finalize_mpi_at_exit() -> None:
     atexit.register(cpu_extension().mpi_finalize)
 
 
-def check_mpi_spans(processes: int, process: int) -> None:
+def check_mpi_spans(processes: int) -> None:
     """Refuse, with the fix, a multi-process run whose CPU collectives cannot reach the other processes."""
-    size, rank = cpu_extension().mpi_world() if compat.detected_cluster() == "ompi" else (None, None)
-    if size == processes and rank == process:
+    size = cpu_extension().mpi_world_size() if compat.detected_cluster() == "ompi" else None
+    if size == processes:
         _finalize_mpi_at_exit()
         return
-    if size == processes:
-        raise UserError(f"collectives.impl=custom: this process is MPI rank {rank} but jax.distributed process "
-                        f"{process}; let jax.distributed number the processes under mpirun (drop "
-                        "distributed.process_id), or set collectives.impl=xla")
-    if size == -2:
-        raise UserError("collectives.impl=custom across processes on CPU needs an MPI library with "
-                        "MPI_THREAD_MULTIPLE (Open MPI has it), or set collectives.impl=xla")
     if size == -1:
         raise UserError("collectives.impl=custom across processes on CPU needs MPI, and this xlatrain was built "
                         "without it: install Open MPI (apt install libopenmpi-dev openmpi-bin), reinstall with "

@@ -264,15 +264,11 @@ NO_MPIRUN = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI'
                                "(apt install openmpi-bin libopenmpi-dev; .ci/run installs it)")
 
 
-MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo", "--mca",
-          "btl_tcp_if_include", "lo"]
-"""Open MPI on 127.0.0.1 only."""
-
-
-def mpirun(run_dir, *overrides, processes=2, devices=4, base=(CONFIG, *COMMON)):
+def mpirun(run_dir, *overrides, processes=2, devices=4):
     """`xlatrain train` under Open MPI's mpirun on 127.0.0.1, with no distributed.* keys."""
-    command = [*MPIRUN, "-np", str(processes), "-x", "XLA_FLAGS", sys.executable, "-m", "xlatrain.cli", "train",
-               *base, f"trainer.run_dir={run_dir}", *overrides]
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
+               "--mca", "btl_tcp_if_include", "lo", "-np", str(processes), "-x", "XLA_FLAGS",
+               sys.executable, "-m", "xlatrain.cli", "train", CONFIG, *COMMON, f"trainer.run_dir={run_dir}", *overrides]
     done = subprocess.run(command, cwd=REPO, env=devices_env(devices), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -288,27 +284,12 @@ def test_mpirun_alone_joins_the_processes(tmp_path, devices):
 
 @pytest.mark.slow
 @NO_MPIRUN
-@pytest.mark.parametrize(("strategy", "steps"), [("replicated", 50), ("zero1", 12)])
-def test_custom_collectives_across_processes_under_mpirun_match_xla(tmp_path, strategy, steps):
-    """2 processes x 4 devices: the custom collectives meet in each process and exchange across them with MPI
-    (replicated: all-reduce; zero1: reduce-scatter and all-gather)."""
-    extra = [f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}", f"trainer.eval_every={steps}",
-             "parallel.mode=shard_map", f"parallel.strategy={strategy}"]
+def test_custom_collectives_across_processes_under_mpirun_match_xla_over_50_steps(tmp_path):
+    """2 processes x 4 devices: the custom all-reduce meets in each process and reduces across them with MPI."""
+    steps = ["trainer.steps=50", "trainer.checkpoint_every=50", "trainer.eval_every=50", "parallel.mode=shard_map"]
     for impl in ("custom", "xla"):
-        mpirun(tmp_path / impl, *extra, f"collectives.impl={impl}")
-    assert_same_losses(losses_of(tmp_path / "custom"), losses_of(tmp_path / "xla"), steps=range(1, steps + 1),
-                       rtol=1e-6)
-
-
-@pytest.mark.slow
-@NO_MPIRUN
-def test_every_custom_collective_across_processes_under_mpirun_matches_xla():
-    """all_reduce, reduce_scatter, all_gather, ppermute and broadcast over axes spanning 2 processes x 4 devices,
-    one group and two groups at once, in float32, bfloat16 and int32 (tests/mpi_collectives_driver.py)."""
-    command = [*MPIRUN, "-np", "2", "-x", "XLA_FLAGS", sys.executable, "tests/mpi_collectives_driver.py"]
-    done = subprocess.run(command, cwd=REPO, env=devices_env(4), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank 0: 50 cases match" in done.stdout and "rank 1: 50 cases match" in done.stdout
+        mpirun(tmp_path / impl, *steps, f"collectives.impl={impl}")
+    assert_same_losses(losses_of(tmp_path / "custom"), losses_of(tmp_path / "xla"), steps=range(1, 51), rtol=1e-6)
 
 
 def train_leg(run_dir, steps, processes, devices, extra, base=(CONFIG, *COMMON)):
@@ -339,17 +320,6 @@ def test_a_run_resumes_on_other_process_and_device_counts_exactly(tmp_path, devi
 PIPELINED_GPT = [*TINY_GPT, "model.width=16", "data.seq_len=16", "batch.global_size=32", "mesh.stage=2",
                  "parallel.pipeline.microbatches=2", "trainer.checkpoint_every=4", "optimizer.schedule=constant",
                  "optimizer.warmup_steps=0"]
-
-
-@pytest.mark.slow
-@NO_MPIRUN
-def test_a_pipeline_with_custom_collectives_whose_stages_span_two_processes_equals_one_process(tmp_path, devices):
-    """The stages pass activations between the processes with the custom ppermute over MPI (4 MPI lanes, one per
-    data row)."""
-    mpirun(tmp_path / "custom", "trainer.steps=4", "collectives.impl=custom", base=PIPELINED_GPT)
-    reference = train(load_config(None, [*PIPELINED_GPT, "trainer.steps=4", f"trainer.run_dir={tmp_path / 'one'}"]),
-                      echo=lambda _: None).losses
-    assert_same_losses(losses_of(tmp_path / "custom"), reference, steps=range(1, 5))
 
 
 @pytest.mark.slow

@@ -218,7 +218,7 @@ def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
     if platform == "cpu" and jax.process_count() > 1:
         from xlatrain.custom_calls.backend import check_mpi_spans
 
-        check_mpi_spans(jax.process_count(), jax.process_index())
+        check_mpi_spans(jax.process_count())
     if platform in ("gpu", "cuda"):
         from xlatrain.custom_calls.nccl import setup_communicators
 

@@ -1,8 +1,6 @@
-// The inter-process level of the CPU collectives: MPI point-to-point transfers on lanes. A lane is one group of
-// devices along one mesh axis; its jobs run on its own thread in the order they are submitted, and its messages
-// carry the lane as their tag. Every process submits a lane's jobs in the same order (each local meeting of a
-// group completes in program order), so no order between lanes is needed, and one lane waiting for its peers
-// never holds up another (MPI_THREAD_MULTIPLE).
+// The inter-process level of the CPU collectives: one MPI thread that runs all-reduces across processes in
+// the order they are submitted. Every process submits the same collectives in the same order (each local
+// meeting completes in program order), so no tags or communicator per call site are needed.
 #pragma once
 
 #include <condition_variable>
@@ -11,35 +9,18 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <vector>
+
+#include "collectives.h"
 
 namespace xlatrain {
 
-// `bytes` bytes at `data`, to or from process `peer`.
-struct Transfer {
-  int64_t peer;
-  void* data;
-  int64_t bytes;
-};
-
-// What a job sees of MPI: its process, the process count, and transfers tagged with its lane.
-class Peers {
- public:
-  Peers(int64_t rank, int64_t size, int64_t lane) : rank_(rank), size_(size), lane_(lane) {}
-  int64_t rank() const { return rank_; }
-  int64_t size() const { return size_; }
-  // Posts every receive and send at once and waits for all of them; "" or the MPI error. Transfers between the
-  // same two processes match in the order they are listed, so both sides must list them in the same order.
-  std::string Exchange(const std::vector<Transfer>& sends, const std::vector<Transfer>& receives) const;
-
- private:
-  int64_t rank_, size_, lane_;
-};
-
-// One job on a lane: `run` once the local level marks it ready, then `finish` with its "" or error.
+// One all-reduce of `count` values of `type` (F32, F64 or S32) at `data`, in place across processes. The
+// MPI thread waits until the local level marks it ready, reduces, then calls `finish` with "" or an error.
 struct InterProcessJob {
-  int64_t lane = 0;
-  std::function<std::string(const Peers&)> run;
+  void* data = nullptr;
+  int64_t count = 0;
+  ffi::DataType type = ffi::F32;
+  Reduction reduction = Reduction::kSum;
   std::function<void(const std::string& error)> finish;
 
   void MarkReady() {
@@ -60,12 +41,11 @@ struct InterProcessJob {
   bool ready = false;
 };
 
-// Queues `job` on its lane behind every job submitted to that lane before it.
+// Queues `job` behind every job submitted before it.
 void SubmitInterProcess(std::shared_ptr<InterProcessJob> job);
 
-// MPI_COMM_WORLD's size and this process's rank in it (initialising MPI on first use): (-1, -1) when built
-// without MPI, (-2, -2) when the MPI library cannot serve several threads (no MPI_THREAD_MULTIPLE).
-std::pair<int64_t, int64_t> MpiWorld();
+// MPI_COMM_WORLD's size (initialising MPI on first use), or -1 when built without MPI.
+int64_t MpiWorldSize();
 
 // Finalizes MPI once every queued job ran; a no-op when MPI was never initialised.
 void MpiFinalize();
