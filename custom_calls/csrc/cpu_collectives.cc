@@ -442,6 +442,7 @@ std::shared_ptr<InterProcessJob> InterProcessJobFor(std::shared_ptr<Meeting> mee
   job->type = acc;
   job->reduction = inter.reduction == Reduction::kMean ? Reduction::kSum : inter.reduction;
   job->finish = [meeting, inter](const std::string& error) {
+    meeting->job.reset();  // the meeting and its job refer to each other: break the cycle (the MPI thread holds the job)
     if (!error.empty()) {
       for (auto& promise : meeting->promises) promise.SetError(ffi::Error::Internal(Describe(meeting->call) + ": " + error));
       return;
