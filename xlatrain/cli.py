@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -160,12 +159,9 @@ def _leave(code: int) -> int:
     """A failing process of a multi-process run exits at once: jax.distributed's orderly shutdown would wait at
     a barrier for the other processes, which this failure stops (their watchdogs see it)."""
     if _in_multi_process_run():
-        from xlatrain.watchdog import release_stderr
+        from xlatrain.watchdog import leave_now
 
-        sys.stdout.flush()
-        sys.stderr.flush()
-        release_stderr()
-        os._exit(code)
+        leave_now(code)
     return code
 
 

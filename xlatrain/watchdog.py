@@ -215,7 +215,8 @@ class Watchdog:
             published = {int(key.rsplit("/", 1)[1]): json.loads(value) for key, value in entries.items()}
             published[self.rank] = self._mine()  # judged like the others, by the value it just published
             self.observer.update(published, now)
-            _say_on_runtime_abort(self.observer.seen)
+            if self.rank != 0:
+                _stderr_guard().set_message(_runtime_abort_line(self.observer.seen))
             found = verdict(self.observer, self.processes, now, self.config)
             if found is not None and not self.done.is_set():
                 self._stop_everyone(found)
@@ -228,9 +229,16 @@ class Watchdog:
 
 
 def _exit_with(message: str) -> None:
-    print(f"xlatrain: error: {message}", file=sys.stderr, flush=True)
+    print(f"xlatrain: error: {message}", file=sys.stderr)
+    leave_now(WATCHDOG_EXIT)
+
+
+def leave_now(code: int) -> None:
+    """End the process at once, after what it wrote (native stderr included) is out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     release_stderr()
-    os._exit(WATCHDOG_EXIT)
+    os._exit(code)
 
 
 def _stderr_guard():
@@ -253,11 +261,6 @@ def guard_against_runtime_abort() -> None:
     real = _stderr_guard().start(RUNTIME_FATAL, RUNTIME_FATAL_PREAMBLE, WATCHDOG_EXIT, _runtime_abort_line({}))
     sys.stderr.flush()
     sys.stderr = open(real, "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
-
-
-def _say_on_runtime_abort(seen: dict[int, Seen]) -> None:
-    if jax.process_index() != 0:
-        _stderr_guard().set_message(_runtime_abort_line(seen))
 
 
 def release_stderr() -> None:
