@@ -6,8 +6,9 @@ XLA's gloo all-reduce across processes, and how fast the watchdog stops a run wi
   (joining, gloo, per-process host work), not a scaling curve.
 - all_reduce bus bandwidth (nccl-tests' definition: algbw x 2(n-1)/n) at 2 processes x 4 devices under mpirun,
   xlatrain's two-level all-reduce vs XLA's psum over gloo, interleaved in the same run.
-- Detection: seconds from kill -9 of rank 1 until every process has exited; seconds from rank 1 blocking in a hook
-  until every process has exited, with distributed.stall_timeout.hook=5.
+- Detection: seconds from kill -9 of rank 1 (or of rank 0, which hosts jax's coordination service) until every
+  process has exited; seconds from rank 1 blocking in a hook until every process has exited, with
+  distributed.stall_timeout.hook=5.
 
     python3 -m bench.multiprocess      # writes bench/results/multiprocess.json; needs Open MPI's mpirun
 """
@@ -77,7 +78,7 @@ def all_reduce_worker() -> None:
     from xlatrain.distributed import initialize
 
     initialize(DistributedConfig())
-    check_mpi_spans(jax.process_count())
+    check_mpi_spans(jax.process_count(), jax.process_index())
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     n = mesh.size
     for size in SIZES:
@@ -129,16 +130,22 @@ def wait_for_step(run_dir: Path, step: int) -> None:
         time.sleep(0.05)
 
 
+def seconds_to_stop_after_killing(rank: int, run_dir: Path) -> float:
+    processes = two_processes(run_dir, [], ["-m", "xlatrain.cli", "train"])
+    wait_for_step(run_dir, 25)
+    processes[rank].send_signal(signal.SIGKILL)
+    return seconds_until_all_exit(processes, time.perf_counter())
+
+
 def detection(work: Path) -> dict:
-    killed = two_processes(work / "killed", [], ["-m", "xlatrain.cli", "train"])
-    wait_for_step(work / "killed", 25)
-    killed[1].send_signal(signal.SIGKILL)
-    killed_s = seconds_until_all_exit(killed, time.perf_counter())
+    killed_s = seconds_to_stop_after_killing(1, work / "killed")
+    killed_coordinator_s = seconds_to_stop_after_killing(0, work / "killed-coordinator")
     stuck = two_processes(work / "stuck", [f"distributed.stall_timeout.hook={STUCK_HOOK_TIMEOUT_S}"],
                           ["tests/multiprocess_driver.py", "stuck-hook"])
     wait_for_step(work / "stuck", 20)  # rank 1 blocks in its hook at step 20
     stuck_s = seconds_until_all_exit(stuck, time.perf_counter())
-    return {"killed_rank_all_exited_s": killed_s, "stuck_rank_all_exited_s": stuck_s,
+    return {"killed_rank_all_exited_s": killed_s, "killed_rank_0_all_exited_s": killed_coordinator_s,
+            "stuck_rank_all_exited_s": stuck_s,
             "stall_timeout_hook_s": STUCK_HOOK_TIMEOUT_S, "heartbeat_timeout_s": 10}
 
 

@@ -34,11 +34,10 @@ def timeout_ms(timeout_s: float | None) -> int:
 
 
 def collective_primitive(op: str, *, abstract_eval: Callable, batch: Callable, transpose: Callable,
-                         attributes: Callable, differentiable: Callable[..., bool] = lambda **_: True,
-                         crosses_processes: bool = False) -> object:
+                         attributes: Callable, differentiable: Callable[..., bool] = lambda **_: True) -> object:
     return compat.define_linear_primitive(f"xlatrain_{op}", abstract_eval=abstract_eval, batch=batch,
                                           transpose=transpose, differentiable=differentiable,
-                                          lowerings=lowering(op, attributes, crosses_processes))
+                                          lowerings=lowering(op, attributes))
 
 
 REDUCTIONS = {"sum": 0, "mean": 1, "max": 2, "min": 3}

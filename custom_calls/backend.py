@@ -57,7 +57,7 @@ def communicator_key(axis_name: str) -> int:
 def processes_along(mesh: jax.sharding.Mesh | None, axis_name: str) -> int:
     """How many processes each group of devices along `axis_name` spans (1 inside one process). Across processes
     the CPU collectives need each group to hold equal blocks of consecutive ranks per process, in process order,
-    over every process (they reduce across processes in MPI_COMM_WORLD)."""
+    over every process (they exchange with every process of MPI_COMM_WORLD)."""
     if mesh is None or jax.process_count() == 1:
         return 1
     owners = np.vectorize(lambda d: d.process_index)(mesh.devices)
@@ -74,12 +74,11 @@ def processes_along(mesh: jax.sharding.Mesh | None, axis_name: str) -> int:
     return processes
 
 
-def lowering(op: str, attributes: Callable[..., dict[str, Any]], crosses_processes: bool = False,
-             ) -> dict[str, Callable]:
+def lowering(op: str, attributes: Callable[..., dict[str, Any]]) -> dict[str, Callable]:
     """MLIR lowering rules per platform for `op`. `attributes(**params)` gives the handler's attributes;
-    every lowered instance gets its own call-site id (how the CPU rendezvous tells calls apart). An op that
-    `crosses_processes` gets, on CPU, how many processes its axis spans (two-level, with MPI); the others
-    refuse an axis that spans processes."""
+    every lowered instance gets its own call-site id (how the CPU rendezvous tells calls apart, and, with the
+    group, how the MPI messages of a collective across processes are tagged: the same on every process, which
+    lowers the same programs in the same order). On CPU it also gets how many processes its axis spans."""
 
     def rule_for(platform: str) -> Callable:
         def rule(ctx, x, where, **params):
@@ -92,13 +91,7 @@ def lowering(op: str, attributes: Callable[..., dict[str, Any]], crosses_process
             if platform == "cuda":
                 attrs["comm"] = np.int64(communicator_key(axis_name))
             else:
-                processes = processes_along(compat.lowering_mesh(ctx), axis_name)
-                if crosses_processes:
-                    attrs["processes"] = np.int64(processes)
-                elif processes > 1:
-                    raise UserError(f"collectives.impl=custom: {op} over mesh axis {axis_name!r} would cross "
-                                    "processes; on CPU only the all-reduce does (parallel.strategy=replicated and "
-                                    "data parallelism): use collectives.impl=xla for this run")
+                attrs["processes"] = np.int64(processes_along(compat.lowering_mesh(ctx), axis_name))
             return compat.ffi_lowering(PREFIX[platform] + op)(ctx, x, where, **attrs)
 
         return rule
@@ -111,16 +104,20 @@ def _finalize_mpi_at_exit() -> None:
     atexit.register(cpu_extension().mpi_finalize)
 
 
-def check_mpi_spans(processes: int) -> None:
+def check_mpi_spans(processes: int, process: int) -> None:
     """Refuse, with the fix, a multi-process run whose CPU collectives cannot reach the other processes."""
-    size = cpu_extension().mpi_world_size() if compat.detected_cluster() == "ompi" else None
-    if size == processes:
+    size, rank = cpu_extension().mpi_world() if compat.detected_cluster() == "ompi" else (None, None)
+    if size == processes and rank == process:
         _finalize_mpi_at_exit()
         return
+    if size == processes:
+        raise UserError(f"collectives.impl=custom: this process is MPI rank {rank} but jax.distributed process "
+                        f"{process}; let jax.distributed number the processes under mpirun (drop "
+                        "distributed.process_id), or set collectives.impl=xla")
     if size == -1:
         raise UserError("collectives.impl=custom across processes on CPU needs MPI, and this xlatrain was built "
                         "without it: install Open MPI (apt install libopenmpi-dev openmpi-bin), reinstall with "
                         "`python3 -m pip install -e .`, or set collectives.impl=xla")
-    raise UserError(f"collectives.impl=custom across processes on CPU reduces between processes with MPI: start "
+    raise UserError(f"collectives.impl=custom across processes on CPU exchanges between processes with MPI: start "
                     f"the {processes} processes with mpirun (e.g. `mpirun -np {processes} xlatrain train ...`), or "
                     "set collectives.impl=xla (gloo)")

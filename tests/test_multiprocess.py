@@ -121,7 +121,7 @@ def test_custom_cpu_collectives_across_processes_need_mpirun(tmp_path):
     outputs = finish(start(tmp_path / "custom", free_port(), ["parallel.mode=shard_map", "collectives.impl=custom"]))
     for returncode, _, err in outputs:
         assert returncode == 2, err[-2000:]
-        assert "collectives.impl=custom across processes on CPU reduces between processes with MPI: start the 2 " \
+        assert "collectives.impl=custom across processes on CPU exchanges between processes with MPI: start the 2 " \
                "processes with mpirun" in err
 
 
@@ -264,11 +264,15 @@ NO_MPIRUN = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI'
                                "(apt install openmpi-bin libopenmpi-dev; .ci/run installs it)")
 
 
-def mpirun(run_dir, *overrides, processes=2, devices=4):
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo", "--mca",
+          "btl_tcp_if_include", "lo"]
+"""Open MPI on 127.0.0.1 only."""
+
+
+def mpirun(run_dir, *overrides, processes=2, devices=4, base=(CONFIG, *COMMON)):
     """`xlatrain train` under Open MPI's mpirun on 127.0.0.1, with no distributed.* keys."""
-    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
-               "--mca", "btl_tcp_if_include", "lo", "-np", str(processes), "-x", "XLA_FLAGS",
-               sys.executable, "-m", "xlatrain.cli", "train", CONFIG, *COMMON, f"trainer.run_dir={run_dir}", *overrides]
+    command = [*MPIRUN, "-np", str(processes), "-x", "XLA_FLAGS", sys.executable, "-m", "xlatrain.cli", "train",
+               *base, f"trainer.run_dir={run_dir}", *overrides]
     done = subprocess.run(command, cwd=REPO, env=devices_env(devices), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -284,12 +288,28 @@ def test_mpirun_alone_joins_the_processes(tmp_path, devices):
 
 @pytest.mark.slow
 @NO_MPIRUN
-def test_custom_collectives_across_processes_under_mpirun_match_xla_over_50_steps(tmp_path):
-    """2 processes x 4 devices: the custom all-reduce meets in each process and reduces across them with MPI."""
-    steps = ["trainer.steps=50", "trainer.checkpoint_every=50", "trainer.eval_every=50", "parallel.mode=shard_map"]
+@pytest.mark.parametrize("strategy", ["replicated", "zero1"])
+def test_custom_collectives_across_processes_under_mpirun_match_xla_over_50_steps(tmp_path, strategy):
+    """2 processes x 4 devices: the custom collectives meet in each process and exchange across them with MPI
+    (replicated: all-reduce; zero1: all-reduce of the gradient buckets, all-gather of the updated blocks)."""
+    extra = ["trainer.steps=50", "trainer.checkpoint_every=50", "trainer.eval_every=50", "parallel.mode=shard_map",
+             f"parallel.strategy={strategy}"]
     for impl in ("custom", "xla"):
-        mpirun(tmp_path / impl, *steps, f"collectives.impl={impl}")
+        mpirun(tmp_path / impl, *extra, f"collectives.impl={impl}")
     assert_same_losses(losses_of(tmp_path / "custom"), losses_of(tmp_path / "xla"), steps=range(1, 51), rtol=1e-6)
+
+
+@pytest.mark.slow
+@NO_MPIRUN
+def test_every_custom_collective_across_processes_under_mpirun_matches_xla():
+    """all_reduce, reduce_scatter, all_gather, ppermute and broadcast over axes spanning 2 processes x 4 devices,
+    one group and two groups at once, in float32, bfloat16 and int32; a process that skips one is named by the
+    other's error (tests/mpi_collectives_driver.py)."""
+    command = [*MPIRUN, "-np", "2", "-x", "XLA_FLAGS", sys.executable, "tests/mpi_collectives_driver.py"]
+    done = subprocess.run(command, cwd=REPO, env=devices_env(4), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0: 50 cases match" in done.stdout and "rank 1: 50 cases match" in done.stdout
+    assert "rank 0: named the missing process" in done.stdout
 
 
 def train_leg(run_dir, steps, processes, devices, extra, base=(CONFIG, *COMMON)):
@@ -320,6 +340,17 @@ def test_a_run_resumes_on_other_process_and_device_counts_exactly(tmp_path, devi
 PIPELINED_GPT = [*TINY_GPT, "model.width=16", "data.seq_len=16", "batch.global_size=32", "mesh.stage=2",
                  "parallel.pipeline.microbatches=2", "trainer.checkpoint_every=4", "optimizer.schedule=constant",
                  "optimizer.warmup_steps=0"]
+
+
+@pytest.mark.slow
+@NO_MPIRUN
+def test_a_pipeline_with_custom_collectives_whose_stages_span_two_processes_equals_one_process(tmp_path, devices):
+    """The stages pass activations between the processes with the custom ppermute over MPI (4 MPI lanes, one per
+    data row)."""
+    mpirun(tmp_path / "custom", "trainer.steps=4", "collectives.impl=custom", base=PIPELINED_GPT)
+    reference = train(load_config(None, [*PIPELINED_GPT, "trainer.steps=4", f"trainer.run_dir={tmp_path / 'one'}"]),
+                      echo=lambda _: None).losses
+    assert_same_losses(losses_of(tmp_path / "custom"), reference, steps=range(1, 5))
 
 
 @pytest.mark.slow

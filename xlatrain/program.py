@@ -212,13 +212,13 @@ def batch_structs(spec: DataSpec, rows: tuple[int, ...], sharding=None) -> dict[
 
 
 def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
-    """The CPU backend meets in each process and reduces across processes with MPI; the CUDA one needs its NCCL
+    """The CPU backend meets in each process and exchanges across processes with MPI; the CUDA one needs its NCCL
     communicators before the first step."""
     platform = mesh.devices.flat[0].platform
     if platform == "cpu" and jax.process_count() > 1:
         from xlatrain.custom_calls.backend import check_mpi_spans
 
-        check_mpi_spans(jax.process_count())
+        check_mpi_spans(jax.process_count(), jax.process_index())
     if platform in ("gpu", "cuda"):
         from xlatrain.custom_calls.nccl import setup_communicators
 

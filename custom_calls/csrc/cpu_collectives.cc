@@ -10,10 +10,11 @@
 // written, every promise completes. A watchdog fails the promises of a meeting that is still missing
 // participants after the timeout, with an error naming the op and who came: never a silent hang.
 //
-// An all-reduce over devices of several processes (started by mpirun) is two-level, like NCCL's intra/inter-
-// node split: the devices of each process meet and reduce in memory as above into one float32/float64/int32
-// buffer, the MPI thread (cpu_mpi.cc) all-reduces that buffer across processes, and the result is written to
-// every local output.
+// A collective over devices of several processes (started by mpirun) is two-level, like NCCL's intra/inter-node
+// split: the devices of each process meet as above, their shares combine or place their inputs in the meeting's
+// scratch buffer, then the MPI thread (cpu_mpi.h) exchanges blocks of it with the other processes in rounds of
+// point-to-point transfers and writes the local outputs. A reduction reduces in memory first, so only one buffer
+// per process crosses.
 
 #include <algorithm>
 #include <atomic>
@@ -46,15 +47,14 @@ struct Participant {
 };
 
 // One participant's part of the work, given everyone's buffers (and the meeting's scratch buffer, used by
-// two-level all-reduces).
+// two-level collectives).
 using Share = std::function<void(const std::vector<Participant>&, void* scratch)>;
 
-// What the inter-process level of an all-reduce needs: the element type, the reduction, the element count
-// and how many participants there are over all processes (for the mean).
-struct InterProcess {
-  ffi::DataType type;
-  Reduction reduction;
-  int64_t count, total_participants;
+// The inter-process level of a two-level collective: once every local share is done, the rounds `plan` gives
+// (from everyone's buffers and the scratch buffer) run on the MPI thread; the last one writes the local outputs.
+struct Across {
+  size_t scratch_bytes;
+  std::function<std::vector<Round>(const std::vector<Participant>&, char* scratch)> plan;
 };
 
 struct Call {
@@ -95,9 +95,8 @@ struct Meeting {
   int64_t arrived_count = 0;
   int64_t bytes = -1;  // every participant must bring the same size
   Clock::time_point deadline;
-  std::optional<InterProcess> inter;
+  std::optional<Across> across;
   std::vector<char> scratch;
-  std::shared_ptr<InterProcessJob> job;
 };
 
 std::shared_ptr<InterProcessJob> InterProcessJobFor(std::shared_ptr<Meeting> meeting);
@@ -117,8 +116,8 @@ class Workers {
       tasks_.push_back([meeting, remaining, share] {
         share(meeting->parts, meeting->scratch.data());
         if (remaining->fetch_sub(1) == 1) {
-          if (meeting->job) {
-            meeting->job->MarkReady();  // the MPI thread takes it from here
+          if (meeting->across) {
+            SubmitInterProcess(InterProcessJobFor(meeting));  // the MPI thread takes it from here
           } else {
             for (auto& promise : meeting->promises) promise.SetAvailable();
           }
@@ -166,8 +165,7 @@ class Rendezvous {
 
   // Registers one participant; returns its future, already complete if it was the last to arrive
   // and its share is done, or failed if the call does not fit the meeting.
-  ffi::Future Arrive(Call call, const void* in, void* out, int64_t bytes, Share share,
-                     std::optional<InterProcess> inter) {
+  ffi::Future Arrive(Call call, const void* in, void* out, int64_t bytes, Share share, std::optional<Across> across) {
     ffi::Promise promise;
     ffi::Future future(promise);
     std::shared_ptr<Meeting> complete;
@@ -177,7 +175,7 @@ class Rendezvous {
       auto& meeting = meetings_[{call.run, call.site, call.group, call.sequence}];
       if (!meeting) {
         meeting = std::make_shared<Meeting>(call);
-        meeting->inter = inter;
+        meeting->across = std::move(across);
         watchdog_cv_.notify_all();
       }
       if (meeting->arrived[call.rank]) {
@@ -198,9 +196,7 @@ class Rendezvous {
       if (++meeting->arrived_count == call.participants) {
         complete = meeting;
         meetings_.erase({call.run, call.site, call.group, call.sequence});
-        // Submitted under the lock, so the MPI thread sees meetings in the order they completed here: program
-        // order, the same on every process.
-        if (complete->inter) SubmitInterProcess(complete->job = InterProcessJobFor(complete));
+        if (complete->across) complete->scratch.resize(complete->across->scratch_bytes);
       }
     }
     if (complete) Workers::Get().Run(std::move(complete));
@@ -276,11 +272,11 @@ ffi::Future Failed(ffi::Error error) {
 }
 
 ffi::Future Meet(const Call& call, const void* in, void* out, int64_t bytes, Share share,
-                 std::optional<InterProcess> inter = std::nullopt) {
+                 std::optional<Across> across = std::nullopt) {
   if (call.rank < 0 || call.rank >= call.participants) {
     return Failed(ffi::Error::InvalidArgument(Describe(call) + ": rank out of range"));
   }
-  return Rendezvous::Get().Arrive(call, in, out, bytes, std::move(share), inter);
+  return Rendezvous::Get().Arrive(call, in, out, bytes, std::move(share), std::move(across));
 }
 
 // 16-bit floats are reduced in float32: widen, combine, round back to nearest even.
@@ -402,8 +398,10 @@ std::vector<void*> Outputs(const std::vector<Participant>& parts) {
   return outs;
 }
 
-// Two-level all-reduce, local level: elements [begin, end) of every local input combined (summed for a mean)
-// into the meeting's scratch buffer, in Acc.
+int64_t AccBytes(ffi::DataType type) { return type == ffi::F64 ? 8 : 4; }
+
+// Two-level reductions, local level: elements [begin, end) of every local input combined (summed for a mean) into
+// the meeting's scratch buffer, in Acc.
 void AccumulateShare(ffi::DataType type, const std::vector<Participant>& parts, int64_t begin, int64_t end,
                      Reduction r, void* scratch) {
   WithTypes(type, [&](auto t, auto a) {
@@ -416,54 +414,110 @@ void AccumulateShare(ffi::DataType type, const std::vector<Participant>& parts, 
   });
 }
 
-// Two-level all-reduce, last step: the scratch buffer reduced across processes (divided for a mean, rounded back
-// for 16-bit floats) into every local output.
-void ScatterResult(const InterProcess& inter, void* scratch, const std::vector<void*>& outs) {
-  WithTypes(inter.type, [&](auto t, auto a) {
+// Two-level reductions, last step: elements [begin, end) of the scratch buffer (divided by `participants` for a
+// mean, rounded back for 16-bit floats) into every one of `outs`, from its start.
+void WriteFromScratch(ffi::DataType type, Reduction r, int64_t participants, void* scratch, int64_t begin,
+                      int64_t end, const std::vector<void*>& outs) {
+  WithTypes(type, [&](auto t, auto a) {
     using T = decltype(t);
     using Acc = decltype(a);
     std::vector<T> narrowed(std::is_same_v<T, Acc> ? 0 : kBlock);
-    for (int64_t start = 0; start < inter.count; start += kBlock) {
-      WriteBlock<T, Acc>(static_cast<Acc*>(scratch) + start, std::min(kBlock, inter.count - start), inter.reduction,
-                         inter.total_participants, outs, start, narrowed.data(), inter.type);
+    for (int64_t start = begin; start < end; start += kBlock) {
+      WriteBlock<T, Acc>(static_cast<Acc*>(scratch) + start, std::min(kBlock, end - start), r, participants, outs,
+                         start - begin, narrowed.data(), type);
     }
   });
 }
 
-ffi::DataType AccType(ffi::DataType type) { return type == ffi::F64 || type == ffi::S32 ? type : ffi::F32; }
+// Where a process sits among the processes a group spans (equal blocks of consecutive ranks, in process order,
+// over every process: checked when lowering), so its position is also its MPI rank.
+struct Processes {
+  int64_t me, count;
+};
+
+// Block q of `units` units of `unit` bytes split over the processes: the part of a buffer process q owns.
+Transfer BlockOf(char* buffer, int64_t units, int64_t unit, int64_t processes, int64_t q) {
+  const int64_t begin = ShareBegin(units, processes, q);
+  return {q, buffer + begin * unit, (ShareBegin(units, processes, q + 1) - begin) * unit};
+}
+
+// Inter-process reduce-scatter of the scratch buffer (`count` values of `type`'s reduction type): each other
+// process's block goes to it, theirs of this process's block come here and are combined into it, in place.
+Round ReduceBlocks(ffi::DataType type, Reduction r, char* scratch, int64_t count, Processes processes) {
+  const int64_t width = AccBytes(type);
+  const Transfer mine = BlockOf(scratch, count, width, processes.count, processes.me);
+  auto received = std::make_shared<std::vector<char>>(mine.bytes * (processes.count - 1));
+  Round round;
+  for (int64_t q = 0; q < processes.count; ++q) {
+    if (q == processes.me) continue;
+    round.sends.push_back(BlockOf(scratch, count, width, processes.count, q));
+    round.receives.push_back({q, received->data() + round.receives.size() * mine.bytes, mine.bytes});
+  }
+  round.then = [=] {
+    WithTypes(type, [&](auto, auto a) {
+      using Acc = decltype(a);
+      const int64_t len = mine.bytes / width;
+      for (int64_t i = 0; i + 1 < processes.count; ++i) {
+        Accumulate(static_cast<Acc*>(mine.data), reinterpret_cast<const Acc*>(received->data()) + i * len, len, r);
+      }
+    });
+  };
+  return round;
+}
+
+// Inter-process all-gather: this process's block of `buffer` to every other process, theirs into place here.
+Round ShareBlocks(char* buffer, int64_t units, int64_t unit, Processes processes) {
+  Round round;
+  for (int64_t q = 0; q < processes.count; ++q) {
+    if (q == processes.me) continue;
+    Transfer mine = BlockOf(buffer, units, unit, processes.count, processes.me);
+    mine.peer = q;
+    round.sends.push_back(mine);
+    round.receives.push_back(BlockOf(buffer, units, unit, processes.count, q));
+  }
+  return round;
+}
 
 std::shared_ptr<InterProcessJob> InterProcessJobFor(std::shared_ptr<Meeting> meeting) {
-  const InterProcess inter = *meeting->inter;
-  const ffi::DataType acc = AccType(inter.type);
-  meeting->scratch.resize(inter.count * (acc == ffi::F64 ? 8 : 4));
   auto job = std::make_shared<InterProcessJob>();
-  job->data = meeting->scratch.data();
-  job->count = inter.count;
-  job->type = acc;
-  job->reduction = inter.reduction == Reduction::kMean ? Reduction::kSum : inter.reduction;
-  job->finish = [meeting, inter](const std::string& error) {
-    meeting->job.reset();  // the meeting and its job refer to each other: break the cycle (the MPI thread holds the job)
-    if (!error.empty()) {
-      for (auto& promise : meeting->promises) promise.SetError(ffi::Error::Internal(Describe(meeting->call) + ": " + error));
-      return;
+  job->site = meeting->call.site;
+  job->group = meeting->call.group;
+  job->timeout_ms = meeting->call.timeout_ms;
+  job->rounds = meeting->across->plan(meeting->parts, meeting->scratch.data());
+  job->finish = [meeting](const std::string& error) {
+    for (auto& promise : meeting->promises) {
+      if (error.empty()) {
+        promise.SetAvailable();
+      } else {
+        promise.SetError(ffi::Error::Internal(Describe(meeting->call) + " across processes: " + error));
+      }
     }
-    ScatterResult(inter, meeting->scratch.data(), Outputs(meeting->parts));
-    for (auto& promise : meeting->promises) promise.SetAvailable();
   };
   return job;
 }
 
-Call MakeCall(const char* op, ffi::RunId run, ffi::Buffer<ffi::S32> where, int64_t participants, int64_t site,
-              int64_t timeout_ms) {
+// Where the calling device meets: `processes` > 1 means its axis spans that many processes, so it meets the
+// devices of its own process, by its rank among them.
+struct Where {
+  Call call;            // the local meeting
+  int64_t global;       // the rank along the whole axis
+  Processes processes;  // its process among those of its group
+};
+
+Where Locate(const char* op, ffi::RunId run, ffi::Buffer<ffi::S32> where, int64_t participants, int64_t processes,
+             int64_t site, int64_t timeout_ms) {
   const int32_t* rank_group = where.typed_data();
-  return Call{op, run.run_id, site, rank_group[1], rank_group[0], participants, -1, timeout_ms};
+  const int64_t local = participants / processes;
+  Call call{op, run.run_id, site, rank_group[1], rank_group[0] % local, local, -1, timeout_ms};
+  return {call, rank_group[0], {rank_group[0] / local, processes}};
 }
 
-// The shares capture plain values: the FFI buffer views are only valid while the handler runs.
+// The shares and the inter-process plans capture plain values: the FFI buffer views are only valid while the
+// handler runs. A plan is taken from the first participant to arrive, so it captures only what every participant
+// shares.
 
-ffi::Future AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
-                      ffi::Result<ffi::AnyBuffer> out, int32_t reduction, int64_t participants, int64_t processes,
-                      int64_t site, int64_t timeout_ms) {
+ffi::Future AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where_, ffi::Result<ffi::AnyBuffer> out,
+                      int32_t reduction, int64_t participants, int64_t processes, int64_t site, int64_t timeout_ms) {
   const ffi::DataType type = x.element_type();
   if (!IsSupportedType(type)) return Failed(UnsupportedType("all_reduce", type));
   const auto r = static_cast<Reduction>(reduction);
@@ -472,29 +526,31 @@ ffi::Future AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
   }
   const int64_t count = static_cast<int64_t>(x.element_count());
   if (count == 0) return Ready();
-  if (processes > 1) {
-    // The axis spans `processes` processes in equal blocks of consecutive ranks (checked when lowering).
-    const int64_t local = participants / processes;
-    Call call = MakeCall("all_reduce", run, where, local, site, timeout_ms);
-    call.rank %= local;
-    const int64_t begin = ShareBegin(count, local, call.rank), end = ShareBegin(count, local, call.rank + 1);
-    return Meet(call, x.untyped_data(), out->untyped_data(), x.size_bytes(),
-                [=](const std::vector<Participant>& parts, void* scratch) {
-                  AccumulateShare(type, parts, begin, end, r, scratch);
-                },
-                InterProcess{type, r, count, participants});
+  const Where where = Locate("all_reduce", run, where_, participants, processes, site, timeout_ms);
+  const int64_t local = where.call.participants;
+  const int64_t begin = ShareBegin(count, local, where.call.rank), end = ShareBegin(count, local, where.call.rank + 1);
+  if (processes == 1) {
+    return Meet(where.call, x.untyped_data(), out->untyped_data(), x.size_bytes(),
+                [=](const std::vector<Participant>& parts, void*) {
+                  ReduceShare(type, parts, begin, end, r, Outputs(parts), 0);
+                });
   }
-  const Call call = MakeCall("all_reduce", run, where, participants, site, timeout_ms);
-  const int64_t begin = ShareBegin(count, participants, call.rank), end = ShareBegin(count, participants, call.rank + 1);
-  return Meet(call, x.untyped_data(), out->untyped_data(), x.size_bytes(),
-              [=](const std::vector<Participant>& parts, void*) {
-                ReduceShare(type, parts, begin, end, r, Outputs(parts), 0);
-              });
+  const Processes across = where.processes;
+  return Meet(where.call, x.untyped_data(), out->untyped_data(), x.size_bytes(),
+              [=](const std::vector<Participant>& parts, void* scratch) {
+                AccumulateShare(type, parts, begin, end, r, scratch);
+              },
+              Across{static_cast<size_t>(count * AccBytes(type)),
+                     [=](const std::vector<Participant>& parts, char* scratch) {
+                       Round gather = ShareBlocks(scratch, count, AccBytes(type), across);
+                       gather.then = [=] { WriteFromScratch(type, r, participants, scratch, 0, count, Outputs(parts)); };
+                       return std::vector<Round>{ReduceBlocks(type, r, scratch, count, across), gather};
+                     }});
 }
 
-ffi::Future ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t reduction, int64_t participants, int64_t site,
-                          int64_t timeout_ms) {
+ffi::Future ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where_,
+                          ffi::Result<ffi::AnyBuffer> out, int32_t reduction, int64_t participants, int64_t processes,
+                          int64_t site, int64_t timeout_ms) {
   const ffi::DataType type = x.element_type();
   if (!IsSupportedType(type)) return Failed(UnsupportedType("reduce_scatter", type));
   const auto r = static_cast<Reduction>(reduction);
@@ -505,56 +561,130 @@ ffi::Future ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
                                               " participants"));
   }
   if (count == 0) return Ready();
-  const Call call = MakeCall("reduce_scatter", run, where, participants, site, timeout_ms);
-  const int64_t chunk = count / participants, begin = call.rank * chunk;
+  const Where where = Locate("reduce_scatter", run, where_, participants, processes, site, timeout_ms);
+  const int64_t chunk = count / participants, local = where.call.participants;
   void* mine = out->untyped_data();
-  return Meet(call, x.untyped_data(), mine, x.size_bytes(), [=](const std::vector<Participant>& parts, void*) {
-    ReduceShare(type, parts, begin, begin + chunk, r, {mine}, begin);
-  });
+  if (processes == 1) {
+    const int64_t begin = where.global * chunk;
+    return Meet(where.call, x.untyped_data(), mine, x.size_bytes(), [=](const std::vector<Participant>& parts, void*) {
+      ReduceShare(type, parts, begin, begin + chunk, r, {mine}, begin);
+    });
+  }
+  const int64_t begin = ShareBegin(count, local, where.call.rank), end = ShareBegin(count, local, where.call.rank + 1);
+  const Processes across = where.processes;
+  return Meet(where.call, x.untyped_data(), mine, x.size_bytes(),
+              [=](const std::vector<Participant>& parts, void* scratch) {
+                AccumulateShare(type, parts, begin, end, r, scratch);
+              },
+              Across{static_cast<size_t>(count * AccBytes(type)),
+                     [=](const std::vector<Participant>& parts, char* scratch) {
+                       Round round = ReduceBlocks(type, r, scratch, count, across);
+                       round.then = [=, combine = round.then] {
+                         combine();
+                         for (int64_t j = 0; j < local; ++j) {  // this process's block holds its devices' chunks
+                           const int64_t at = (across.me * local + j) * chunk;
+                           WriteFromScratch(type, r, participants, scratch, at, at + chunk, {parts[j].out});
+                         }
+                       };
+                       return std::vector<Round>{round};
+                     }});
 }
 
-ffi::Future AllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
-                      int64_t participants, int64_t site, int64_t timeout_ms) {
+ffi::Future AllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where_, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t participants, int64_t processes, int64_t site, int64_t timeout_ms) {
   if (!IsSupportedType(x.element_type())) return Failed(UnsupportedType("all_gather", x.element_type()));
-  const size_t bytes = x.size_bytes();
+  const int64_t bytes = static_cast<int64_t>(x.size_bytes());
   if (bytes == 0) return Ready();
-  const Call call = MakeCall("all_gather", run, where, participants, site, timeout_ms);
+  const Where where = Locate("all_gather", run, where_, participants, processes, site, timeout_ms);
   const void* in = x.untyped_data();
-  const int64_t rank = call.rank;
-  return Meet(call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts, void*) {
-    for (const auto& p : parts) std::memcpy(static_cast<char*>(p.out) + rank * bytes, in, bytes);
-  });
+  const int64_t at = where.global * bytes;
+  if (processes == 1) {
+    return Meet(where.call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts, void*) {
+      for (const auto& p : parts) std::memcpy(static_cast<char*>(p.out) + at, in, bytes);
+    });
+  }
+  const int64_t total = participants * bytes;
+  const Processes across = where.processes;
+  return Meet(where.call, in, out->untyped_data(), bytes,
+              [=](const std::vector<Participant>&, void* scratch) {
+                std::memcpy(static_cast<char*>(scratch) + at, in, bytes);
+              },
+              Across{static_cast<size_t>(total), [=](const std::vector<Participant>& parts, char* scratch) {
+                       Round round = ShareBlocks(scratch, total, 1, across);
+                       round.then = [=] {
+                         for (const auto& p : parts) std::memcpy(p.out, scratch, total);
+                       };
+                       return std::vector<Round>{round};
+                     }});
 }
 
-ffi::Future Ppermute(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
-                     ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets, int64_t participants,
-                     int64_t site, int64_t timeout_ms) {
+ffi::Future Ppermute(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where_, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Span<const int64_t> sources_, ffi::Span<const int64_t> targets_, int64_t participants,
+                     int64_t processes, int64_t site, int64_t timeout_ms) {
   if (!IsSupportedType(x.element_type())) return Failed(UnsupportedType("ppermute", x.element_type()));
-  const size_t bytes = x.size_bytes();
+  const int64_t bytes = static_cast<int64_t>(x.size_bytes());
   if (bytes == 0) return Ready();
-  const Call call = MakeCall("ppermute", run, where, participants, site, timeout_ms);
-  const int64_t rank = call.rank;
-  const bool receives = std::find(targets.begin(), targets.end(), rank) != targets.end();
-  int64_t target = -1;
+  const Where where = Locate("ppermute", run, where_, participants, processes, site, timeout_ms);
+  const std::vector<int64_t> sources(sources_.begin(), sources_.end()), targets(targets_.begin(), targets_.end());
+  const int64_t local = where.call.participants, rank = where.call.rank;
+  auto process_of = [local](int64_t global) { return global / local; };
+  const bool receives = std::find(targets.begin(), targets.end(), where.global) != targets.end();
+  int64_t target = -1;  // the local rank it sends to, when that is in this process
   for (size_t i = 0; i < sources.size(); ++i) {
-    if (sources[i] == rank) target = targets[i];
+    if (sources[i] == where.global && process_of(targets[i]) == process_of(where.global)) target = targets[i] % local;
   }
   const void* in = x.untyped_data();
-  return Meet(call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts, void*) {
+  Share share = [=](const std::vector<Participant>& parts, void*) {
     if (!receives) std::memset(parts[rank].out, 0, bytes);
     if (target >= 0) std::memcpy(parts[target].out, in, bytes);
-  });
+  };
+  if (processes == 1) return Meet(where.call, in, out->untyped_data(), bytes, std::move(share));
+  const int64_t me = where.processes.me;
+  return Meet(where.call, in, out->untyped_data(), bytes, std::move(share),
+              Across{0, [=](const std::vector<Participant>& parts, char*) {
+                       Round round;  // in pair order, the same on both sides
+                       for (size_t i = 0; i < sources.size(); ++i) {
+                         const int64_t from = process_of(sources[i]), to = process_of(targets[i]);
+                         if (from == to) continue;
+                         if (from == me) round.sends.push_back({to, const_cast<void*>(parts[sources[i] % local].in), bytes});
+                         if (to == me) round.receives.push_back({from, parts[targets[i] % local].out, bytes});
+                       }
+                       return std::vector<Round>{round};
+                     }});
 }
 
-ffi::Future Broadcast(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
-                      int64_t root, int64_t participants, int64_t site, int64_t timeout_ms) {
+ffi::Future Broadcast(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where_, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t root, int64_t participants, int64_t processes, int64_t site, int64_t timeout_ms) {
   if (!IsSupportedType(x.element_type())) return Failed(UnsupportedType("broadcast", x.element_type()));
-  const size_t bytes = x.size_bytes();
+  const int64_t bytes = static_cast<int64_t>(x.size_bytes());
   if (bytes == 0) return Ready();
-  const Call call = MakeCall("broadcast", run, where, participants, site, timeout_ms);
+  const Where where = Locate("broadcast", run, where_, participants, processes, site, timeout_ms);
   void* mine = out->untyped_data();
-  return Meet(call, x.untyped_data(), mine, bytes,
-              [=](const std::vector<Participant>& parts, void*) { std::memcpy(mine, parts[root].in, bytes); });
+  if (processes == 1) {
+    return Meet(where.call, x.untyped_data(), mine, bytes,
+                [=](const std::vector<Participant>& parts, void*) { std::memcpy(mine, parts[root].in, bytes); });
+  }
+  const int64_t local = where.call.participants, from = root / local;
+  const Processes across = where.processes;
+  return Meet(where.call, x.untyped_data(), mine, bytes, [](const std::vector<Participant>&, void*) {},
+              Across{0, [=](const std::vector<Participant>& parts, char*) {
+                       Round round;
+                       const void* value = parts[0].out;
+                       if (from == across.me) {
+                         value = parts[root % local].in;
+                         for (int64_t q = 0; q < across.count; ++q) {
+                           if (q != from) round.sends.push_back({q, const_cast<void*>(value), bytes});
+                         }
+                       } else {
+                         round.receives.push_back({from, parts[0].out, bytes});
+                       }
+                       round.then = [=] {
+                         for (const auto& p : parts) {
+                           if (p.out != value) std::memcpy(p.out, value, bytes);
+                         }
+                       };
+                       return std::vector<Round>{round};
+                     }});
 }
 
 }  // namespace
@@ -562,14 +692,10 @@ ffi::Future Broadcast(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
 // Every CPU handler: (input, int32[rank, group]) -> output, with its own attributes, then these.
 #define XLATRAIN_CPU_BINDING \
   ffi::Ffi::Bind().Ctx<ffi::RunId>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>()
-#define XLATRAIN_CPU_ATTRS Attr<int64_t>("participants").Attr<int64_t>("site").Attr<int64_t>("timeout_ms")
+#define XLATRAIN_CPU_ATTRS \
+  Attr<int64_t>("participants").Attr<int64_t>("processes").Attr<int64_t>("site").Attr<int64_t>("timeout_ms")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduce, AllReduce,
-                              XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction")
-                                  .Attr<int64_t>("participants")
-                                  .Attr<int64_t>("processes")
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("timeout_ms"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduce, AllReduce, XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction").XLATRAIN_CPU_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatter, ReduceScatter,
                               XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction").XLATRAIN_CPU_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGather, AllGather, XLATRAIN_CPU_BINDING.XLATRAIN_CPU_ATTRS);
@@ -577,7 +703,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuPpermute, Ppermute,
                               XLATRAIN_CPU_BINDING.Attr<ffi::Span<const int64_t>>("sources")
                                   .Attr<ffi::Span<const int64_t>>("targets")
                                   .XLATRAIN_CPU_ATTRS);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuBroadcast, Broadcast,
-                              XLATRAIN_CPU_BINDING.Attr<int64_t>("root").XLATRAIN_CPU_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuBroadcast, Broadcast, XLATRAIN_CPU_BINDING.Attr<int64_t>("root").XLATRAIN_CPU_ATTRS);
 
 }  // namespace xlatrain

@@ -1,6 +1,7 @@
 // Python module xlatrain.custom_calls._cpu: the CPU handlers as capsules for jax.ffi.register_ffi_target.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 
 #include "cpu_mpi.h"
 #include "xla/ffi/api/c_api.h"
@@ -27,8 +28,8 @@ NB_MODULE(_cpu, m) {
     handlers["broadcast"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuBroadcast));
     return handlers;
   }, "FFI handlers of the CPU collectives, by op name.");
-  m.def("mpi_world_size", &xlatrain::MpiWorldSize,
-        "MPI_COMM_WORLD's size, initialising MPI on first use; -1 when built without MPI.");
+  m.def("mpi_world", &xlatrain::MpiWorld,
+        "(size, rank) in MPI_COMM_WORLD, initialising MPI on first use; (-1, -1) when built without MPI.");
   m.def("mpi_finalize", &xlatrain::MpiFinalize, nanobind::call_guard<nanobind::gil_scoped_release>(),
-        "finalise MPI after the queued collectives (a no-op when MPI was never initialised).");
+        "finalise MPI once the collectives in flight finished (a no-op when MPI was never initialised).");
 }

@@ -47,5 +47,4 @@ _all_reduce_p = collective_primitive(
         "participants": np.int64(participants),
         "timeout_ms": np.int64(timeout_ms),
     },
-    crosses_processes=True,
 )
