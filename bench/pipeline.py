@@ -11,7 +11,9 @@ times on fake CPU devices.
 2. Measurement. The compiled train step on 8 CPU devices, for each schedule (data 2 x stage 4, and data
    4 x stage 2), against plain data parallel over the same 8 devices, interleaved A/B rounds, medians.
    Fake CPU devices share this machine's cores, so these times show the pipeline's *overheads*
-   (recomputed forwards, per-slot switch and ppermute, idle branches), never a speedup.
+   (with remat: full the recomputed forwards; per-slot switch and ppermute, idle branches), never a
+   speedup. Each pipelined case runs with remat: full and remat: none, and reports XLA's FLOPs of the
+   step against the unpipelined model's (lowering/pipeline_work.py).
 
     python3 -m bench.pipeline                  # writes bench/results/pipeline.json
 """
@@ -36,14 +38,16 @@ GPT = [f"model.layers={LAYERS}", "model.width=64", "model.heads=4", "data.seq_le
 BATCH_ROWS = 64
 SIMULATED = [(name, p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p, 8 * p)
              for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)) if p * v <= LAYERS]
-MEASURED = {
-    "data parallel 8": ["parallel.mode=shard_map"],
+PIPELINES = {
     "gpipe p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.microbatches=8"],
     "1f1b p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=8"],
     "interleaved p=4 v=2 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=interleaved",
                                           "parallel.pipeline.microbatches=8"],
     "1f1b p=2 m=4 (x4 data)": ["mesh.stage=2", "parallel.pipeline.microbatches=4"],
 }
+MEASURED = {"data parallel 8": ["parallel.mode=shard_map"],
+            **{f"{name} remat {remat}": [*overrides, f"parallel.pipeline.remat={remat}"]
+               for name, overrides in PIPELINES.items() for remat in ("full", "none")}}
 
 
 def simulated_cases() -> list[dict]:
@@ -68,12 +72,15 @@ def simulated_cases() -> list[dict]:
     return cases
 
 
-def measured_cases() -> dict[str, float]:
-    runners = {}
+def measured_cases() -> tuple[dict[str, float], dict[str, float]]:
+    """(median seconds per step, XLA FLOPs of the pipelined step / the unpipelined model's) per case."""
+    runners, work = {}, {}
     for name, overrides in MEASURED.items():
-        config = load_config(None, [*GPT, "parallel.mode=shard_map", *overrides])
-        runners[name] = train_runner(build_program(config))
-    return interleaved_medians(runners, rounds=4, steps_per_round=5, warmup=2)
+        program = build_program(load_config(None, [*GPT, "parallel.mode=shard_map", *overrides]))
+        runners[name] = train_runner(program)
+        if program.pipeline is not None:
+            work[name] = program.pipeline.count_work().ratio
+    return interleaved_medians(runners, rounds=4, steps_per_round=5, warmup=2), work
 
 
 def main() -> None:
@@ -83,19 +90,22 @@ def main() -> None:
         print(f"simulated {c['schedule']:<11} p={c['stages']} m={c['microbatches']:<2} v={c['virtual_stages']}: "
               f"bubble {c['simulated_bubble']:.1%} (theory {c['theoretical_bubble']:.1%}), "
               f"efficiency {c['efficiency']:.2f}, partition {c['partition']}")
-    medians = measured_cases()
+    medians, work = measured_cases()
     reference = medians["data parallel 8"]
-    measured = {name: {"median_seconds_per_step": seconds, "ratio_to_data_parallel": seconds / reference}
+    measured = {name: {"median_seconds_per_step": seconds, "ratio_to_data_parallel": seconds / reference,
+                       **({"xla_flops_ratio_to_unpipelined": work[name]} if name in work else {})}
                 for name, seconds in medians.items()}
     for name, values in measured.items():
-        print(f"measured {name:<34} {values['median_seconds_per_step'] * 1e3:8.1f} ms/step  "
-              f"x{values['ratio_to_data_parallel']:.2f} of data parallel (overheads only: fake devices)")
+        flops = f", XLA FLOPs x{work[name]:.2f} of the unpipelined model's" if name in work else ""
+        print(f"measured {name:<45} {values['median_seconds_per_step'] * 1e3:8.1f} ms/step  "
+              f"x{values['ratio_to_data_parallel']:.2f} of data parallel{flops}")
     path = write_results("pipeline", "python3 -m bench.pipeline", {
         "model": f"GPT {LAYERS} layers, width 64, seq 64, global batch 32, fp32, adamw",
         "simulated": cases, "measured_on_fake_cpu_devices": measured,
         "note": "Simulated: XLA FLOPs per chunk replayed through each schedule's table (fixed global batch). "
-                "Measured: 8 fake CPU devices on 2 shared cores; the ratios show pipeline overheads "
-                "(recomputed forwards, per-slot switch and ppermute), not speedups."})
+                "Measured: 8 fake CPU devices on 2 shared cores, where a step's time is the total work; the "
+                "ratios show pipeline overheads (remat full: recomputed forwards; per-slot switch and ppermute, "
+                "idle branches), not speedups."})
     print(f"wrote {path}")
 
 

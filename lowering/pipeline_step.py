@@ -4,9 +4,13 @@ Runs inside `shard_map` over (data, stage). Every stage steps through the slot p
 (xlatrain/pipeline/slots.py) with `lax.scan`; in each slot it runs its own action (`lax.switch` on its
 row of the table: idle, a chunk's forward, or a chunk's backward), then all stages pass their output
 activation to the next stage and their input gradient to the previous one (`ppermute`, XLA's or
-xlatrain's custom call). A chunk's backward recomputes its forward from the stored input activation and
-differentiates it (`jax.vjp`), so a stage stores one activation per microbatch in flight. The last
-chunk's backward starts from the scaled loss, exactly as the unpipelined step's `grad` does.
+xlatrain's custom call). A stage stores one input activation per microbatch in flight. With `remat: full`
+a chunk's backward recomputes its forward from that activation and differentiates it (`jax.vjp`); with
+`remat: none` the forward slot runs `jax.vjp` once and keeps the pullback's residuals
+(lowering/residuals.py) until the backward slot, which only runs the pullback. Either way the last
+chunk's backward starts from the scaled loss, exactly as the unpipelined step's `grad` does, and every
+chunk is differentiated with respect to its parameters cast to the compute dtype (the cast's transpose
+takes the gradient back to float32).
 
 Gradients come out float32, summed over microbatches (and gradient-accumulation rounds): the blocks'
 on their own stage, the rest (embeddings, head) summed over the stages; the loss sums likewise.
@@ -20,6 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from xlatrain.lowering.residuals import ResidualLayout, buffer_counts, empty_buffers, pack, unpack
 from xlatrain.lowering.step import all_finite, loss_sums
 
 from xlatrain.mesh import STAGE
@@ -68,10 +73,63 @@ class StagedTrees:
         return finite_stages == self.link.stages
 
 
+KINDS = ("first", "middle", "last")
+"""The kinds of chunk: the first starts from the tokens, the last ends in the loss."""
+
+
+def chunk_functions(parts: BlockParts, policy: Policy, loss: str, micro_j: dict, keys: jax.Array | None,
+                    active: jax.Array | None, scale: jax.Array, total_weight: jax.Array) -> dict[str, Callable]:
+    """Each kind of chunk for microbatch j, as a function of what it is differentiated by (`chunk_inputs`):
+    the block params `cb` and other params `cr`, both cast to the compute dtype, and the input activation `x`.
+    The last returns the scaled loss and, as aux, the loss sums."""
+
+    def run(cb, x):
+        return parts.run(cb, x, keys, active)
+
+    def embed(cb, cr):
+        return parts.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute))
+
+    def last(cb, cr, x):
+        outputs = parts.after({**cr, BLOCKS: cb}, run(cb, x)).astype(policy.output)
+        sums = loss_sums(outputs, micro_j, loss)
+        return sums["loss"] * scale / total_weight, sums
+
+    return {"first": lambda cb, cr: run(cb, embed(cb, cr)), "middle": run, "last": last}
+
+
+def chunk_inputs(kind: str, cb: Tree, cr: dict, x: jax.Array) -> tuple:
+    return {"first": (cb, cr), "middle": (cb, x), "last": (cb, cr, x)}[kind]
+
+
+def vjp_of(kind: str, fn: Callable, inputs: tuple) -> tuple:
+    """(output, pullback); the last kind's output is (scaled loss, loss sums)."""
+    out, pullback, *aux = jax.vjp(fn, *inputs, has_aux=kind == "last")
+    return ((out, *aux) if aux else out), pullback
+
+
+def residual_layouts(parts: BlockParts, policy: Policy, loss: str, cb: Tree, cr: dict, x: Any, micro_j: dict,
+                     keys: Any, active: Any) -> dict[str, ResidualLayout]:
+    """What each kind of chunk keeps from its forward slot to its backward slot with remat: none; any argument
+    may be abstract (jax.ShapeDtypeStruct)."""
+
+    def pullback_of(kind):
+        def pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
+            functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
+            return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x))[1]
+
+        return pullback
+
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)  # the loss scale and total weight, traced as the step's are
+    return {kind: ResidualLayout.of(pullback_of(kind), (cb, cr, x, micro_j, keys, active, scalar, scalar),
+                                    data=(2, 3, 4, 5)) for kind in KINDS}
+
+
 def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotProgram, microbatches: int,
-                            loss: str, policy: Policy, link: StageLink) -> Callable:
+                            loss: str, policy: Policy, link: StageLink, remat: str = "full") -> Callable:
     """(params, batch, key, scale, total_weight) -> (grads, loss sums) for this device's stage, where
-    `batch` is the replica's [accumulation microbatches, rows, ...] and params are this stage's."""
+    `batch` is the replica's [accumulation microbatches, rows, ...] and params are this stage's. `remat`:
+    "full" recomputes each chunk's forward in its backward slot, "none" keeps its residuals instead."""
+    keep_residuals = {"none": True, "full": False}[remat]
     p, width = layout.stages, layout.width
     forward_pairs = tuple((s, (s + 1) % p) for s in range(p if slots.ring else p - 1))
     backward_pairs = tuple((t, s) for s, t in forward_pairs)
@@ -97,30 +155,28 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         tables = {name: jnp.asarray(table) for name, table in slots.tables().items()}
         starts = jnp.asarray(layout.starts)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
+        cr = compute(rest)
+        layouts = residual_layouts(parts, policy, loss, compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
+                                   jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
+                                   None if active_blocks is None else active_blocks[0]) if keep_residuals else {}
+        kept_counts = buffer_counts(list(layouts.values()))
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
+        no_residuals = empty_buffers(kept_counts)
         pools = (jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype),
-                 jnp.zeros((slots.cotangent_buffers + 1, *x_shape.shape), x_shape.dtype))
+                 jnp.zeros((slots.cotangent_buffers + 1, *x_shape.shape), x_shape.dtype),
+                 empty_buffers(kept_counts, slots.residual_buffers + 1))
 
         def slot(carry, t):
-            (activations, cotangents), totals = carry
+            (activations, cotangents, residuals), totals = carry
             at = {name: table[t, stage] for name, table in tables.items()}
             j, r = at["microbatch"], at["round"]
             chunk = r * p + stage
-            micro_j = jax.tree.map(lambda x: x[j], micro)
-            block_r = jax.tree.map(lambda b: b[r], blocks)
+            cb = compute(jax.tree.map(lambda b: b[r], blocks))
             keys = chunk_keys(jax.random.fold_in(key, j), starts[chunk])
-            active = None if active_blocks is None else active_blocks[chunk]
+            functions = chunk_functions(parts, policy, loss, jax.tree.map(lambda x: x[j], micro), keys,
+                                        None if active_blocks is None else active_blocks[chunk], scale, total_weight)
             x_in, dy = activations[at["activation_read"]], cotangents[at["cotangent_read"]]
-
-            def run_chunk(b, x):
-                return parts.run(compute(b), x, keys, active)
-
-            def embed(r_):
-                return parts.before(compute({**r_, BLOCKS: block_r}), compute(micro_j["inputs"]))
-
-            def head_sums(r_, y):
-                outputs = parts.after(compute({**r_, BLOCKS: block_r}), y).astype(policy.output)
-                return loss_sums(outputs, micro_j, loss)
+            kept_in = {name: pool[at["residual_read"]] for name, pool in residuals.items()}
 
             def add(totals, grad_blocks=None, grad_rest=None, sums=None):
                 g_blocks, g_rest, s = totals
@@ -132,43 +188,56 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                     s = jax.tree.map(jnp.add, s, sums)
                 return g_blocks, g_rest, s
 
+            def forward_of(kind, *inputs):
+                """(output, packed residuals): the output, and with remat: none what its backward needs."""
+                if not keep_residuals:
+                    return functions[kind](*inputs), no_residuals
+                out, pullback = vjp_of(kind, functions[kind], inputs)
+                return out, pack(layouts[kind].kept_from(pullback), kept_counts)
+
+            def pullback_of(kind, *inputs):
+                """The chunk's pullback: from its recomputed forward, or from the residuals its forward kept."""
+                pullback = vjp_of(kind, functions[kind], inputs)[1]
+                if not keep_residuals:
+                    return pullback
+                return layouts[kind].with_kept(pullback, unpack(kept_in, layouts[kind]))
+
             def idle(totals):
-                return totals, nothing, nothing
+                return totals, nothing, nothing, no_residuals
 
             def forward_first(totals):
-                return totals, run_chunk(block_r, embed(rest)), nothing
+                y, kept = forward_of("first", cb, cr)
+                return totals, y, nothing, kept
 
             def forward(totals):
-                return totals, run_chunk(block_r, x_in), nothing
+                y, kept = forward_of("middle", cb, x_in)
+                return totals, y, nothing, kept
 
             def forward_last(totals):
-                return add(totals, sums=head_sums(rest, run_chunk(block_r, x_in))), nothing, nothing
+                (_, sums), kept = forward_of("last", cb, cr, x_in)
+                return add(totals, sums=sums), nothing, nothing, kept
 
             def backward_first(totals):
-                _, pullback = jax.vjp(lambda b, r_: run_chunk(b, embed(r_)), block_r, rest)
-                grad_blocks, grad_rest = pullback(dy)
-                return add(totals, grad_blocks, grad_rest), nothing, nothing
+                grad_blocks, grad_rest = pullback_of("first", cb, cr)(dy)
+                return add(totals, grad_blocks, grad_rest), nothing, nothing, no_residuals
 
             def backward(totals):
-                _, pullback = jax.vjp(run_chunk, block_r, x_in)
-                grad_blocks, dx = pullback(dy)
-                return add(totals, grad_blocks), nothing, dx
+                grad_blocks, dx = pullback_of("middle", cb, x_in)(dy)
+                return add(totals, grad_blocks), nothing, dx, no_residuals
 
             def backward_last(totals):
-                def scaled_loss(b, r_, x):
-                    return head_sums(r_, run_chunk(b, x))["loss"] * scale / total_weight
-
-                grad_blocks, grad_rest, dx = jax.grad(scaled_loss, argnums=(0, 1, 2))(block_r, rest, x_in)
-                return add(totals, grad_blocks, grad_rest), nothing, dx
+                grad_blocks, grad_rest, dx = pullback_of("last", cb, cr, x_in)(jnp.ones((), jnp.float32))
+                return add(totals, grad_blocks, grad_rest), nothing, dx, no_residuals
 
             branches = {Branch.IDLE: idle, Branch.FORWARD_FIRST: forward_first, Branch.FORWARD: forward,
                         Branch.FORWARD_LAST: forward_last, Branch.BACKWARD_FIRST: backward_first,
                         Branch.BACKWARD: backward, Branch.BACKWARD_LAST: backward_last}
-            totals, to_next, to_previous = jax.lax.switch(at["branch"], [branches[b] for b in Branch], totals)
+            totals, to_next, to_previous, kept = jax.lax.switch(at["branch"], [branches[b] for b in Branch], totals)
             received = link.ppermute(to_next, forward_pairs)
             returned = link.ppermute(to_previous, backward_pairs)
             pools = (activations.at[at["activation_write"]].set(received),
-                     cotangents.at[at["cotangent_write"]].set(returned))
+                     cotangents.at[at["cotangent_write"]].set(returned),
+                     {name: pool.at[at["residual_write"]].set(kept[name]) for name, pool in residuals.items()})
             return (pools, totals), None
 
         return jax.lax.scan(slot, (pools, totals), jnp.arange(slots.slots))[0][1]

@@ -1,9 +1,12 @@
 """Pipelines: a pipelined step's loss and gradients equal the unpipelined model's, for GPipe, 1F1B and
-interleaved schedules, over data x stage meshes, with accumulation and in bf16; training tracks the
-unpipelined run; 1F1B holds p microbatches of activations where GPipe holds m (XLA memory analysis);
-plans, slot programs and layouts are checked on their own; every misconfiguration is a config error."""
+interleaved schedules, over data x stage meshes, with accumulation and in bf16, recomputing each chunk's
+forward (remat: full) or keeping its residuals (remat: none); training tracks the unpipelined run; with
+remat: none the step does the unpipelined model's work (XLA FLOPs); 1F1B holds p microbatches of activations
+and residuals where GPipe holds m (XLA memory analysis); plans, slot programs and layouts are checked on their
+own; every misconfiguration is a config error."""
 
 import itertools
+import re
 
 import jax
 import numpy as np
@@ -76,7 +79,9 @@ FAST_CASE = "p2-1f1b-m=p"
 
 @pytest.mark.parametrize("overrides", [pytest.param(o, id=name, marks=() if name == FAST_CASE else pytest.mark.slow)
                                        for name, o in CASES.items()])
-def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, devices):
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, remat, devices):
+    overrides = [*overrides, f"parallel.pipeline.remat={remat}"]
     pipelined = program_for(overrides)
     reference = reference_for(pipelined, overrides)
     grads, sums = pipelined.gradients(pipelined.create_state(), token_batch(pipelined))
@@ -90,13 +95,15 @@ def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, dev
 
 
 @pytest.mark.slow
-def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, devices):
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, remat, devices):
     common = [*TINY_GPT, *PIPELINE, "model.layers=4", "optimizer.schedule=constant", "trainer.eval_every=30",
               "trainer.checkpoint_every=15", "optimizer.weight_decay=0.1"]
     plain = train(load_config(None, [*common, "mesh.data=1", "parallel.mode=jit", "trainer.steps=30",
                                      f"trainer.run_dir={tmp_path / 'plain'}"]),
                   devices=devices[:1], echo=lambda _: None)
-    pipelined = [*common, "mesh.stage=4", "parallel.pipeline.microbatches=4", f"trainer.run_dir={tmp_path / 'pipe'}"]
+    pipelined = [*common, "mesh.stage=4", "parallel.pipeline.microbatches=4", f"parallel.pipeline.remat={remat}",
+                 f"trainer.run_dir={tmp_path / 'pipe'}"]
     first = train(load_config(None, [*pipelined, "trainer.steps=15"]), echo=lambda _: None)
     second = train(load_config(None, [*pipelined, "trainer.steps=30"]), echo=lambda _: None)
     assert second.start_step == 15
@@ -109,18 +116,38 @@ def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, dev
 
 
 @pytest.mark.slow
-def test_1f1b_holds_p_microbatches_of_activations_where_gpipe_holds_m(devices):
+def test_1f1b_holds_p_microbatches_of_activations_and_residuals_where_gpipe_holds_m(devices):
+    """XLA's memory analysis of the compiled steps: GPipe holds 12 more microbatches than 1F1B (m=16, p=4), of
+    input activations (remat: full), or of input activations and residuals (remat: none)."""
     common = ["mesh.stage=4", "model.layers=4", "parallel.pipeline.microbatches=16", "batch.global_size=128",
               "parallel.pipeline.partition=[1,1,1,1]"]
     reports = {}
-    for schedule in ("gpipe", "1f1b"):
-        program = program_for([*common, f"parallel.pipeline.schedule={schedule}"])
-        reports[schedule] = program.pipeline_report(program.train_step.first.compiled)
-    assert reports["1f1b"]["activation_buffers"] == 4 and reports["gpipe"]["activation_buffers"] == 16
-    one_microbatch = reports["1f1b"]["activation_bytes_per_microbatch"]
-    assert one_microbatch == 4 * 16 * 16 * 4  # rows x seq_len x width x float32
-    saved = reports["gpipe"]["temp_bytes"] - reports["1f1b"]["temp_bytes"]
-    assert saved == pytest.approx((16 - 4) * one_microbatch, rel=0.05)
+    for schedule, remat in itertools.product(("gpipe", "1f1b"), ("full", "none")):
+        program = program_for([*common, f"parallel.pipeline.schedule={schedule}", f"parallel.pipeline.remat={remat}"])
+        reports[schedule, remat] = program.pipeline_report(program.train_step.first.compiled)
+    for remat in ("full", "none"):
+        assert reports["1f1b", remat]["activation_buffers"] == 4 and reports["gpipe", remat]["activation_buffers"] == 16
+    assert reports["1f1b", "none"]["residual_buffers"] == 4 and reports["gpipe", "none"]["residual_buffers"] == 16
+    activations = reports["1f1b", "full"]["activation_bytes_per_microbatch"]
+    assert activations == 4 * 16 * 16 * 4  # rows x seq_len x width x float32
+    residuals = reports["1f1b", "none"]["residual_bytes_per_microbatch"]
+    assert residuals > 10 * activations  # a block's VJP keeps many activation-sized values, and the logits
+    for remat, per_microbatch in (("full", activations), ("none", activations + residuals)):
+        saved = reports["gpipe", remat]["temp_bytes"] - reports["1f1b", remat]["temp_bytes"]
+        assert saved == pytest.approx((16 - 4) * per_microbatch, rel=0.05), remat
+
+
+@pytest.mark.slow
+def test_remat_none_does_the_unpipelined_models_work_and_full_recomputes_the_forward(devices):
+    """XLA's FLOPs of every action of the table (lowering/pipeline_work.py) against the gradient of the whole
+    model over the same microbatches: equal within 5% with remat: none; a forward more (~4/3) with full."""
+    ratios = {}
+    for remat in ("none", "full"):
+        program = program_for(["mesh.stage=2", "model.layers=3", "parallel.pipeline.microbatches=2",
+                               f"parallel.pipeline.remat={remat}"])
+        ratios[remat] = program.pipeline.count_work().ratio
+    assert ratios["none"] == pytest.approx(1.0, abs=0.05), ratios
+    assert 1.2 < ratios["full"] < 1.45, ratios
 
 
 # --- plans, slot programs, layouts and partitions, without compiling a step -------------------------
@@ -202,6 +229,8 @@ def test_pipeline_command_prints_the_plan_and_draws_the_chart(tmp_path, capsys, 
     assert "partition        auto: blocks per chunk [1, 1, 1, 1, 1, 1, 1, 1]" in printed
     assert "theory (p-1)/(v*m+p-1) = 27.3%" in printed and "max/mean" in printed
     assert "F0.0" in printed and "B3.1" in printed
+    assert re.search(r"remat            full: chunks recompute their forward in the backward; XLA FLOPs per step "
+                     r"1\.[23]\dx the unpipelined model's", printed)
     from PIL import Image
 
     with Image.open(out) as image:

@@ -285,6 +285,10 @@ def _format_report(report: dict, devices: int) -> str:
                   f"  activations      {p['activation_buffers']} microbatch(es) x "
                   f"{p['activation_bytes_per_microbatch'] / 2**10:.1f} KiB held per stage (gpipe holds "
                   f"{p['gpipe_activation_buffers']}); XLA temporaries {p['temp_bytes'] / 2**20:.2f} MiB per device",
+                  f"  remat            {p['remat']}: " + (
+                      f"{p['residual_buffers']} microbatch(es) x {p['residual_bytes_per_microbatch'] / 2**10:.1f} KiB "
+                      "of residuals held per stage, no forward recomputed" if p["remat"] == "none"
+                      else "each chunk's backward recomputes its forward"),
                   "  FLOPs            of one time slot: XLA counts the body of the slot loop once"]
     order = report["amp_order"]
     if order is None:

@@ -271,6 +271,10 @@ class PipelineConfig(Strict):
     partition: Literal["auto"] | tuple[PositiveInt, ...] = "auto"
     """auto: blocks per chunk chosen from XLA's cost and memory analysis; or a list of block counts, one per
     chunk (mesh.stage x virtual_stages of them), in model order."""
+    remat: Literal["none", "full"] = "full"
+    """full: each chunk's backward recomputes its forward from the stored input activation (~1.33x the model's
+    work). none: the forward keeps the chunk's residuals (what its VJP saves) until the backward, which only
+    runs the pullback: the model's work, for more memory (residuals of every microbatch in flight)."""
 
     def chunks_per_stage(self) -> int:
         if self.virtual_stages is not None:

@@ -21,6 +21,7 @@ from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_gradients, stage_link
+from xlatrain.lowering.pipeline_work import pipeline_work, residual_bytes
 from xlatrain.lowering.step import fuse_steps, make_eval_step, make_gradient_step, make_train_step
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import build_model
@@ -127,7 +128,16 @@ class Program:
                 "activation_buffers": plan.slots.activation_buffers,
                 "gpipe_activation_buffers": plan.gpipe_activation_buffers(),
                 "activation_bytes_per_microbatch": plan.costs.boundary_bytes,
+                "remat": plan.remat, "residual_buffers": plan.slots.residual_buffers if plan.remat == "none" else 0,
+                "residual_bytes_per_microbatch": self._residual_bytes() if plan.remat == "none" else 0,
                 "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else 0}
+
+    def _residual_bytes(self) -> int:
+        layout = self.pipeline.layout
+        abstract_params = jax.eval_shape(lambda: init_variables(self.model, jax.random.PRNGKey(0), self.policy)[0])
+        micro = batch_structs(self.dataset.spec, (self.derived.pipeline_microbatch_size,))
+        return residual_bytes(self.model.blocks, abstract_params, micro, self.config.model.loss, self.policy,
+                              layout.width, layout.even)
 
     def create_state(self) -> TrainState:
         given = self.model.initial_values() if self.model.initial_values is not None else None
@@ -144,7 +154,7 @@ class Program:
         plan = self.pipeline
         return {"gradients": make_pipeline_gradients(self.model.blocks, plan.layout, plan.slots,
                                                      self.derived.pipeline_microbatches, self.config.model.loss,
-                                                     self.policy, link),
+                                                     self.policy, link, self.config.parallel.pipeline.remat),
                 "trees": StagedTrees(link)}
 
     def _replicas(self) -> PartitionedReplicas | ExplicitReplicas:
@@ -262,13 +272,19 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
     if derived.stages == 1:
         return None
 
+    def abstract() -> tuple[dict, dict]:
+        """The model's abstract params and one pipeline microbatch's abstract batch."""
+        return (jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy)[0]),
+                batch_structs(spec, (derived.pipeline_microbatch_size,)))
+
     def measure():
-        abstract_params = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy)[0])
-        micro = batch_structs(spec, (derived.pipeline_microbatch_size,))
-        return measure_block_costs(model.blocks, abstract_params, micro, config.model.loss, policy)
+        return measure_block_costs(model.blocks, *abstract(), config.model.loss, policy)
+
+    def count_work(schedule, partition, remat):
+        return pipeline_work(model.blocks, *abstract(), config.model.loss, policy, schedule, partition, remat)
 
     return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
-                         model.blocks.layers, measure)
+                         model.blocks.layers, measure, count_work)
 
 
 def _refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Callable
+from typing import Any, Callable
 
 from xlatrain.config import PipelineConfig, check_block_partition
 from xlatrain.errors import UserError
@@ -23,6 +23,11 @@ class PipelinePlan:
     """"auto" (from the measured costs) or "explicit" (parallel.pipeline.partition)."""
     measure: Callable[[], ModelCosts]
     """XLA's per-piece costs, measured on first use (and then kept)."""
+    remat: str
+    """parallel.pipeline.remat: "full" recomputes each chunk's forward in its backward, "none" keeps residuals."""
+    count_work: Callable[[], Any]
+    """XLA's FLOPs of the pipelined step beside the unpipelined model's (lowering/pipeline_work.py), counted on
+    first use (and then kept)."""
 
     @property
     def costs(self) -> ModelCosts:
@@ -53,9 +58,17 @@ class PipelinePlan:
             f"bubble           {s.bubble():.1%} of device time with equal chunks (theory (p-1)/(v*m+p-1) = "
             f"{s.theoretical_bubble():.1%}); {simulated.bubble():.1%} with the chunks' XLA FLOPs",
             f"activations      each stage holds at most {slots.activation_buffers} microbatch(es) of stage inputs "
-            f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients; "
-            "chunks recompute their forward in the backward",
+            f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients",
+            self.remat_line(),
         ]
+
+    def remat_line(self) -> str:
+        work = self.count_work()
+        done = f"XLA FLOPs per step {work.ratio:.2f}x the unpipelined model's"
+        if self.remat == "none":
+            return (f"remat            none: chunks keep their residuals from forward to backward (at most "
+                    f"{self.slots.residual_buffers} microbatch(es) of them per stage); {done}")
+        return f"remat            full: chunks recompute their forward in the backward; {done}"
 
     def gpipe_activation_buffers(self) -> int:
         """What the same stages and microbatches would hold under GPipe (m per stage)."""
@@ -75,7 +88,9 @@ class PipelinePlan:
 
 
 def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks: int,
-                  measure: Callable[[], ModelCosts]) -> PipelinePlan:
+                  measure: Callable[[], ModelCosts], count_work: Callable[[Schedule, tuple[int, ...], str], Any],
+                  ) -> PipelinePlan:
+    """`count_work(schedule, partition, remat)`: XLA's FLOPs of the step beside the unpipelined model's."""
     virtual = config.chunks_per_stage()
     try:
         check_block_partition(config, stages, blocks, "the model's block count")
@@ -87,6 +102,7 @@ def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks
         raise AssertionError(f"{schedule.name} table breaks its dependencies: {problems[:3]}")
     measure = cache(measure)
     auto = config.partition == "auto"
-    partition = auto_partition(measure(), stages * virtual) if auto else config.partition
-    return PipelinePlan(schedule, StageLayout(stages, virtual, tuple(partition)), slot_program(schedule),
-                        "auto" if auto else "explicit", measure)
+    partition = tuple(auto_partition(measure(), stages * virtual) if auto else config.partition)
+    return PipelinePlan(schedule, StageLayout(stages, virtual, partition), slot_program(schedule),
+                        "auto" if auto else "explicit", measure, config.remat,
+                        cache(lambda: count_work(schedule, partition, config.remat)))

@@ -7,9 +7,11 @@ tables the compiled step indexes by (slot, stage): which branch runs, on which m
 where incoming activations and gradients wait until they are used.
 
 Each stage keeps its chunks' *input* activations from their arrival until the backward pass of that
-microbatch and recomputes the chunk's forward there (GPipe's re-materialisation), so the activations a
-stage holds are counted in microbatches: `activation_buffers` is the most any stage holds at once
-(m for GPipe, at most p for 1F1B). The first chunk keeps nothing: it recomputes from the tokens.
+microbatch, so the activations a stage holds are counted in microbatches: `activation_buffers` is the most
+any stage holds at once (m for GPipe, at most p for 1F1B). The first chunk keeps none: its input is the
+tokens. With `remat: full` the backward recomputes the chunk's forward from its input (GPipe's
+re-materialisation); with `remat: none` the forward slot also keeps the chunk's residuals until its
+backward slot, in `residual_buffers` buffers counted the same way (every chunk, first and last included).
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ class SlotProgram:
     cotangent_read: np.ndarray
     activation_write: np.ndarray
     cotangent_write: np.ndarray
+    residual_read: np.ndarray
+    residual_write: np.ndarray
     activation_buffers: int
     cotangent_buffers: int
+    residual_buffers: int
     ring: bool
     """Whether the last stage passes activations on to the first (interleaved: chunk p follows chunk p - 1)."""
 
@@ -59,7 +64,8 @@ class SlotProgram:
 
     def tables(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in ("branch", "microbatch", "round", "activation_read",
-                                                       "cotangent_read", "activation_write", "cotangent_write")}
+                                                       "cotangent_read", "activation_write", "cotangent_write",
+                                                       "residual_read", "residual_write")}
 
 
 def slot_program(schedule: Schedule) -> SlotProgram:
@@ -78,10 +84,14 @@ def slot_program(schedule: Schedule) -> SlotProgram:
                     a.chunk % p) for a in when if a.kind == "F" and a.chunk > 0]
     cotangents = [(when[Action("B", a.microbatch, a.chunk + 1)], [when[a]], a.chunk % p)
                   for a in when if a.kind == "B" and a.chunk < chunks - 1]
+    # A chunk's residuals are kept from the end of its forward slot until its backward slot.
+    residuals = [(when[a], [when[Action("B", a.microbatch, a.chunk)]], a.chunk % p) for a in when if a.kind == "F"]
     activation_read, activation_write, activation_buffers = _assign_buffers(activations, shape)
     cotangent_read, cotangent_write, cotangent_buffers = _assign_buffers(cotangents, shape)
+    residual_read, residual_write, residual_buffers = _assign_buffers(residuals, shape)
     return SlotProgram(branch, microbatch, round_, activation_read, cotangent_read, activation_write,
-                       cotangent_write, activation_buffers, cotangent_buffers, ring=schedule.virtual_stages > 1)
+                       cotangent_write, residual_read, residual_write, activation_buffers, cotangent_buffers,
+                       residual_buffers, ring=schedule.virtual_stages > 1)
 
 
 def _branch(action: Action, chunks: int) -> Branch:

@@ -1,0 +1,133 @@
+"""How much work a pipelined step does, counted by XLA, beside the unpipelined model's.
+
+XLA's cost analysis counts the body of a loop once and a conditional as its dearest branch, so the pipelined
+step's own program (a loop over time slots, a switch per slot) cannot be counted whole. Instead every action of
+the schedule (one chunk's forward or backward on one microbatch) is compiled on its own from abstract shapes,
+exactly as the step's slot runs it (lowering/pipeline_step.py: with `remat: full` the backward recomputes the
+forward, with `remat: none` it starts from the kept residuals), and its FLOPs are summed over the table. The
+reference is the gradient of the whole model on one microbatch, times the microbatches. Blocks run unrolled
+here, for the same reason.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import cache
+
+import jax
+import jax.numpy as jnp
+from xlatrain.lowering.pipeline_step import KINDS, chunk_functions, chunk_inputs, residual_layouts, vjp_of
+from xlatrain.lowering.residuals import buffer_counts, unpack
+
+from xlatrain import compat
+from xlatrain.models.blocks import BLOCKS, BlockParts, split_blocks
+from xlatrain.pipeline.schedule import Schedule
+from xlatrain.precision import Policy, cast_floats
+
+
+@dataclass(frozen=True)
+class PipelineWork:
+    pipelined_flops: float
+    """One replica's step: every action of the table, for one gradient-accumulation microbatch."""
+    unpipelined_flops: float
+    """The model's gradient over the same microbatches, unpipelined."""
+
+    @property
+    def ratio(self) -> float:
+        return self.pipelined_flops / self.unpipelined_flops
+
+
+def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
+                  policy: Policy, schedule: Schedule, partition: tuple[int, ...], remat: str) -> PipelineWork:
+    """`micro`: one pipeline microbatch's abstract batch; `partition`: blocks per chunk, in model order."""
+    unrolled = copy.copy(parts)
+    unrolled.scan = False
+    blocks, rest = split_blocks(abstract_params)
+    cr = jax.eval_shape(lambda r: cast_floats(r, policy.compute), rest)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    scales = (scalar, scalar)  # the loss scale and the total weight, as the step's chunks get them
+
+    def cast_blocks(count: int) -> dict:
+        resized = jax.tree.map(lambda b: jax.ShapeDtypeStruct((count, *b.shape[1:]), b.dtype), blocks)
+        return jax.eval_shape(lambda b: cast_floats(b, policy.compute), resized)
+
+    def functions(micro_j, keys, scales):
+        return chunk_functions(unrolled, policy, loss, micro_j, keys, None, *scales)
+
+    def keys_for(count: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((count, 2), jnp.uint32)
+
+    x = jax.eval_shape(lambda cb, cr, m: unrolled.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute)),
+                       cast_blocks(1), cr, micro)
+
+    @cache
+    def action_flops(kind: str, count: int, backward: bool) -> float:
+        cb, keys = cast_blocks(count), keys_for(count)
+        cotangent = scalar if kind == "last" else x
+
+        def forward(cb, cr, x, micro_j, keys, scales):
+            return functions(micro_j, keys, scales)[kind](*chunk_inputs(kind, cb, cr, x))
+
+        def recompute_and_pull(cb, cr, x, micro_j, keys, scales, dy):
+            return vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x))[1](dy)
+
+        if remat == "full":
+            if backward:
+                return _flops(recompute_and_pull, cb, cr, x, micro, keys, scales, cotangent)
+            return _flops(forward, cb, cr, x, micro, keys, scales)
+        layout = residual_layouts(unrolled, policy, loss, cb, cr, x, micro, keys, None)[kind]
+
+        def forward_keeping(cb, cr, x, micro_j, keys, scales):
+            out, pullback = vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x))
+            return out, layout.kept_from(pullback)
+
+        def pull(cb, cr, x, micro_j, keys, scales, kept, dy):
+            pullback = vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x))[1]
+            return layout.with_kept(pullback, unpack(kept, layout))(dy)
+
+        if not backward:
+            return _flops(forward_keeping, cb, cr, x, micro, keys, scales)
+        kept = {name: jax.ShapeDtypeStruct((n,), name) for name, n in layout.counts().items()}
+        return _flops(pull, cb, cr, x, micro, keys, scales, kept, cotangent)
+
+    chunks = len(partition)
+    pipelined = 0.0
+    for row in schedule.table:
+        for action in row:
+            if action is None:
+                continue
+            kind = KINDS[0] if action.chunk == 0 else KINDS[2] if action.chunk == chunks - 1 else KINDS[1]
+            pipelined += action_flops(kind, partition[action.chunk], action.kind == "B")
+
+    def whole_model(cb, cr, micro_j, keys, scales):
+        def scaled_loss(cb, cr):
+            embedded = unrolled.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute))
+            return functions(micro_j, keys, scales)["last"](cb, cr, embedded)[0]
+
+        return jax.grad(scaled_loss, argnums=(0, 1))(cb, cr)
+
+    layers = sum(partition)
+    unpipelined = schedule.microbatches * _flops(whole_model, cast_blocks(layers), cr, micro, keys_for(layers), scales)
+    return PipelineWork(pipelined, unpipelined)
+
+
+def _flops(fn, *args) -> float:
+    return float(compat.cost_analysis(jax.jit(fn).lower(*args).compile()).get("flops", 0.0))
+
+
+def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
+                   policy: Policy, width: int, even: bool) -> int:
+    """Bytes of the buffers that hold one microbatch's residuals on a stage with remat: none (every kind of
+    chunk fits them), for chunks of `width` blocks as the step runs them (padded and masked when not `even`)."""
+    blocks, rest = split_blocks(abstract_params)
+    cast = jax.eval_shape(lambda b, r: cast_floats((b, r), policy.compute),
+                          jax.tree.map(lambda b: jax.ShapeDtypeStruct((width, *b.shape[1:]), b.dtype), blocks), rest)
+    cb, cr = cast
+    x = jax.eval_shape(lambda cb, cr, m: parts.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute)),
+                       cb, cr, micro)
+    active = None if even else jax.ShapeDtypeStruct((), jnp.int32)
+    layouts = residual_layouts(parts, policy, loss, cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32),
+                               active)
+    counts = buffer_counts(list(layouts.values()))
+    return sum(count * jnp.dtype(name).itemsize for name, count in counts.items())
