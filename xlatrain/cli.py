@@ -256,7 +256,7 @@ def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Name
         raise UserError(f"pipeline: --out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
     program = build_program(config)
     plan = program.pipeline
-    print("\n".join(plan.summary(program.derived.pipeline_microbatch_size)))
+    print("\n".join(plan.summary(program.derived.pipeline_microbatch_size, count_work=True)))
     print(plan.table_text())
     draw(plan.schedule, args.out, plan.simulated(), "time (mean chunk forward = 1), from XLA's FLOPs per chunk")
     print(f"wrote {args.out}")

@@ -45,7 +45,9 @@ class PipelinePlan:
         return simulate(self.schedule, [c.forward_flops / unit for c in chunks],
                         [c.backward_flops / unit for c in chunks])
 
-    def summary(self, rows_per_microbatch: int | None = None) -> list[str]:
+    def summary(self, rows_per_microbatch: int | None = None, count_work: bool = False) -> list[str]:
+        """`count_work`: add XLA's FLOPs of the step against the unpipelined model's (compiles every kind of
+        action: seconds, so `xlatrain pipeline` asks for it and a training run's start does not)."""
         s, slots = self.schedule, self.slots
         rows = f" of {rows_per_microbatch} rows" if rows_per_microbatch else ""
         chunk = f"{s.virtual_stages} chunks per stage" if s.virtual_stages > 1 else "1 chunk per stage"
@@ -59,16 +61,15 @@ class PipelinePlan:
             f"{s.theoretical_bubble():.1%}); {simulated.bubble():.1%} with the chunks' XLA FLOPs",
             f"activations      each stage holds at most {slots.activation_buffers} microbatch(es) of stage inputs "
             f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients",
-            self.remat_line(),
+            self.remat_line(count_work),
         ]
 
-    def remat_line(self) -> str:
-        work = self.count_work()
-        done = f"XLA FLOPs per step {work.ratio:.2f}x the unpipelined model's"
+    def remat_line(self, count_work: bool) -> str:
+        done = f"; XLA FLOPs per step {self.count_work().ratio:.2f}x the unpipelined model's" if count_work else ""
         if self.remat == "none":
             return (f"remat            none: chunks keep their residuals from forward to backward (at most "
-                    f"{self.slots.residual_buffers} microbatch(es) of them per stage); {done}")
-        return f"remat            full: chunks recompute their forward in the backward; {done}"
+                    f"{self.slots.residual_buffers} microbatch(es) of them per stage){done}")
+        return f"remat            full: chunks recompute their forward in the backward{done}"
 
     def gpipe_activation_buffers(self) -> int:
         """What the same stages and microbatches would hold under GPipe (m per stage)."""
