@@ -20,8 +20,6 @@ import numpy as np
 
 from xlatrain import compat
 
-Tree = Any
-
 
 @dataclass(frozen=True)
 class ResidualLayout:
