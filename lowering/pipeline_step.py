@@ -124,6 +124,87 @@ def residual_layouts(parts: BlockParts, policy: Policy, loss: str, cb: Tree, cr:
                                     data=(2, 3, 4, 5)) for kind in KINDS}
 
 
+def split_rows(batch: dict, microbatches: int) -> dict:
+    """[rows, ...] -> [microbatches, rows / microbatches, ...]"""
+    return jax.tree.map(lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]), batch)
+
+
+def next_stage_pairs(slots: SlotProgram, stages: int) -> tuple[tuple[int, int], ...]:
+    """(stage, next stage): where activations go; the last stage feeds the first when chunks wrap around."""
+    return tuple((s, (s + 1) % stages) for s in range(stages if slots.ring else stages - 1))
+
+
+def stage_blocks(params: dict) -> tuple[Tree, dict]:
+    """This stage's blocks [virtual stages, width, ...] and the other params, from its [v, 1, width, ...] share."""
+    staged, rest = split_blocks(params)
+    return jax.tree.map(lambda b: b[:, 0], staged), rest
+
+
+def microbatch_shapes(parts: BlockParts, policy: Policy, loss: str, blocks: Tree, rest: dict,
+                      micro: dict) -> tuple[jax.ShapeDtypeStruct, Tree]:
+    """The activation passed between stages and the loss sums, for one of `micro`'s [microbatches, ...]."""
+
+    def one_microbatch():
+        first = jax.tree.map(lambda x: x[0], micro)
+        chunk = cast_floats({**rest, BLOCKS: jax.tree.map(lambda b: b[0], blocks)}, policy.compute)
+        x = parts.before(chunk, cast_floats(first["inputs"], policy.compute))
+        return x, loss_sums(parts.after(chunk, x).astype(policy.output), first, loss)
+
+    return jax.eval_shape(one_microbatch)
+
+
+def zeros_of(shapes: Tree) -> Tree:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgram, microbatches: int, loss: str,
+                       policy: Policy, link: StageLink) -> Callable:
+    """(params, batch) -> this replica's loss sums, where `batch` is its [rows, ...] and params this stage's:
+    the rows cut into `microbatches` pieces go through a forward-only slot program, each stage running
+    only its own chunks (no device holds another stage's blocks); the last chunk's sums are added over the
+    stages."""
+    p = layout.stages
+    forward_pairs = next_stage_pairs(slots, p)
+
+    def evaluate(params: dict, batch: dict) -> dict:
+        blocks, rest = stage_blocks(params)
+        micro = split_rows(batch, microbatches)
+        x_shape, sums_shape = microbatch_shapes(parts, policy, loss, blocks, rest, micro)
+        stage = jax.lax.axis_index(STAGE)
+        tables = {name: jnp.asarray(table) for name, table in slots.tables().items()}
+        active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
+        cr = cast_floats(rest, policy.compute)
+        nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
+        one = jnp.ones((), jnp.float32)
+
+        def slot(carry, t):
+            activations, sums = carry
+            at = {name: table[t, stage] for name, table in tables.items()}
+            r = at["round"]
+            chunk = r * p + stage
+            cb = cast_floats(jax.tree.map(lambda b: b[r], blocks), policy.compute)
+            functions = chunk_functions(parts, policy, loss, jax.tree.map(lambda x: x[at["microbatch"]], micro),
+                                        None, None if active_blocks is None else active_blocks[chunk], one, one)
+            x_in = activations[at["activation_read"]]
+
+            def last(sums):
+                return jax.tree.map(jnp.add, sums, functions["last"](cb, cr, x_in)[1]), nothing
+
+            branches = {Branch.IDLE: lambda sums: (sums, nothing),
+                        Branch.FORWARD_FIRST: lambda sums: (sums, functions["first"](cb, cr)),
+                        Branch.FORWARD: lambda sums: (sums, functions["middle"](cb, x_in)),
+                        Branch.FORWARD_LAST: last}
+            sums, to_next = jax.lax.switch(at["branch"], [branches[b] for b in sorted(branches)], sums)
+            received = link.ppermute(to_next, forward_pairs)
+            return (activations.at[at["activation_write"]].set(received), sums), None
+
+        pool = jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype)
+        sums = jax.lax.scan(slot, (pool, zeros_of(sums_shape)), jnp.arange(slots.slots))[0][1]
+        return link.sum_tree(sums)
+
+    return evaluate
+
+
 def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotProgram, microbatches: int,
                             loss: str, policy: Policy, link: StageLink, remat: str = "full") -> Callable:
     """(params, batch, key, scale, total_weight) -> (grads, loss sums) for this device's stage, where
@@ -131,15 +212,11 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
     "full" recomputes each chunk's forward in its backward slot, "none" keeps its residuals instead."""
     keep_residuals = {"none": True, "full": False}[remat]
     p, width = layout.stages, layout.width
-    forward_pairs = tuple((s, (s + 1) % p) for s in range(p if slots.ring else p - 1))
+    forward_pairs = next_stage_pairs(slots, p)
     backward_pairs = tuple((t, s) for s, t in forward_pairs)
 
     def compute(tree: Tree) -> Tree:
         return cast_floats(tree, policy.compute)
-
-    def split(batch: dict) -> dict:
-        """[rows, ...] -> [microbatches, rows / microbatches, ...]"""
-        return jax.tree.map(lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]), batch)
 
     def chunk_keys(microbatch_key: jax.Array, start: jax.Array) -> jax.Array:
         """The dropout keys of a chunk's blocks (and padding): those BlockStack gives the same layers."""
@@ -151,7 +228,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                   total_weight: jax.Array, totals: tuple, x_shape: jax.ShapeDtypeStruct) -> tuple:
         """One accumulation microbatch cut into `microbatches` pieces, through every slot of the schedule."""
         stage = jax.lax.axis_index(STAGE)
-        micro = split(batch)
+        micro = split_rows(batch, microbatches)
         tables = {name: jnp.asarray(table) for name, table in slots.tables().items()}
         starts = jnp.asarray(layout.starts)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
@@ -243,19 +320,11 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         return jax.lax.scan(slot, (pools, totals), jnp.arange(slots.slots))[0][1]
 
     def gradients(params: dict, batch: dict, key: jax.Array, scale: jax.Array, total_weight: jax.Array):
-        staged, rest = split_blocks(params)
-        blocks = jax.tree.map(lambda b: b[:, 0], staged)
-
-        def one_microbatch():
-            micro = jax.tree.map(lambda x: x[0], split(jax.tree.map(lambda x: x[0], batch)))
-            chunk = compute({**rest, BLOCKS: jax.tree.map(lambda b: b[0], blocks)})
-            x = parts.before(chunk, compute(micro["inputs"]))
-            return x, loss_sums(parts.after(chunk, x).astype(policy.output), micro, loss)
-
-        x_shape, sums_shape = jax.eval_shape(one_microbatch)
+        blocks, rest = stage_blocks(params)
+        x_shape, sums_shape = microbatch_shapes(parts, policy, loss, blocks, rest,
+                                                split_rows(jax.tree.map(lambda x: x[0], batch), microbatches))
         totals = (jax.tree.map(lambda b: jnp.zeros(b.shape, jnp.float32), blocks),
-                  jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest),
-                  jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape))
+                  jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest), zeros_of(sums_shape))
         count = jax.tree.leaves(batch)[0].shape[0]
         if count == 1:
             totals = run_round(blocks, rest, jax.tree.map(lambda x: x[0], batch), key, scale, total_weight, totals,

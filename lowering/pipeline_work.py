@@ -43,23 +43,18 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
     """`micro`: one pipeline microbatch's abstract batch; `partition`: blocks per chunk, in model order."""
     unrolled = copy.copy(parts)
     unrolled.scan = False
-    blocks, rest = split_blocks(abstract_params)
-    cr = jax.eval_shape(lambda r: cast_floats(r, policy.compute), rest)
+    _, cr, x = abstract_chunk(unrolled, abstract_params, micro, policy, 1)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     scales = (scalar, scalar)  # the loss scale and the total weight, as the step's chunks get them
 
     def cast_blocks(count: int) -> dict:
-        resized = jax.tree.map(lambda b: jax.ShapeDtypeStruct((count, *b.shape[1:]), b.dtype), blocks)
-        return jax.eval_shape(lambda b: cast_floats(b, policy.compute), resized)
+        return abstract_chunk(unrolled, abstract_params, micro, policy, count)[0]
 
     def functions(micro_j, keys, scales):
         return chunk_functions(unrolled, policy, loss, micro_j, keys, None, *scales)
 
     def keys_for(count: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((count, 2), jnp.uint32)
-
-    x = jax.eval_shape(lambda cb, cr, m: unrolled.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute)),
-                       cast_blocks(1), cr, micro)
 
     @cache
     def action_flops(kind: str, count: int, backward: bool) -> float:
@@ -117,17 +112,25 @@ def _flops(fn, *args) -> float:
 
 
 def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
-                   policy: Policy, width: int, even: bool) -> int:
+                   policy: Policy, partition: tuple[int, ...]) -> int:
     """Bytes of the buffers that hold one microbatch's residuals on a stage with remat: none (every kind of
-    chunk fits them), for chunks of `width` blocks as the step runs them (padded and masked when not `even`)."""
-    blocks, rest = split_blocks(abstract_params)
-    cast = jax.eval_shape(lambda b, r: cast_floats((b, r), policy.compute),
-                          jax.tree.map(lambda b: jax.ShapeDtypeStruct((width, *b.shape[1:]), b.dtype), blocks), rest)
-    cb, cr = cast
-    x = jax.eval_shape(lambda cb, cr, m: parts.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute)),
-                       cb, cr, micro)
-    active = None if even else jax.ShapeDtypeStruct((), jnp.int32)
+    chunk fits them), for chunks as the step runs them (padded to the largest, and masked when unequal)."""
+    width = max(partition)
+    cb, cr, x = abstract_chunk(parts, abstract_params, micro, policy, width)
+    active = None if len(set(partition)) == 1 else jax.ShapeDtypeStruct((), jnp.int32)
     layouts = residual_layouts(parts, policy, loss, cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32),
                                active)
     counts = buffer_counts(list(layouts.values()))
     return sum(count * jnp.dtype(name).itemsize for name, count in counts.items())
+
+
+def abstract_chunk(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], policy: Policy,
+                   count: int) -> tuple[dict, dict, jax.ShapeDtypeStruct]:
+    """A chunk of `count` blocks' inputs as the step's slots get them, abstract: its blocks and the other params
+    cast to the compute dtype, and the activation that enters it."""
+    blocks, rest = split_blocks(abstract_params)
+    resized = jax.tree.map(lambda b: jax.ShapeDtypeStruct((count, *b.shape[1:]), b.dtype), blocks)
+    cb, cr = jax.eval_shape(lambda b, r: cast_floats((b, r), policy.compute), resized, rest)
+    x = jax.eval_shape(lambda cb, cr, m: parts.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute)),
+                       cb, cr, micro)
+    return cb, cr, x

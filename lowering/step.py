@@ -212,7 +212,10 @@ def make_eval_step(model: ModelDef, loss: str, policy: Policy,
     forward = make_forward(model, policy, compute_params)
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
-        sums = loss_sums(forward(state.params, state.model_state, batch["inputs"])[0], batch, loss)
-        return {f"eval_{k}": v for k, v in means(sums).items()}
+        return eval_metrics(loss_sums(forward(state.params, state.model_state, batch["inputs"])[0], batch, loss))
 
     return eval_step
+
+
+def eval_metrics(sums: Metrics) -> Metrics:
+    return {f"eval_{k}": v for k, v in means(sums).items()}

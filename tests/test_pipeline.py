@@ -5,6 +5,7 @@ remat: none the step does the unpipelined model's work (XLA FLOPs); 1F1B holds p
 and residuals where GPipe holds m (XLA memory analysis); plans, slot programs and layouts are checked on their
 own; every misconfiguration is a config error."""
 
+import functools
 import itertools
 import re
 
@@ -13,11 +14,13 @@ import numpy as np
 import pytest
 import yaml
 from conftest import REPO, TINY_GPT, run_cli
+from xlatrain.lowering.inspect import collectives
 
 from xlatrain.cli import main
 from xlatrain.config import load_config
 from xlatrain.data.loader import make_global, split_microbatches
-from xlatrain.mesh import train_batch_sharding
+from xlatrain.errors import UserError
+from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.partition import ModelCosts, PieceCost, auto_partition
 from xlatrain.pipeline.schedule import build
@@ -45,13 +48,14 @@ def relative_errors(reference, pipelined):
                                            / max(float(np.max(np.abs(np.asarray(a)))), 1e-12)), reference, pipelined)
 
 
-def reference_for(program, overrides):
-    """The same model unpipelined on one device, accumulating gradients over the same microbatches."""
-    d = program.derived
+@functools.cache
+def reference_gradients(overrides: tuple[str, ...], microbatches: int) -> tuple:
+    """The same model unpipelined on one device, accumulating gradients over the same `microbatches`: its
+    gradients and sums, computed once for every remat of a case."""
     plain = [o for o in overrides if not o.startswith(("mesh.", "parallel.", "collectives.", "batch.microbatches"))]
-    return program_for([*plain, "parallel.mode=jit", "mesh.data=1",
-                        f"batch.microbatches={d.data_parallel * d.microbatches * d.pipeline_microbatches}"],
-                       jax.devices()[:1])
+    reference = program_for([*plain, "parallel.mode=jit", "mesh.data=1", f"batch.microbatches={microbatches}"],
+                            jax.devices()[:1])
+    return jax.device_get(reference.gradients(reference.create_state(), token_batch(reference)))
 
 
 CASES = {
@@ -81,17 +85,46 @@ FAST_CASE = "p2-1f1b-m=p"
                                        for name, o in CASES.items()])
 @pytest.mark.parametrize("remat", ["full", "none"])
 def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, remat, devices):
-    overrides = [*overrides, f"parallel.pipeline.remat={remat}"]
-    pipelined = program_for(overrides)
-    reference = reference_for(pipelined, overrides)
+    pipelined = program_for([*overrides, f"parallel.pipeline.remat={remat}"])
     grads, sums = pipelined.gradients(pipelined.create_state(), token_batch(pipelined))
-    expected_grads, expected_sums = reference.gradients(reference.create_state(), token_batch(reference))
+    d = pipelined.derived
+    expected_grads, expected_sums = reference_gradients(tuple(overrides),
+                                                        d.data_parallel * d.microbatches * d.pipeline_microbatches)
     tolerance = 1e-5 if pipelined.policy.compute == np.float32 else 1e-2
     np.testing.assert_allclose(sums["loss"], expected_sums["loss"], rtol=tolerance)
     assert float(sums["weight"]) == float(expected_sums["weight"]) == 16 * pipelined.derived.global_batch
     errors = relative_errors(expected_grads, pipelined.pipeline.layout.layer_params(grads))
     assert max(jax.tree.leaves(errors)) < tolerance, errors
     assert all(float(np.max(np.abs(np.asarray(g)))) > 0 for g in jax.tree.leaves(grads))
+
+
+def evaluated(program) -> tuple[dict, object]:
+    """The eval step's metrics on the first held-out batch, and its compiled program."""
+    rows = [program.dataset.eval[i] for i in range(program.derived.global_batch)]
+    batch = jax.device_put({k: np.stack([r[k] for r in rows]) for k in ("inputs", "targets")},
+                           eval_batch_sharding(program.mesh))
+    return jax.device_get(program.eval_step(program.create_state(), batch)), program.eval_step.first.compiled
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == FAST_CASE else pytest.mark.slow)
+                                  for n in (FAST_CASE, "p4-interleaved-v2-dp2", "p4-1f1b-m5-dp2-auto-uneven",
+                                            "p4-1f1b-bf16-dp2")])
+def test_pipelined_evaluation_equals_the_unpipelined_model_and_moves_only_activations(name, devices):
+    """Each stage runs its own chunks forward: what crosses devices is one microbatch's activation per slot
+    (collective-permute) and the loss sums (all-reduce), never a block's params."""
+    pipelined = program_for(CASES[name])
+    metrics, compiled = evaluated(pipelined)
+    plain = [o for o in CASES[name] if not o.startswith(("mesh.", "parallel.", "batch.microbatches"))]
+    expected, _ = evaluated(program_for([*plain, "parallel.mode=jit", "mesh.data=1"], jax.devices()[:1]))
+    tolerance = 1e-5 if pipelined.policy.compute == np.float32 else 1e-2
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=tolerance)
+    moved = {c["kind"]: c for c in collectives(compiled.as_text())}
+    assert set(moved) == {"collective-permute", "all-reduce"}, moved
+    permutes = moved["collective-permute"]
+    activation = pipelined.pipeline.costs.boundary_bytes
+    elements = activation // np.dtype(pipelined.policy.compute).itemsize
+    assert permutes["bytes"] / permutes["count"] in (activation, 4 * elements)  # XLA:CPU widens bf16 to f32 to send
+    assert moved["all-reduce"]["bytes"] <= 2 * 3 * 4  # three float32 sums, over the stages and the replicas
 
 
 @pytest.mark.slow
@@ -113,6 +146,30 @@ def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, rem
     assert expected[-1] < expected[0] - 0.5
     np.testing.assert_allclose(trajectory, expected, rtol=2e-4)
     np.testing.assert_allclose(second.eval_losses[30], plain.eval_losses[30], rtol=2e-4)
+
+
+@pytest.mark.slow
+def test_the_auto_partition_is_saved_at_the_first_start_and_kept_on_resume(tmp_path, monkeypatch, devices):
+    common = [*TINY_GPT, *PIPELINE, "mesh.stage=4", "model.layers=6", "parallel.pipeline.microbatches=4",
+              "batch.global_size=16", "trainer.checkpoint_every=2", "trainer.eval_every=100",
+              f"trainer.run_dir={tmp_path}"]
+    train(load_config(None, [*common, "trainer.steps=2"]), echo=lambda _: None)
+    saved_path = tmp_path / "config.yaml"
+    saved = yaml.safe_load(saved_path.read_text())
+    chosen = saved["derived"]["pipeline_partition"]
+    assert saved["parallel"]["pipeline"]["partition"] == "auto" and sum(chosen) == 6 and len(chosen) == 4
+    # Were the partition chosen again (another version's costs), the checkpoint's blocks would land on other stages.
+    other = (1, 1, 2, 2) if chosen != [1, 1, 2, 2] else (2, 2, 1, 1)
+    monkeypatch.setattr("xlatrain.pipeline.plan.auto_partition", lambda costs, chunks: other)
+    lines = []
+    resumed = train(load_config(None, [*common, "trainer.steps=4"]), echo=lines.append)
+    assert resumed.start_step == 2 and sorted(resumed.losses) == [3, 4]
+    assert any(f"auto (chosen at the run's first start): blocks per chunk {chosen}" in line for line in lines), lines
+    assert yaml.safe_load(saved_path.read_text())["derived"]["pipeline_partition"] == chosen
+    saved["derived"]["pipeline_partition"] = [3, 3]
+    saved_path.write_text(yaml.safe_dump(saved))
+    with pytest.raises(UserError, match=r"derived.pipeline_partition=\[3, 3\].* restore the file"):
+        train(load_config(None, [*common, "trainer.steps=6"]), echo=lambda _: None)
 
 
 @pytest.mark.slow

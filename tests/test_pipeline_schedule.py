@@ -1,12 +1,14 @@
-"""Pipeline schedules as data: every built table keeps its dependencies, its bubble equals theory,
-1F1B holds at most p microbatches of activations, and impossible schedules are clear errors."""
+"""Pipeline schedules as data: every built table (and its forward-only evaluation pass) keeps its
+dependencies, its bubble equals theory, 1F1B holds at most p microbatches of activations, and impossible
+schedules are clear errors."""
 
 import dataclasses
 
 import pytest
 
 from xlatrain.pipeline.gantt import draw
-from xlatrain.pipeline.schedule import Action, ScheduleError, build, dependency_problems, simulate
+from xlatrain.pipeline.schedule import Action, ScheduleError, build, dependency_problems, forward_only, simulate
+from xlatrain.pipeline.slots import Branch, slot_program
 
 CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b") for p in (2, 4) for m in (p, 2 * p, p + 1, 1)]
 CASES += [("interleaved", p, m, 2) for p in (2, 4) for m in (p, 2 * p)] + [("interleaved", 2, 4, 3)]
@@ -18,6 +20,16 @@ def test_schedules_keep_dependencies_and_meet_the_theoretical_bubble(name, p, m,
     assert dependency_problems(schedule) == []
     assert schedule.bubble() == pytest.approx((p - 1) / (v * m + p - 1))
     assert all(len(row) == p for row in schedule.table)
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
+def test_an_evaluation_runs_the_forwards_alone_in_v_m_plus_p_minus_1_slots(name, p, m, v):
+    evaluation = forward_only(build(name, p, m, v))
+    assert evaluation.forward_only and dependency_problems(evaluation) == []
+    assert evaluation.slots == v * m + p - 1
+    program = slot_program(evaluation)
+    assert program.cotangent_buffers == program.residual_buffers == 0
+    assert set(program.branch.ravel()) <= {Branch.IDLE, Branch.FORWARD_FIRST, Branch.FORWARD, Branch.FORWARD_LAST}
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 5), (2, 6)])

@@ -560,9 +560,11 @@ class Derived:
     """Per gradient-accumulation microbatch and replica (pipelines only)."""
     pipeline_microbatch_size: int | None = None
     """Rows of one pipeline microbatch on one replica (pipelines only)."""
+    pipeline_partition: tuple[int, ...] | None = None
+    """Blocks per chunk, as planned (pipelines only); saved in the run's config.yaml and kept on resume."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
 
 
 def derive(config: Config, devices: list) -> Derived:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -20,9 +21,9 @@ from xlatrain.lowering.block_costs import measure_block_costs
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
-from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_gradients, stage_link
+from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_eval, make_pipeline_gradients, stage_link
 from xlatrain.lowering.pipeline_work import pipeline_work, residual_bytes
-from xlatrain.lowering.step import fuse_steps, make_eval_step, make_gradient_step, make_train_step
+from xlatrain.lowering.step import eval_metrics, fuse_steps, make_eval_step, make_gradient_step, make_train_step
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import build_model
 from xlatrain.models.fit import check_model_outputs
@@ -101,7 +102,10 @@ class Program:
 
     @cached_property
     def eval_step(self) -> StepExecutables:
-        fn = make_eval_step(self.model, self.config.model.loss, self.policy, self._gather_params)
+        if self.pipeline is None:
+            fn = make_eval_step(self.model, self.config.model.loss, self.policy, self._gather_params)
+        else:
+            fn = self._per_device(self._pipelined_eval(), out_specs=P(), batch_spec=eval_batch_sharding(self.mesh).spec)
         return StepExecutables("eval_step", lambda batch: compile_eval_step(
             fn, self._abstract_sharded_state(), self.state_shardings, batch, eval_batch_sharding(self.mesh)),
             self.eval_batch_shapes(), self.compile_book)
@@ -129,15 +133,8 @@ class Program:
                 "gpipe_activation_buffers": plan.gpipe_activation_buffers(),
                 "activation_bytes_per_microbatch": plan.costs.boundary_bytes,
                 "remat": plan.remat, "residual_buffers": plan.slots.residual_buffers if plan.remat == "none" else 0,
-                "residual_bytes_per_microbatch": self._residual_bytes() if plan.remat == "none" else 0,
+                "residual_bytes_per_microbatch": plan.count_residual_bytes() if plan.remat == "none" else 0,
                 "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else 0}
-
-    def _residual_bytes(self) -> int:
-        layout = self.pipeline.layout
-        abstract_params = jax.eval_shape(lambda: init_variables(self.model, jax.random.PRNGKey(0), self.policy)[0])
-        micro = batch_structs(self.dataset.spec, (self.derived.pipeline_microbatch_size,))
-        return residual_bytes(self.model.blocks, abstract_params, micro, self.config.model.loss, self.policy,
-                              layout.width, layout.even)
 
     def create_state(self) -> TrainState:
         given = self.model.initial_values() if self.model.initial_values is not None else None
@@ -156,6 +153,19 @@ class Program:
                                                      self.derived.pipeline_microbatches, self.config.model.loss,
                                                      self.policy, link, self.config.parallel.pipeline.remat),
                 "trees": StagedTrees(link)}
+
+    def _pipelined_eval(self) -> Callable[[TrainState, dict], dict]:
+        """Each replica's rows through the stages, forward only; the replicas' sums added."""
+        c, plan = self.config.collectives, self.pipeline
+        evaluate = make_pipeline_eval(self.model.blocks, plan.layout, plan.eval_slots, plan.evaluation.microbatches,
+                                      self.config.model.loss, self.policy,
+                                      stage_link(self.derived.stages, c.impl, c.timeout_s))
+        replicas = self._replicas()
+
+        def eval_step(state: TrainState, batch: dict) -> dict:
+            return eval_metrics(jax.tree.map(replicas.total, evaluate(state.params, batch)))
+
+        return eval_step
 
     def _replicas(self) -> PartitionedReplicas | ExplicitReplicas:
         if self.config.parallel.mode == "jit":
@@ -189,22 +199,20 @@ class Program:
 
         return jax.jit(self._per_device(fn, out_specs=(self.specs.params, P()), steps=1))(state, batch)
 
-    def _per_device(self, step: Any, out_specs: Any = None, steps: int | None = None) -> Any:
+    def _per_device(self, step: Any, out_specs: Any = None, steps: int | None = None, batch_spec: P | None = None,
+                    ) -> Any:
         """parallel.mode=shard_map or pmap: the step as written is one device's program over its rows."""
         mode = self.config.parallel.mode
-        batch_spec = train_batch_sharding(self.mesh, steps or self.steps_per_sync).spec
+        batch_spec = batch_spec or train_batch_sharding(self.mesh, steps or self.steps_per_sync).spec
         if mode == "shard_map":
             return compat.shard_map(step, self.mesh, in_specs=(self.specs, batch_spec),
-                                    out_specs=out_specs or (self.specs, P()))
+                                    out_specs=(self.specs, P()) if out_specs is None else out_specs)
         if mode == "pmap":
             return compat.pmap_over_rows(step, DATA, list(self.mesh.devices.ravel()), rows_axis=len(batch_spec) - 1)
         return step
 
     def _gather_params(self, params: Any) -> Any:
-        """FSDP keeps params sharded at rest and gathers them for compute; a pipeline's eval step puts the
-        stages' blocks back in model order; other strategies store them whole."""
-        if self.pipeline is not None:
-            return self.pipeline.layout.layer_params(params)
+        """FSDP keeps params sharded at rest and gathers them for compute; other strategies store them whole."""
         if self.config.parallel.strategy != "fsdp":
             return params
         return jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: replicated(self.mesh), params))
@@ -235,7 +243,9 @@ def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
         setup_communicators(mesh, tuple(mesh.axis_names))
 
 
-def build_program(config: Config, devices: list | None = None) -> Program:
+def build_program(config: Config, devices: list | None = None,
+                  pinned_partition: tuple[int, ...] | None = None) -> Program:
+    """`pinned_partition`: the block partition a resumed pipelined run chose at its first start."""
     devices = jax.devices() if devices is None else devices
     derived = derive(config, devices)
     mesh = build_mesh(config, devices)
@@ -249,7 +259,9 @@ def build_program(config: Config, devices: list | None = None) -> Program:
     check_model_outputs(model, dataset.spec, config.model.loss, policy, _model_name(config))
     schedule = learning_rate_schedule(config.optimizer, derived,
                                         config.optimizer.decay_steps or config.trainer.steps)
-    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy)
+    pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, pinned_partition)
+    if pipeline is not None:
+        derived = dataclasses.replace(derived, pipeline_partition=pipeline.layout.partition)
     # Params of a BlockStack's layers are stacked: [layers, ...], or [virtual stages, stages, blocks, ...].
     block_axes = 0 if model.blocks is None else 3 if pipeline else 1
     tx = build_optimizer(config.optimizer, schedule, block_axes)
@@ -267,8 +279,8 @@ def _model_name(config: Config) -> str:
     return f"model.target={target!r}" if target else f"model.name={config.model.name}"
 
 
-def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: DataSpec,
-                   policy: Policy) -> PipelinePlan | None:
+def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy,
+                   pinned_partition: tuple[int, ...] | None) -> PipelinePlan | None:
     if derived.stages == 1:
         return None
 
@@ -283,8 +295,12 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
     def count_work(schedule, partition, remat):
         return pipeline_work(model.blocks, *abstract(), config.model.loss, policy, schedule, partition, remat)
 
+    def count_residual_bytes(partition):
+        return residual_bytes(model.blocks, *abstract(), config.model.loss, policy, partition)
+
     return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
-                         model.blocks.layers, measure, count_work)
+                         model.blocks.layers, measure, count_work, count_residual_bytes,
+                         derived.microbatches * derived.pipeline_microbatches, pinned_partition)
 
 
 def _refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> None:

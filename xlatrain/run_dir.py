@@ -102,7 +102,25 @@ def read_run_config(run_dir: Path) -> Config:
     return _read_saved(saved_path)
 
 
-def _read_saved(saved_path: Path) -> Config:
+def pinned_partition(run_dir: Path) -> tuple[int, ...] | None:
+    """The block partition a pipelined run chose at its first start (config.yaml's derived.pipeline_partition),
+    so that its checkpoints are read back into the same stages whatever `partition: auto` would choose now;
+    None for a new run or one that is not pipelined."""
+    saved_path = run_dir / CONFIG_FILE
+    if not saved_path.is_file():
+        return None
+    derived = _read_mapping(saved_path).get("derived")
+    partition = derived.get("pipeline_partition") if isinstance(derived, dict) else None
+    if partition is None:
+        return None
+    if not (isinstance(partition, list) and partition
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in partition)):
+        raise UserError(f"{saved_path}: derived.pipeline_partition={partition!r} is not a list of block counts; "
+                        "restore the file from the run's first start, or move the run directory aside")
+    return tuple(partition)
+
+
+def _read_mapping(saved_path: Path) -> dict:
     try:
         saved = parse_yaml(saved_path.read_text(encoding="utf-8"), str(saved_path))
     except UnicodeDecodeError as err:
@@ -110,6 +128,11 @@ def _read_saved(saved_path: Path) -> Config:
     if not isinstance(saved, dict):
         raise UserError(f"{saved_path} does not hold an xlatrain config (a mapping of keys); move the run directory "
                         "aside or choose another trainer.run_dir")
+    return saved
+
+
+def _read_saved(saved_path: Path) -> Config:
+    saved = _read_mapping(saved_path)
     saved.pop("derived", None)
     try:
         return validate_config(saved)

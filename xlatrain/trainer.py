@@ -31,7 +31,7 @@ from xlatrain.lowering.compile import CompileLog
 from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.program import Program, build_program
-from xlatrain.run_dir import open_run_dir, save_run_config
+from xlatrain.run_dir import open_run_dir, pinned_partition, save_run_config
 from xlatrain.run_summary import RunSummary
 from xlatrain.state import with_shardings
 from xlatrain.stop import StopSignals, stop_signals
@@ -68,7 +68,7 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
         check_processes_agree(config)
         config = open_run_dir(config, echo)
         with compile_log.phase("set-up"), progress.during("compiling"):
-            program = build_program(config, devices)
+            program = build_program(config, devices, pinned_partition(config.run_dir()))
         _describe(program, echo)
         result = _Run(program, echo, compile_log, hooks, stop, progress).execute()
     return result

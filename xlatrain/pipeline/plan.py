@@ -10,7 +10,15 @@ from xlatrain.config import PipelineConfig, check_block_partition
 from xlatrain.errors import UserError
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.partition import Balance, ModelCosts, auto_partition
-from xlatrain.pipeline.schedule import Schedule, ScheduleError, Timeline, build, dependency_problems, simulate
+from xlatrain.pipeline.schedule import (
+    Schedule,
+    ScheduleError,
+    Timeline,
+    build,
+    dependency_problems,
+    forward_only,
+    simulate,
+)
 from xlatrain.pipeline.slots import SlotProgram, slot_program
 
 
@@ -28,6 +36,11 @@ class PipelinePlan:
     count_work: Callable[[], Any]
     """XLA's FLOPs of the pipelined step beside the unpipelined model's (lowering/pipeline_work.py), counted on
     first use (and then kept)."""
+    count_residual_bytes: Callable[[], int]
+    """Bytes of one microbatch's kept residuals on a stage with remat: none, counted on first use."""
+    evaluation: Schedule
+    """The eval step's forward-only schedule, over as many microbatches as a train step has in all."""
+    eval_slots: SlotProgram
 
     @property
     def costs(self) -> ModelCosts:
@@ -62,6 +75,8 @@ class PipelinePlan:
             f"activations      each stage holds at most {slots.activation_buffers} microbatch(es) of stage inputs "
             f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients",
             self.remat_line(count_work),
+            f"evaluation       forward only through the stages: {self.evaluation.microbatches} microbatches, "
+            f"{self.evaluation.slots} time slots, bubble {self.evaluation.bubble():.1%}",
         ]
 
     def remat_line(self, count_work: bool) -> str:
@@ -90,20 +105,36 @@ class PipelinePlan:
 
 def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks: int,
                   measure: Callable[[], ModelCosts], count_work: Callable[[Schedule, tuple[int, ...], str], Any],
-                  ) -> PipelinePlan:
-    """`count_work(schedule, partition, remat)`: XLA's FLOPs of the step beside the unpipelined model's."""
+                  count_residual_bytes: Callable[[tuple[int, ...]], int], eval_microbatches: int | None = None,
+                  pinned: tuple[int, ...] | None = None) -> PipelinePlan:
+    """`count_work(schedule, partition, remat)`: XLA's FLOPs of the step beside the unpipelined model's.
+    `count_residual_bytes(partition)`: one microbatch's kept residuals on a stage (remat: none).
+    `eval_microbatches`: how many pieces the eval step cuts a replica's rows into (default `microbatches`).
+    `pinned`: the partition `auto` chose at the run's first start, kept on resume."""
     virtual = config.chunks_per_stage()
     try:
         check_block_partition(config, stages, blocks, "the model's block count")
         schedule = build(config.schedule, stages, microbatches, virtual)
+        evaluation = forward_only(build(config.schedule, stages, eval_microbatches or microbatches, virtual))
     except (ValueError, ScheduleError) as err:
         raise UserError(f"config: {err}") from None
-    problems = dependency_problems(schedule)
-    if problems:  # the builders place actions by their dependencies, so this is a bug, not a config problem
-        raise AssertionError(f"{schedule.name} table breaks its dependencies: {problems[:3]}")
+    for table in (schedule, evaluation):
+        problems = dependency_problems(table)
+        if problems:  # the builders place actions by their dependencies, so this is a bug, not a config problem
+            raise AssertionError(f"{table.name} table breaks its dependencies: {problems[:3]}")
     measure = cache(measure)
-    auto = config.partition == "auto"
-    partition = tuple(auto_partition(measure(), stages * virtual) if auto else config.partition)
-    return PipelinePlan(schedule, StageLayout(stages, virtual, partition), slot_program(schedule),
-                        "auto" if auto else "explicit", measure, config.remat,
-                        cache(lambda: count_work(schedule, partition, config.remat)))
+    if config.partition != "auto":
+        partition, source = tuple(config.partition), "explicit"
+    elif pinned is not None:
+        if len(pinned) != stages * virtual or sum(pinned) != blocks:
+            raise UserError(f"the run directory's config.yaml has derived.pipeline_partition={list(pinned)}, which "
+                            f"does not cut {blocks} blocks into {stages * virtual} chunks; restore the file from the "
+                            "run's first start, or move the run directory aside")
+        partition, source = pinned, "auto (chosen at the run's first start)"
+    else:
+        partition, source = tuple(auto_partition(measure(), stages * virtual)), "auto"
+    return PipelinePlan(schedule, StageLayout(stages, virtual, partition), slot_program(schedule), source,
+                        measure, config.remat,
+                        cache(lambda: count_work(schedule, partition, config.remat)),
+                        cache(lambda: count_residual_bytes(partition)), evaluation,
+                        slot_program(evaluation))

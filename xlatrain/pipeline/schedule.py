@@ -37,6 +37,11 @@ class Schedule:
     def slots(self) -> int:
         return len(self.table)
 
+    @property
+    def forward_only(self) -> bool:
+        """An evaluation pass: forwards and no backward."""
+        return all(action is None or action.kind == "F" for row in self.table for action in row)
+
     def bubble(self) -> float:
         busy = sum(action is not None for row in self.table for action in row)
         return 1 - busy / (self.slots * self.stages)
@@ -128,9 +133,18 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
     return builders[name](stages, microbatches)
 
 
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards alone, each device keeping their order, each placed as early as it can run:
+    the pass of an evaluation through the stages."""
+    orders = [[row[s] for row in schedule.table if row[s] is not None and row[s].kind == "F"]
+              for s in range(schedule.stages)]
+    return _place(f"{schedule.name} (forward only)", schedule.stages, schedule.microbatches,
+                  schedule.virtual_stages, orders)
+
+
 def dependency_problems(schedule: Schedule) -> list[str]:
     """Empty when every action runs once, on its chunk's device, after what it needs: F(c, j) after
-    F(c - 1, j); B(c, j) after F(c, j) and B(c + 1, j)."""
+    F(c - 1, j); B(c, j) after F(c, j) and B(c + 1, j). A forward-only schedule has no B to run."""
     p, chunks = schedule.stages, schedule.stages * schedule.virtual_stages
     when: dict[Action, int] = {}
     problems = []
@@ -145,7 +159,7 @@ def dependency_problems(schedule: Schedule) -> list[str]:
             when[action] = slot
     for j in range(schedule.microbatches):
         for c in range(chunks):
-            for kind in ("F", "B"):
+            for kind in ("F",) if schedule.forward_only else ("F", "B"):
                 if Action(kind, j, c) not in when:
                     problems.append(f"{Action(kind, j, c)} never runs")
     for action, slot in when.items():

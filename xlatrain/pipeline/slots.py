@@ -12,6 +12,7 @@ any stage holds at once (m for GPipe, at most p for 1F1B). The first chunk keeps
 tokens. With `remat: full` the backward recomputes the chunk's forward from its input (GPipe's
 re-materialisation); with `remat: none` the forward slot also keeps the chunk's residuals until its
 backward slot, in `residual_buffers` buffers counted the same way (every chunk, first and last included).
+A forward-only schedule (an evaluation) keeps each activation only until the chunk's forward reads it.
 """
 
 from __future__ import annotations
@@ -78,14 +79,20 @@ def slot_program(schedule: Schedule) -> SlotProgram:
         branch[slot, stage] = _branch(action, chunks)
         microbatch[slot, stage] = action.microbatch
         round_[slot, stage] = action.chunk // p
-    # An activation for chunk c >= 1 arrives after F(c - 1) and is last read by B(c); a gradient for
-    # chunk c < last arrives after B(c + 1) and is read by B(c).
-    activations = [(when[Action("F", a.microbatch, a.chunk - 1)], [when[a], when[Action("B", a.microbatch, a.chunk)]],
-                    a.chunk % p) for a in when if a.kind == "F" and a.chunk > 0]
+
+    def backward_of(a: Action) -> list[int]:
+        """The slot of F(c, j)'s backward B(c, j); none in a forward-only schedule."""
+        backward = Action("B", a.microbatch, a.chunk)
+        return [when[backward]] if backward in when else []
+
+    # An activation for chunk c >= 1 arrives after F(c - 1) and is last read by B(c) (by F(c) when forward
+    # only); a gradient for chunk c < last arrives after B(c + 1) and is read by B(c).
+    activations = [(when[Action("F", a.microbatch, a.chunk - 1)], [when[a], *backward_of(a)], a.chunk % p)
+                   for a in when if a.kind == "F" and a.chunk > 0]
     cotangents = [(when[Action("B", a.microbatch, a.chunk + 1)], [when[a]], a.chunk % p)
                   for a in when if a.kind == "B" and a.chunk < chunks - 1]
     # A chunk's residuals are kept from the end of its forward slot until its backward slot.
-    residuals = [(when[a], [when[Action("B", a.microbatch, a.chunk)]], a.chunk % p) for a in when if a.kind == "F"]
+    residuals = [(when[a], backward_of(a), a.chunk % p) for a in when if a.kind == "F" and backward_of(a)]
     activation_read, activation_write, activation_buffers = _assign_buffers(activations, shape)
     cotangent_read, cotangent_write, cotangent_buffers = _assign_buffers(cotangents, shape)
     residual_read, residual_write, residual_buffers = _assign_buffers(residuals, shape)
