@@ -79,7 +79,7 @@ def measured_cases() -> tuple[dict[str, float], dict[str, float]]:
         program = build_program(load_config(None, [*GPT, "parallel.mode=shard_map", *overrides]))
         runners[name] = train_runner(program)
         if program.pipeline is not None:
-            work[name] = program.pipeline.count_work().ratio
+            work[name] = program.pipeline.count_work(program.remat.remat).ratio
     return interleaved_medians(runners, rounds=4, steps_per_round=5, warmup=2), work
 
 

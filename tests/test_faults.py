@@ -110,15 +110,20 @@ def _unused_port():
 
 
 def _waiting_for_a_coordinator(tmp_path):
-    """Process 1 of 2 whose coordinator never comes: its main thread blocks inside jax.distributed (C++)."""
-    return _start("train", *DIGITS_MLP, f"trainer.run_dir={tmp_path / 'run'}",
-                  f"distributed.coordinator=127.0.0.1:{_unused_port()}", "distributed.num_processes=2",
-                  "distributed.process_id=1")
+    """Process 1 of 2 whose coordinator never comes: its main thread blocks inside jax.distributed (C++).
+
+    Returns once the process has said it is joining, and a second more: on a loaded machine the imports before
+    it can take longer than any fixed wait, and a signal during them is handled by Python, not the watcher."""
+    process = _start("train", *DIGITS_MLP, f"trainer.run_dir={tmp_path / 'run'}",
+                     f"distributed.coordinator=127.0.0.1:{_unused_port()}", "distributed.num_processes=2",
+                     "distributed.process_id=1")
+    _wait_for_line(process, "joining the other processes through distributed.coordinator=")
+    time.sleep(1)
+    return process
 
 
 def test_a_signal_stops_start_up_even_while_blocked_in_cpp(tmp_path):
     process = _waiting_for_a_coordinator(tmp_path)
-    time.sleep(6)
     process.send_signal(signal.SIGINT)
     began = time.monotonic()
     out, err = process.communicate(timeout=60)
@@ -128,7 +133,6 @@ def test_a_signal_stops_start_up_even_while_blocked_in_cpp(tmp_path):
 
 def test_a_second_ctrl_c_exits_at_once(tmp_path):
     process = _waiting_for_a_coordinator(tmp_path)
-    time.sleep(6)
     process.send_signal(signal.SIGINT)
     time.sleep(0.3)
     began = time.monotonic()

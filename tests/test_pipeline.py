@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import REPO, TINY_GPT, run_cli
-from xlatrain.lowering.inspect import collectives
+from xlatrain.lowering.inspect import collectives, peak_memory_bytes
 
 from xlatrain.cli import main
 from xlatrain.config import load_config
@@ -194,6 +194,24 @@ def test_1f1b_holds_p_microbatches_of_activations_and_residuals_where_gpipe_hold
         assert saved == pytest.approx((16 - 4) * per_microbatch, rel=0.05), remat
 
 
+def test_remat_auto_keeps_residuals_only_when_xlas_memory_analysis_of_the_step_fits_the_budget(devices):
+    """auto compiles the step keeping residuals, and trains with that very executable when it fits: one
+    compilation. Under a budget a byte too small it compiles the recomputing step too, which needs less."""
+    auto = ["mesh.stage=2", "parallel.pipeline.microbatches=2", "parallel.pipeline.remat=auto"]
+    roomy = program_for(auto)
+    assert roomy.remat.remat == "none" and "within a CPU device's share of the host's" in roomy.remat.reason
+    assert roomy.train_step is roomy._train_step_for("none") and len(roomy.compile_book.records) == 1
+    needed = peak_memory_bytes(roomy.train_step.first.compiled)
+    tight = program_for([*auto, f"parallel.pipeline.memory_budget_bytes={needed - 1}"])
+    assert tight.remat.remat == "full", tight.remat
+    assert (f"needs {needed / 2**20:.1f} MiB per device by XLA's memory analysis of the step, more than "
+            "parallel.pipeline.memory_budget_bytes") in tight.remat.reason
+    assert len(tight.compile_book.records) == 1  # the measurement; the train step is not compiled yet
+    assert peak_memory_bytes(tight.train_step.first.compiled) < needed and len(tight.compile_book.records) == 2
+    report = tight.pipeline_report(tight.train_step.first.compiled)
+    assert (report["remat"], report["residual_buffers"], report["remat_reason"]) == ("full", 0, tight.remat.reason)
+
+
 @pytest.mark.slow
 def test_remat_none_does_the_unpipelined_models_work_and_full_recomputes_the_forward(devices):
     """XLA's FLOPs of every action of the table (lowering/pipeline_work.py) against the gradient of the whole
@@ -202,7 +220,7 @@ def test_remat_none_does_the_unpipelined_models_work_and_full_recomputes_the_for
     for remat in ("none", "full"):
         program = program_for(["mesh.stage=2", "model.layers=3", "parallel.pipeline.microbatches=2",
                                f"parallel.pipeline.remat={remat}"])
-        ratios[remat] = program.pipeline.count_work().ratio
+        ratios[remat] = program.pipeline.count_work(remat).ratio
     assert ratios["none"] == pytest.approx(1.0, abs=0.05), ratios
     assert 1.2 < ratios["full"] < 1.45, ratios
 
@@ -310,6 +328,8 @@ ERRORS = {
     "jit-mode": (["mesh.stage=2", "parallel.mode=jit"], "use parallel.mode=auto or shard_map"),
     "zero1": (["mesh.stage=2", "parallel.strategy=zero1"], "use parallel.strategy=replicated"),
     "pipeline-without-stages": (["parallel.pipeline.schedule=gpipe"], "is set but mesh.stage=1"),
+    "budget-without-auto": (["mesh.stage=2", "parallel.pipeline.memory_budget_bytes=1000000"],
+                            "memory_budget_bytes is read by remat=auto only, and remat=full is fixed"),
     "batch-split": (["mesh.stage=2", "parallel.pipeline.microbatches=3"], "not divisible by batch.microbatches 1 x "
                     "parallel.pipeline.microbatches 3"),
 }

@@ -256,7 +256,7 @@ def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Name
         raise UserError(f"pipeline: --out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
     program = build_program(config)
     plan = program.pipeline
-    print("\n".join(plan.summary(program.derived.pipeline_microbatch_size, count_work=True)))
+    print("\n".join(plan.summary(program.remat, program.derived.pipeline_microbatch_size, count_work=True)))
     print(plan.table_text())
     draw(plan.schedule, args.out, plan.simulated(), "time (mean chunk forward = 1), from XLA's FLOPs per chunk")
     print(f"wrote {args.out}")
@@ -288,7 +288,7 @@ def _format_report(report: dict, devices: int) -> str:
                   f"  remat            {p['remat']}: " + (
                       f"{p['residual_buffers']} microbatch(es) x {p['residual_bytes_per_microbatch'] / 2**10:.1f} KiB "
                       "of residuals held per stage, no forward recomputed" if p["remat"] == "none"
-                      else "each chunk's backward recomputes its forward"),
+                      else "each chunk's backward recomputes its forward") + f"; {p['remat_reason']}",
                   "  FLOPs            of one time slot: XLA counts the body of the slot loop once"]
     order = report["amp_order"]
     if order is None:

@@ -271,10 +271,14 @@ class PipelineConfig(Strict):
     partition: Literal["auto"] | tuple[PositiveInt, ...] = "auto"
     """auto: blocks per chunk chosen from XLA's cost and memory analysis; or a list of block counts, one per
     chunk (mesh.stage x virtual_stages of them), in model order."""
-    remat: Literal["none", "full"] = "full"
+    remat: Literal["none", "full", "auto"] = "full"
     """full: each chunk's backward recomputes its forward from the stored input activation (~1.33x the model's
     work). none: the forward keeps the chunk's residuals (what its VJP saves) until the backward, which only
-    runs the pullback: the model's work, for more memory (residuals of every microbatch in flight)."""
+    runs the pullback: the model's work, for more memory (residuals of every microbatch in flight). auto: none
+    when XLA's memory analysis of the step compiled with none fits memory_budget_bytes, full otherwise."""
+    memory_budget_bytes: PositiveInt | None = None
+    """What one device may use (remat: auto only); null = the device's memory (a CPU device: its share of the
+    host's RAM)."""
 
     def chunks_per_stage(self) -> int:
         if self.virtual_stages is not None:
@@ -512,6 +516,9 @@ class Config(Strict):
         if pipe.schedule == "interleaved" and v < 2:
             raise ValueError("parallel.pipeline.schedule=interleaved needs virtual_stages >= 2 (model chunks per "
                              "stage); use schedule=1f1b for one chunk per stage")
+        if pipe.memory_budget_bytes is not None and pipe.remat != "auto":
+            raise ValueError(f"parallel.pipeline.memory_budget_bytes is read by remat=auto only, and remat="
+                             f"{pipe.remat} is fixed: set remat=auto, or drop memory_budget_bytes")
         if m < stages:
             raise ValueError(f"parallel.pipeline.microbatches={m} is fewer than mesh.stage={stages}: the "
                              f"{pipe.schedule} schedule needs at least one microbatch per stage to fill the "

@@ -38,6 +38,7 @@ def initialize(config: DistributedConfig) -> None:
     compat.keep_our_signal_handlers()
     joined_through = (f"distributed.coordinator={config.coordinator}" if config.coordinator
                       else f"the {cluster} cluster's environment")
+    print(f"xlatrain: joining the other processes through {joined_through}", flush=True)
     try:
         jax.distributed.initialize(coordinator_address=config.coordinator, num_processes=config.num_processes,
                                    process_id=config.process_id)

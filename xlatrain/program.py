@@ -21,6 +21,7 @@ from xlatrain.lowering.block_costs import measure_block_costs
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
+from xlatrain.lowering.inspect import peak_memory_bytes
 from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_eval, make_pipeline_gradients, stage_link
 from xlatrain.lowering.pipeline_work import pipeline_work, residual_bytes
 from xlatrain.lowering.step import eval_metrics, fuse_steps, make_eval_step, make_gradient_step, make_train_step
@@ -29,6 +30,7 @@ from xlatrain.models import build_model
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
+from xlatrain.pipeline.remat import RematChoice, choose_remat, configured
 from xlatrain.precision import Policy, resolve_policy
 from xlatrain.sharding import named, param_specs
 from xlatrain.state import (
@@ -36,6 +38,7 @@ from xlatrain.state import (
     TrainState,
     check_state_fits,
     create_state,
+    device_memory,
     init_variables,
     make_init,
     state_specs,
@@ -59,6 +62,8 @@ class Program:
     policy: Policy
     compile_book: CompileBook = field(default_factory=CompileBook)
     pipeline: PipelinePlan | None = None
+    _train_steps: dict[str, StepExecutables] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The train step per remat ("full" alone without a pipeline); remat: auto may compile two."""
 
     @property
     def state_shardings(self) -> TrainState:
@@ -89,16 +94,34 @@ class Program:
     @cached_property
     def train_step(self) -> StepExecutables:
         """k fused optimizer steps (trainer.steps_per_sync) per call, compiled per batch shape."""
-        fn = make_train_step(self.model, self.tx, self.schedule, self.config.model.loss, self.policy,
-                             clip_norm=self.config.optimizer.clip_norm,
-                             skip_nonfinite=self.config.trainer.on_nonfinite == "skip",
-                             replicas=self._replicas(), compute_params=self._gather_params,
-                             **self._pipelined())
-        fused = self._per_device(fuse_steps(fn, self.steps_per_sync))
-        name = "train_step" if self.steps_per_sync == 1 else f"train_step x{self.steps_per_sync}"
-        return StepExecutables(name, lambda batch: compile_train_step(
-            fused, self._abstract_sharded_state(), self.state_shardings, batch,
-            train_batch_sharding(self.mesh, self.steps_per_sync)), self.train_batch_shapes(), self.compile_book)
+        return self._train_step_for(self.remat.remat if self.remat is not None else "full")
+
+    @cached_property
+    def remat(self) -> RematChoice | None:
+        """A pipeline's remat; `auto` compiles the train step with remat: none to measure it, and that
+        executable is the train step when it fits."""
+        if self.pipeline is None:
+            return None
+        pipe = self.config.parallel.pipeline
+        if pipe.remat != "auto":
+            return configured(pipe.remat)
+        budget, source = ((pipe.memory_budget_bytes, "parallel.pipeline.memory_budget_bytes")
+                          if pipe.memory_budget_bytes is not None else device_memory(self.mesh))
+        return choose_remat(lambda: peak_memory_bytes(self._train_step_for("none").first.compiled), budget, source)
+
+    def _train_step_for(self, remat: str) -> StepExecutables:
+        if remat not in self._train_steps:
+            fn = make_train_step(self.model, self.tx, self.schedule, self.config.model.loss, self.policy,
+                                 clip_norm=self.config.optimizer.clip_norm,
+                                 skip_nonfinite=self.config.trainer.on_nonfinite == "skip",
+                                 replicas=self._replicas(), compute_params=self._gather_params,
+                                 **self._pipelined(remat))
+            fused = self._per_device(fuse_steps(fn, self.steps_per_sync))
+            name = "train_step" if self.steps_per_sync == 1 else f"train_step x{self.steps_per_sync}"
+            self._train_steps[remat] = StepExecutables(name, lambda batch: compile_train_step(
+                fused, self._abstract_sharded_state(), self.state_shardings, batch,
+                train_batch_sharding(self.mesh, self.steps_per_sync)), self.train_batch_shapes(), self.compile_book)
+        return self._train_steps[remat]
 
     @cached_property
     def eval_step(self) -> StepExecutables:
@@ -132,8 +155,9 @@ class Program:
                 "activation_buffers": plan.slots.activation_buffers,
                 "gpipe_activation_buffers": plan.gpipe_activation_buffers(),
                 "activation_bytes_per_microbatch": plan.costs.boundary_bytes,
-                "remat": plan.remat, "residual_buffers": plan.slots.residual_buffers if plan.remat == "none" else 0,
-                "residual_bytes_per_microbatch": plan.count_residual_bytes() if plan.remat == "none" else 0,
+                "remat": self.remat.remat, "remat_reason": self.remat.reason,
+                "residual_buffers": plan.slots.residual_buffers if self.remat.remat == "none" else 0,
+                "residual_bytes_per_microbatch": plan.count_residual_bytes() if self.remat.remat == "none" else 0,
                 "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else 0}
 
     def create_state(self) -> TrainState:
@@ -142,7 +166,7 @@ class Program:
         verify_replicas_identical(state, self.specs, self.mesh)
         return state
 
-    def _pipelined(self) -> dict[str, Any]:
+    def _pipelined(self, remat: str) -> dict[str, Any]:
         """A pipeline's gradient computation and its stage-split norms, for make_train_step."""
         if self.pipeline is None:
             return {}
@@ -151,7 +175,7 @@ class Program:
         plan = self.pipeline
         return {"gradients": make_pipeline_gradients(self.model.blocks, plan.layout, plan.slots,
                                                      self.derived.pipeline_microbatches, self.config.model.loss,
-                                                     self.policy, link, self.config.parallel.pipeline.remat),
+                                                     self.policy, link, remat),
                 "trees": StagedTrees(link)}
 
     def _pipelined_eval(self) -> Callable[[TrainState, dict], dict]:

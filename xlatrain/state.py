@@ -85,23 +85,27 @@ def with_shardings(abstract: Any, specs: Any, mesh: Mesh) -> Any:
                         abstract, named(mesh, specs), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
-def check_state_fits(abstract_sharded: Any, mesh: Mesh) -> None:
-    """Refuse, before allocating anything, a train state that alone exceeds the memory of the devices holding
-    it (a mistyped size would otherwise end in an out-of-memory kill without a word). CPU devices of one
-    process share the host's RAM."""
-    per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
-                     for a in jax.tree.leaves(abstract_sharded))
+def device_memory(mesh: Mesh) -> tuple[int | None, str]:
+    """What one device of this process may hold (None when the runtime does not say), and where that figure
+    comes from. CPU devices of one process share the host's RAM."""
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if devices[0].platform == "cpu":
-        needed, available = per_device * len(devices), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        where = f"the host's {available / 2**30:.1f} GiB of RAM ({len(devices)} CPU devices of this process)"
-    else:
-        stats = devices[0].memory_stats() or {}
-        needed, available = per_device, stats.get("bytes_limit")
-        where = f"the {available / 2**30 if available else 0:.1f} GiB of one {devices[0].device_kind}"
-    if available and needed > available:
-        raise UserError(f"config: the train state (params and optimizer state) needs {needed / 2**30:.1f} GiB, more "
-                        f"than {where}; make the model smaller (model.* sizes), or shard it "
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return ram // len(devices), (f"a CPU device's share of the host's {ram / 2**30:.1f} GiB of RAM "
+                                     f"({len(devices)} devices in this process)")
+    limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    return limit, f"the {limit / 2**30 if limit else 0:.1f} GiB of one {devices[0].device_kind}"
+
+
+def check_state_fits(abstract_sharded: Any, mesh: Mesh) -> None:
+    """Refuse, before allocating anything, a train state that alone exceeds the memory of the devices holding
+    it (a mistyped size would otherwise end in an out-of-memory kill without a word)."""
+    per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                     for a in jax.tree.leaves(abstract_sharded))
+    available, where = device_memory(mesh)
+    if available and per_device > available:
+        raise UserError(f"config: the train state (params and optimizer state) needs {per_device / 2**30:.1f} GiB "
+                        f"per device, more than {where}; make the model smaller (model.* sizes), or shard it "
                         "(parallel.strategy=zero1/fsdp, mesh.stage)")
 
 

@@ -94,7 +94,8 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
     if program.pipeline is not None:
         echo(f"  pipeline: {d.stages} stages, each accumulation microbatch cut into {d.pipeline_microbatches} "
              f"pipeline microbatches of {d.pipeline_microbatch_size}")
-        for line in program.pipeline.summary():
+        remat = program.remat if program.config.parallel.pipeline.remat != "auto" else "auto"
+        for line in program.pipeline.summary(remat):
             echo(f"    {line}")
 
 
@@ -140,6 +141,8 @@ class _Run:
         k = self.trainer.steps_per_sync
         self.echo(f"  compiled train step in {train_step.first.compile_seconds:.1f}s; training steps {start}..."
                   f"{self.trainer.steps}" + (f", {k} steps per executable" if k > 1 else ""))
+        if self.program.remat is not None and self.config.parallel.pipeline.remat == "auto":
+            self.echo(f"  pipeline remat {self.program.remat.describe()}")
         bar = tqdm(total=self.trainer.steps, initial=start, disable=not (self.trainer.progress and is_primary()),
                    unit="step", dynamic_ncols=True)
         clock = _Throughput(self.program)

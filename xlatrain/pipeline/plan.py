@@ -10,6 +10,7 @@ from xlatrain.config import PipelineConfig, check_block_partition
 from xlatrain.errors import UserError
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.partition import Balance, ModelCosts, auto_partition
+from xlatrain.pipeline.remat import RematChoice
 from xlatrain.pipeline.schedule import (
     Schedule,
     ScheduleError,
@@ -31,11 +32,9 @@ class PipelinePlan:
     """"auto" (from the measured costs) or "explicit" (parallel.pipeline.partition)."""
     measure: Callable[[], ModelCosts]
     """XLA's per-piece costs, measured on first use (and then kept)."""
-    remat: str
-    """parallel.pipeline.remat: "full" recomputes each chunk's forward in its backward, "none" keeps residuals."""
-    count_work: Callable[[], Any]
-    """XLA's FLOPs of the pipelined step beside the unpipelined model's (lowering/pipeline_work.py), counted on
-    first use (and then kept)."""
+    count_work: Callable[[str], Any]
+    """`count_work(remat)`: XLA's FLOPs of the pipelined step beside the unpipelined model's
+    (lowering/pipeline_work.py), counted on first use (and then kept)."""
     count_residual_bytes: Callable[[], int]
     """Bytes of one microbatch's kept residuals on a stage with remat: none, counted on first use."""
     evaluation: Schedule
@@ -58,9 +57,11 @@ class PipelinePlan:
         return simulate(self.schedule, [c.forward_flops / unit for c in chunks],
                         [c.backward_flops / unit for c in chunks])
 
-    def summary(self, rows_per_microbatch: int | None = None, count_work: bool = False) -> list[str]:
-        """`count_work`: add XLA's FLOPs of the step against the unpipelined model's (compiles every kind of
-        action: seconds, so `xlatrain pipeline` asks for it and a training run's start does not)."""
+    def summary(self, remat: RematChoice | str, rows_per_microbatch: int | None = None,
+                count_work: bool = False) -> list[str]:
+        """`remat`: the choice, or "auto" before the step has compiled to make it. `count_work`: add XLA's FLOPs
+        of the step against the unpipelined model's (compiles every kind of action: seconds, so `xlatrain
+        pipeline` asks for it and a training run's start does not)."""
         s, slots = self.schedule, self.slots
         rows = f" of {rows_per_microbatch} rows" if rows_per_microbatch else ""
         chunk = f"{s.virtual_stages} chunks per stage" if s.virtual_stages > 1 else "1 chunk per stage"
@@ -74,17 +75,23 @@ class PipelinePlan:
             f"{s.theoretical_bubble():.1%}); {simulated.bubble():.1%} with the chunks' XLA FLOPs",
             f"activations      each stage holds at most {slots.activation_buffers} microbatch(es) of stage inputs "
             f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients",
-            self.remat_line(count_work),
+            self.remat_line(remat, count_work),
             f"evaluation       forward only through the stages: {self.evaluation.microbatches} microbatches, "
             f"{self.evaluation.slots} time slots, bubble {self.evaluation.bubble():.1%}",
         ]
 
-    def remat_line(self, count_work: bool) -> str:
-        done = f"; XLA FLOPs per step {self.count_work().ratio:.2f}x the unpipelined model's" if count_work else ""
-        if self.remat == "none":
-            return (f"remat            none: chunks keep their residuals from forward to backward (at most "
-                    f"{self.slots.residual_buffers} microbatch(es) of them per stage){done}")
-        return f"remat            full: chunks recompute their forward in the backward{done}"
+    def remat_line(self, remat: RematChoice | str, count_work: bool) -> str:
+        if isinstance(remat, str):
+            return ("remat            auto: chosen when the train step compiles (none if XLA's memory analysis of "
+                    "the step keeping residuals fits the budget, else full)")
+        done = f"; XLA FLOPs per step {self.count_work(remat.remat).ratio:.2f}x the unpipelined model's" \
+            if count_work else ""
+        if remat.remat == "none":
+            what = (f"chunks keep their residuals from forward to backward (at most {self.slots.residual_buffers} "
+                    "microbatch(es) of them per stage)")
+        else:
+            what = "chunks recompute their forward in the backward"
+        return f"remat            {remat.remat}: {what}{done}; {remat.reason}"
 
     def gpipe_activation_buffers(self) -> int:
         """What the same stages and microbatches would hold under GPipe (m per stage)."""
@@ -134,7 +141,6 @@ def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks
     else:
         partition, source = tuple(auto_partition(measure(), stages * virtual)), "auto"
     return PipelinePlan(schedule, StageLayout(stages, virtual, partition), slot_program(schedule), source,
-                        measure, config.remat,
-                        cache(lambda: count_work(schedule, partition, config.remat)),
+                        measure, cache(lambda remat: count_work(schedule, partition, remat)),
                         cache(lambda: count_residual_bytes(partition)), evaluation,
                         slot_program(evaluation))

@@ -1,0 +1,38 @@
+"""parallel.pipeline.remat: which way a pipeline's chunks get their backward's residuals.
+
+`auto` keeps them (`none`) when XLA's memory analysis of the train step compiled that way fits the budget
+(parallel.pipeline.memory_budget_bytes, or the device's memory), and recomputes them (`full`) otherwise. One
+choice serves every stage: the stages run one SPMD program, whose buffers have the same shapes on every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class RematChoice:
+    remat: str
+    """"none" or "full"."""
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.remat} ({self.reason})"
+
+
+def configured(remat: str) -> RematChoice:
+    return RematChoice(remat, "set by parallel.pipeline.remat")
+
+
+def choose_remat(measure_with_residuals: Callable[[], int], budget: int | None, budget_source: str) -> RematChoice:
+    """`measure_with_residuals()`: bytes per device of the step compiled with remat: none (it compiles, so it is
+    called only when there is a budget to hold it against)."""
+    if budget is None:
+        return RematChoice("full", f"auto: {budget_source} is unknown, so residuals are recomputed; set "
+                                   "parallel.pipeline.memory_budget_bytes to let auto keep them")
+    needed = measure_with_residuals()
+    verdict = "within" if needed <= budget else "more than"
+    return RematChoice("none" if needed <= budget else "full",
+                       f"auto: keeping residuals needs {needed / 2**20:.1f} MiB per device by XLA's memory analysis "
+                       f"of the step, {verdict} {budget_source} ({budget / 2**20:.1f} MiB)")
