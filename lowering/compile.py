@@ -22,6 +22,8 @@ class CompileLog:
 
     events: list[tuple[str, float, str]] = field(default_factory=list)
     current_phase: str = "other"
+    cache_hits: int = 0
+    """Of the events, executables loaded from the persistent compilation cache (trainer.compile_cache)."""
 
     def count(self, name: str | None = None) -> int:
         return sum(1 for fun, _, _ in self.events if name is None or fun in (name, f"jit({name})"))
@@ -42,7 +44,11 @@ class CompileLog:
             self.current_phase = outer
 
     def listening(self):
-        return compat.backend_compile_listener(lambda fun, secs: self.events.append((fun, secs, self.current_phase)))
+        return compat.backend_compile_listener(lambda fun, secs: self.events.append((fun, secs, self.current_phase)),
+                                               self._count_cache_hit)
+
+    def _count_cache_hit(self) -> None:
+        self.cache_hits += 1
 
 
 @dataclass(frozen=True)

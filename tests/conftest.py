@@ -1,10 +1,17 @@
-"""Every test process sees 8 CPU devices; JAX must not have started before these lines run."""
+"""Every test process sees 8 CPU devices; JAX must not have started before these lines run. The suite's
+processes share one persistent compilation cache (trainer.compile_cache: auto), empty at the start."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="xlatrain-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402

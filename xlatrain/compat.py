@@ -7,6 +7,7 @@ import re
 import threading
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 """Recorded by jax (jax/_src/dispatch.py) once per XLA backend compilation, with a `fun_name`."""
 
 
@@ -51,19 +53,38 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def set_persistent_compile_cache(path: Path | None) -> None:
+    """JAX reads its cache directory once, at the first compilation after a reset; None turns the cache off."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    wanted = None if path is None else str(path)
+    if jax.config.jax_compilation_cache_dir != wanted:
+        compilation_cache.reset_cache()
+        jax.config.update("jax_compilation_cache_dir", wanted)
+
+
 @contextlib.contextmanager
-def backend_compile_listener(callback: Callable[[str, float], None]) -> Iterator[None]:
-    """Calls callback(function_name, seconds) for every XLA compilation while the context is open."""
+def backend_compile_listener(callback: Callable[[str, float], None], on_cache_hit: Callable[[], None]
+                             ) -> Iterator[None]:
+    """Calls callback(function_name, seconds) for every XLA compilation while the context is open, and
+    on_cache_hit() for each executable loaded from the persistent cache instead (it is reported as a compilation
+    too, lasting the load)."""
 
     def listener(event: str, duration: float, **kwargs: Any) -> None:
         if event == BACKEND_COMPILE_EVENT:
             callback(str(kwargs.get("fun_name", "?")), duration)
 
+    def hit(event: str, **kwargs: Any) -> None:
+        if event == CACHE_HIT_EVENT:
+            on_cache_hit()
+
     jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.monitoring.register_event_listener(hit)
     try:
         yield
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_listener(hit)
 
 
 def cost_analysis(compiled: Any) -> dict[str, float]:

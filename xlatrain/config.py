@@ -375,6 +375,17 @@ class TrainerConfig(Strict):
     logging, eval and checkpoints happens only at boundaries."""
     compile_budget: PositiveInt | None = None
     """Stop the run, with the recompile report, once the steps have been compiled more than this often."""
+    compile_cache: str = "auto"
+    """JAX's persistent compilation cache: auto (JAX_COMPILATION_CACHE_DIR, else ~/.cache/xlatrain/jax), a
+    directory, or off."""
+
+    @field_validator("compile_cache", mode="before")
+    @classmethod
+    def _yaml_switches(cls, value: Any) -> Any:
+        """YAML reads a bare off/no/false as False (and on/yes/true as True)."""
+        if value is False or value is None:
+            return "off"
+        return "auto" if value is True else value
 
     @model_validator(mode="after")
     def _steps_fill_boundaries(self) -> TrainerConfig:

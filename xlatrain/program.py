@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -13,6 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from xlatrain import compat
+from xlatrain.compile_cache import use_compile_cache
 from xlatrain.config import Config, Derived, derive
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
@@ -62,6 +64,8 @@ class Program:
     policy: Policy
     compile_book: CompileBook = field(default_factory=CompileBook)
     pipeline: PipelinePlan | None = None
+    compile_cache: Path | None = None
+    """Where JAX's persistent compilation cache is (trainer.compile_cache), or None when it is off."""
     _train_steps: dict[str, StepExecutables] = field(default_factory=dict, init=False, repr=False, compare=False)
     """The train step per remat ("full" alone without a pipeline); remat: auto may compile two."""
 
@@ -270,6 +274,7 @@ def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
 def build_program(config: Config, devices: list | None = None,
                   pinned_partition: tuple[int, ...] | None = None) -> Program:
     """`pinned_partition`: the block partition a resumed pipelined run chose at its first start."""
+    compile_cache = use_compile_cache(config.trainer.compile_cache)
     devices = jax.devices() if devices is None else devices
     derived = derive(config, devices)
     mesh = build_mesh(config, devices)
@@ -295,7 +300,7 @@ def build_program(config: Config, devices: list | None = None,
                                   fixed_param_specs=pipeline.layout.param_specs if pipeline else None)
     check_state_fits(with_shardings(abstract, specs, mesh), mesh)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
-                   CompileBook(config.trainer.compile_budget), pipeline)
+                   CompileBook(config.trainer.compile_budget), pipeline, compile_cache)
 
 
 def _model_name(config: Config) -> str:

@@ -24,6 +24,8 @@ class RunSummary:
     compilations: int = 0
     """Every XLA compilation of the session (steps, init, checks)."""
     compile_seconds: float = 0.0
+    compile_cache_hits: int = 0
+    """Of the compilations, executables loaded from the persistent cache (trainer.compile_cache)."""
     compilations_by_phase: dict[str, int] = field(default_factory=dict)
     """set-up (model checks, pipeline partition, shardings), state (init, restore, replica check), steps,
     checkpoints (fingerprints, orbax), other."""
@@ -45,7 +47,8 @@ class RunSummary:
         lines = [
             f"steps {self.start_step}..{self.final_step} in {self.boundaries} boundaries, "
             f"{self.wall_seconds:.1f}s{per_step}",
-            f"compilations {self.compilations} ({self.compile_seconds:.1f}s): "
+            f"compilations {self.compilations} ({self.compile_seconds:.1f}s, {self.compile_cache_hits} loaded from "
+            "the persistent cache): "
             + ", ".join(f"{phase} {count}" for phase, count in self.compilations_by_phase.items())
             + f"; of the steps {len(self.step_compilations)}:",
             *(f"  {c['step']} ({c['seconds']:.2f}s): {c['cause']}" for c in self.step_compilations),

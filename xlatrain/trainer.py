@@ -88,6 +88,7 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
     echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}, "
          f"strategy {program.config.parallel.strategy}, params {program.param_count:,}")
     echo(f"  precision {program.config.precision.policy}: {program.policy.describe()}")
+    echo(f"  compile cache {program.compile_cache or 'off'} (trainer.compile_cache)")
     echo(f"  global batch {d.global_batch} = {d.data_parallel} replicas x {d.per_replica_batch}, "
          f"{d.microbatches} microbatch(es) of {d.microbatch_size}; effective lr {d.effective_lr:.3g} "
          f"({program.config.optimizer.lr_scaling} scaling x{d.lr_scale:.3g})")
@@ -222,6 +223,7 @@ class _Run:
         s.wall_seconds = time.perf_counter() - began
         s.compilations, s.compile_seconds = self.compile_log.count(), self.compile_log.seconds()
         s.compilations_by_phase = self.compile_log.by_phase()
+        s.compile_cache_hits = self.compile_log.cache_hits
         s.step_compilations = [asdict(r) for r in self.program.compile_book.records]
         s.executions = self.program.train_step.executions + self.program.eval_step.executions
         s.result_wait_seconds = self.closures.wait_seconds

@@ -1,0 +1,53 @@
+"""trainer.compile_cache: JAX's persistent compilation cache, so that a second start loads its executables."""
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import DIGITS_MLP, run_cli
+
+from xlatrain.compile_cache import cache_dir, use_compile_cache
+from xlatrain.errors import UserError
+
+
+def test_auto_is_jaxs_own_directory_when_set_else_a_per_user_one(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir("auto") == tmp_path / "xdg" / "xlatrain" / "jax"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir("auto") == Path.home() / ".cache" / "xlatrain" / "jax"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert cache_dir("auto") == tmp_path / "jax"
+    assert cache_dir("~/c") == Path.home() / "c" and cache_dir("off") is None
+
+
+def test_a_directory_that_cannot_be_made_is_one_error_naming_the_field(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"trainer.compile_cache='.*file/cache': cannot create .* or set "
+                                        r"trainer.compile_cache=off"):
+        use_compile_cache(str(tmp_path / "file" / "cache"))
+
+
+def _loaded_from_cache(result) -> int:
+    assert result.returncode == 0, result.stderr
+    return int(re.search(r"compilations \d+ \([\d.]+s, (\d+) loaded from the persistent cache\)",
+                         result.stdout).group(1))
+
+
+def test_a_second_start_loads_the_steps_from_the_cache_and_off_writes_nothing(tmp_path):
+    """Three 1-step runs of the same config in fresh processes (JAX caches only compilations that take at least
+    a second by default; the tiny MLP's take less, so the threshold is lifted here)."""
+    cache = tmp_path / "cache"
+    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+    def start(name, setting):
+        return run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / name}",
+                       f"trainer.compile_cache={setting}", env=env)
+
+    first = start("first", cache)
+    assert f"compile cache {cache} (trainer.compile_cache)" in first.stdout
+    assert _loaded_from_cache(first) == 0 and list(cache.glob("jit_train_step-*"))
+    assert _loaded_from_cache(start("second", cache)) >= 3  # init, the train step and the eval step at least
+    entries = sorted(cache.iterdir())
+    off = start("off", "off")
+    assert "compile cache off" in off.stdout and _loaded_from_cache(off) == 0 and sorted(cache.iterdir()) == entries

@@ -1,0 +1,42 @@
+"""JAX's persistent compilation cache (trainer.compile_cache): a second start of a run, or another run with the
+same programs, loads its executables from disk instead of compiling them.
+
+`auto` is JAX's own JAX_COMPILATION_CACHE_DIR when set, else a per-user directory
+($XDG_CACHE_HOME or ~/.cache, then xlatrain/jax). The cache is trusted code: whoever can write into the
+directory can run code in the training process, so it must not be shared with other users.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from xlatrain import compat
+from xlatrain.errors import UserError
+
+
+def cache_dir(setting: str) -> Path | None:
+    """The directory trainer.compile_cache names: None for `off`."""
+    if setting == "off":
+        return None
+    if setting == "auto":
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            return Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "xlatrain" / "jax"
+    return Path(setting).expanduser()
+
+
+def use_compile_cache(setting: str) -> Path | None:
+    """Point JAX's persistent cache at the directory (created if missing) before anything compiles."""
+    path = cache_dir(setting)
+    if path is not None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"trainer.compile_cache={setting!r}: cannot create {path} ({err.strerror}); name a "
+                            "directory you can write, or set trainer.compile_cache=off") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UserError(f"trainer.compile_cache={setting!r}: {path} is not writable; name a directory you can "
+                            "write, or set trainer.compile_cache=off")
+    compat.set_persistent_compile_cache(path)
+    return path
