@@ -48,6 +48,16 @@ class StageLink:
         return jax.tree.map(self.sum, tree)
 
 
+def scoped(name: str, fn: Callable) -> Callable:
+    """`fn` with its ops under `jax.named_scope(name)`: what a profile's trace and the HLO call them."""
+
+    def run(*args):
+        with jax.named_scope(name):
+            return fn(*args)
+
+    return run
+
+
 def stage_link(stages: int, impl: str, timeout_s: float) -> StageLink:
     if impl == "custom":
         from xlatrain import custom_calls as ops
@@ -194,12 +204,13 @@ def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgra
                         Branch.FORWARD_FIRST: lambda sums: (sums, functions["first"](cb, cr)),
                         Branch.FORWARD: lambda sums: (sums, functions["middle"](cb, x_in)),
                         Branch.FORWARD_LAST: last}
-            sums, to_next = jax.lax.switch(at["branch"], [branches[b] for b in sorted(branches)], sums)
+            sums, to_next = jax.lax.switch(
+                at["branch"], [scoped(b.name.lower(), branches[b]) for b in sorted(branches)], sums)
             received = link.ppermute(to_next, forward_pairs)
             return (activations.at[at["activation_write"]].set(received), sums), None
 
         pool = jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype)
-        sums = jax.lax.scan(slot, (pool, zeros_of(sums_shape)), jnp.arange(slots.slots))[0][1]
+        sums = jax.lax.scan(scoped("pipeline_slot", slot), (pool, zeros_of(sums_shape)), jnp.arange(slots.slots))[0][1]
         return link.sum_tree(sums)
 
     return evaluate
@@ -309,7 +320,8 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
             branches = {Branch.IDLE: idle, Branch.FORWARD_FIRST: forward_first, Branch.FORWARD: forward,
                         Branch.FORWARD_LAST: forward_last, Branch.BACKWARD_FIRST: backward_first,
                         Branch.BACKWARD: backward, Branch.BACKWARD_LAST: backward_last}
-            totals, to_next, to_previous, kept = jax.lax.switch(at["branch"], [branches[b] for b in Branch], totals)
+            totals, to_next, to_previous, kept = jax.lax.switch(
+                at["branch"], [scoped(b.name.lower(), branches[b]) for b in Branch], totals)
             received = link.ppermute(to_next, forward_pairs)
             returned = link.ppermute(to_previous, backward_pairs)
             pools = (activations.at[at["activation_write"]].set(received),
@@ -317,7 +329,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                      {name: pool.at[at["residual_write"]].set(kept[name]) for name, pool in residuals.items()})
             return (pools, totals), None
 
-        return jax.lax.scan(slot, (pools, totals), jnp.arange(slots.slots))[0][1]
+        return jax.lax.scan(scoped("pipeline_slot", slot), (pools, totals), jnp.arange(slots.slots))[0][1]
 
     def gradients(params: dict, batch: dict, key: jax.Array, scale: jax.Array, total_weight: jax.Array):
         blocks, rest = stage_blocks(params)

@@ -92,9 +92,10 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
     forward = make_forward(model, policy, compute_params)
 
     def scaled_objective(params, model_state, micro, key, scale, total_weight):
-        outputs, model_state = forward(params, model_state, micro["inputs"], key)
-        sums = loss_sums(outputs, micro, loss)
-        return sums["loss"] * scale / total_weight, (sums, model_state)
+        with jax.named_scope("forward"):  # the backward's ops are named transpose(jvp(forward))
+            outputs, model_state = forward(params, model_state, micro["inputs"], key)
+            sums = loss_sums(outputs, micro, loss)
+            return sums["loss"] * scale / total_weight, (sums, model_state)
 
     grad_fn = jax.grad(scaled_objective, has_aux=True)
 

@@ -201,6 +201,8 @@ def test_remat_auto_keeps_residuals_only_when_xlas_memory_analysis_of_the_step_f
     roomy = program_for(auto)
     assert roomy.remat.remat == "none" and "within a CPU device's share of the host's" in roomy.remat.reason
     assert roomy.train_step is roomy._train_step_for("none") and len(roomy.compile_book.records) == 1
+    hlo = roomy.train_step.first.compiled.as_text()  # the slots' scopes, which a profile's trace shows
+    assert all(f"/{scope}/" in hlo for scope in ("pipeline_slot", "forward_first", "forward_last", "backward_last"))
     needed = peak_memory_bytes(roomy.train_step.first.compiled)
     tight = program_for([*auto, f"parallel.pipeline.memory_budget_bytes={needed - 1}"])
     assert tight.remat.remat == "full", tight.remat

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -84,6 +85,14 @@ def _parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--out", type=Path, default=Path("pipeline_schedule.png"), metavar="PATH",
                           help="where to write the PNG chart (default: pipeline_schedule.png)")
     pipeline.set_defaults(command=_pipeline)
+    profile = commands.add_parser("profile", help="train the first steps of a config into a fresh run directory "
+                                  "and write a jax.profiler trace of steps A..B (RUN_DIR/profile)")
+    profile.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
+                         help="what `xlatrain train` takes")
+    profile.add_argument("--steps", type=_step_window, default=(3, 5), metavar="A:B",
+                         help="the steps to trace, numbered from 1 (default 3:5: after the compilation and the "
+                         "first steps' warm-up)")
+    profile.set_defaults(command=_profile)
     report = commands.add_parser("report", help="print the run summaries (compilations, executions, transfers)")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.set_defaults(command=_report, args=[])
@@ -103,6 +112,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _step_window(text: str) -> tuple[int, int]:
+    first, _, last = text.partition(":")
+    try:
+        window = (int(first), int(last))
+    except ValueError:
+        window = (0, 0)
+    if not 1 <= window[0] <= window[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not A:B with 1 <= A <= B, e.g. 3:5")
+    return window
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -120,7 +140,11 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
 
 
 def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
-    from xlatrain.stop import STOPPED_BEFORE_FIRST_STEP, StoppedBeforeFirstStep, stop_signals
+    from xlatrain.stop import (
+        STOPPED_BEFORE_FIRST_STEP,
+        StoppedBeforeFirstStep,
+        stop_signals,
+    )
 
     with stop_signals():
         try:
@@ -261,6 +285,18 @@ def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Name
     draw(plan.schedule, args.out, plan.simulated(), "time (mean chunk forward = 1), from XLA's FLOPs per chunk")
     print(f"wrote {args.out}")
     return 0
+
+
+def _profile(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    """`xlatrain train` of steps 1..B into RUN_DIR-profile-<time>, never into the config's own run."""
+    from xlatrain.config import load_config
+
+    config = load_config(config_path, overrides)
+    first, last = args.steps
+    k = config.trainer.steps_per_sync
+    run_dir = f"{config.run_dir()}-profile-{time.strftime('%Y%m%d-%H%M%S')}"
+    return _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
+                                f"trainer.profile_steps=[{first},{last}]", f"trainer.run_dir={run_dir}"], args)
 
 
 def _report(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:

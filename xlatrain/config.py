@@ -375,6 +375,8 @@ class TrainerConfig(Strict):
     logging, eval and checkpoints happens only at boundaries."""
     compile_budget: PositiveInt | None = None
     """Stop the run, with the recompile report, once the steps have been compiled more than this often."""
+    profile_steps: tuple[PositiveInt, PositiveInt] | None = None
+    """[a, b]: a jax.profiler trace of steps a..b (numbered from 1) in RUN_DIR/profile."""
     compile_cache: str = "auto"
     """JAX's persistent compilation cache: auto (JAX_COMPILATION_CACHE_DIR, else ~/.cache/xlatrain/jax), a
     directory, or off."""
@@ -392,6 +394,11 @@ class TrainerConfig(Strict):
         if self.steps % self.steps_per_sync:
             raise ValueError(f"trainer.steps={self.steps} must be a multiple of trainer.steps_per_sync="
                              f"{self.steps_per_sync} (steps run in fused groups)")
+        if self.profile_steps is not None:
+            a, b = self.profile_steps
+            if not a <= b <= self.steps:
+                raise ValueError(f"trainer.profile_steps=[{a}, {b}] must be a first and a last step with "
+                                 f"{a} <= {b} <= trainer.steps={self.steps}")
         return self
 
 

@@ -30,6 +30,7 @@ from xlatrain.distributed import StopAgreement, check_processes_agree, host_name
 from xlatrain.lowering.compile import CompileLog
 from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
+from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import open_run_dir, pinned_partition, save_run_config
 from xlatrain.run_summary import RunSummary
@@ -150,6 +151,7 @@ class _Run:
         record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
         step, began = start, time.perf_counter()
         stopping = False
+        profile = ProfileWindow(self.trainer.profile_steps, self.run_dir, self.echo)
         try:
             self.stop.begin_loop()
             self.progress.phase = "training"
@@ -159,6 +161,7 @@ class _Run:
                         self.closures.run()
                     batch = self._next_batch(loader)
                     clock.dispatching(step + 1)
+                    profile.before_dispatch(step + 1, step + k)
                     state, metrics = self._dispatch(train_step, state, batch)
                     self.closures.will_donate(state)
                     first, step = step + 1, step + k
@@ -169,6 +172,7 @@ class _Run:
                         for hook in self.hooks:
                             call_hook(hook, boundary)
                     self.closures.run(through_step=first - 1)
+                    profile.after_boundary(step, state)
                     self.summary.boundaries += 1
                     stopping = self.stop_agreement.should_stop(self.summary.boundaries)
                     if self._crossed(self.trainer.eval_every, first, step) or step == self.trainer.steps:
@@ -181,6 +185,7 @@ class _Run:
                 self.closures.run()
                 result.interrupted = stopping
         finally:
+            profile.close()
             bar.close()
             loader.close()
             metrics_writer.close()

@@ -1,0 +1,40 @@
+"""Profiles: trainer.profile_steps and `xlatrain profile` write a jax.profiler trace whose device ops carry the
+step's phases."""
+
+import gzip
+import json
+
+import pytest
+from conftest import DIGITS_MLP, run_cli
+
+from xlatrain.config import load_config
+from xlatrain.errors import UserError
+
+
+def test_xlatrain_profile_traces_the_steps_in_a_fresh_run_directory(tmp_path):
+    own = tmp_path / "run"
+    result = run_cli("profile", *DIGITS_MLP, f"trainer.run_dir={own}", "--steps", "2:3")
+    assert result.returncode == 0, result.stderr
+    assert not own.exists()  # the config's own run is never written by a profile
+    [run_dir] = tmp_path.glob("run-profile-*")
+    assert f"profile of steps 2..3 written to {run_dir / 'profile'}" in result.stdout
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line] == [1, 2, 3]
+    [xplane] = (run_dir / "profile" / "plugins" / "profile").glob("*/*.xplane.pb")
+    trace = xplane.read_bytes()
+    for scope in (b"jvp(forward)", b"transpose(jvp(forward))", b"/sync/", b"/clip/", b"/update/"):
+        assert scope in trace, scope
+    [perfetto] = xplane.parent.glob("perfetto_trace.json.gz")
+    assert json.loads(gzip.decompress(perfetto.read_bytes()))
+
+
+@pytest.mark.parametrize("window,message", [("[3,2]", "must be a first and a last step with 3 <= 2"),
+                                            ("[2,9]", "2 <= 9 <= trainer.steps=5")])
+def test_a_window_outside_the_run_is_a_config_error(window, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, [*DIGITS_MLP, "trainer.steps=5", f"trainer.profile_steps={window}"])
+
+
+def test_a_malformed_step_window_is_one_line():
+    result = run_cli("profile", *DIGITS_MLP, "--steps", "0:2")
+    assert result.returncode == 2 and "'0:2' is not A:B with 1 <= A <= B" in result.stderr, result.stderr

@@ -1,0 +1,62 @@
+"""trainer.profile_steps: a jax.profiler trace of a window of training steps, in RUN_DIR/profile.
+
+The trace opens in TensorBoard's profile plugin (`tensorboard --logdir RUN_DIR/profile`), in xprof, and in
+Perfetto (`perfetto_trace.json.gz`); processes other than 0 write theirs into RUN_DIR/profile/process-<i>.
+The step's phases carry `jax.named_scope` names (lowering/step.py, lowering/pipeline_step.py), so the device
+ops read as the forward (`jvp(forward)`, as jax names it under differentiation), the backward
+(`transpose(jvp(forward))`), sync, unscale, finite_check, grad_norm, clip, update, and a pipeline's slots
+(`pipeline_slot`, then the slot's action: `forward_first`, `backward`, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+PROFILE_DIR = "profile"
+
+
+class ProfileWindow:
+    """Steps a..b (numbered as in metrics.jsonl, from 1): the trace starts before the executable that runs
+    step a is dispatched and stops once the one that runs step b has finished (whole executables: with
+    trainer.steps_per_sync > 1 the window widens to the fused groups it touches)."""
+
+    def __init__(self, steps: tuple[int, int] | None, run_dir: Path, echo: Callable[[str], None]):
+        self.steps = steps
+        # Processes of one host would write the same <host>.xplane.pb: each but the first has its own folder.
+        index = jax.process_index()
+        self.directory = run_dir / PROFILE_DIR / (f"process-{index}" if index else "")
+        self.echo = echo
+        self.tracing = False
+        self.done = False
+
+    def before_dispatch(self, first: int, last: int) -> None:
+        """`first`..`last`: the steps of the executable about to be dispatched."""
+        if self.steps is None or self.tracing or self.done:
+            return
+        a, b = self.steps
+        if first > b:
+            self.echo(f"  trainer.profile_steps [{a}, {b}] lie before step {first}, where this session starts: "
+                      "nothing traced")
+            self.done = True
+        elif last >= a:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+            self.tracing = True
+
+    def after_boundary(self, step: int, state: Any) -> None:
+        if self.tracing and step >= self.steps[1]:
+            jax.block_until_ready(state)
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write the trace (also when the run stops early)."""
+        if not self.tracing:
+            return
+        jax.profiler.stop_trace()
+        self.tracing, self.done = False, True
+        self.echo(f"  profile of steps {self.steps[0]}..{self.steps[1]} written to {self.directory}: open it with "
+                  f"`tensorboard --logdir {self.directory}` (profile tab), or load its perfetto_trace.json.gz "
+                  "at ui.perfetto.dev")
