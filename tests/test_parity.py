@@ -14,11 +14,17 @@ def test_one_device_and_eight_devices_fsdp_agree(capsys, devices):
     assert "no divergence over 10 steps" in out
 
 
-def test_a_different_learning_rate_diverges_at_step_one(capsys):
-    code = main(["parity", "--a", *DIGITS_MLP, "--b", *DIGITS_MLP, "optimizer.lr=0.01", "--steps", "5"])
+def test_a_different_learning_rate_diverges_at_step_one_and_both_curves_are_drawn(capsys, tmp_path):
+    chart = tmp_path / "parity.png"
+    code = main(["parity", "--a", *DIGITS_MLP, "--b", *DIGITS_MLP, "optimizer.lr=0.01", "--steps", "5",
+                 "--plot", str(chart)])
     out = capsys.readouterr().out
     assert code == 1
-    assert "first divergence at step 1: param_norm" in out
+    assert "first divergence at step 1: param_norm" in out and f"wrote {chart}" in out
+    from PIL import Image
+
+    with Image.open(chart) as image:
+        assert image.format == "PNG"
 
 
 def test_compare_reports_the_first_step_beyond_tolerance():

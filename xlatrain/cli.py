@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     parity.add_argument("--b", nargs="+", default=[], metavar="key=value", help="overrides for side B")
     parity.add_argument("--steps", type=int, default=20, help="steps to compare (default 20)")
     parity.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    parity.add_argument("--plot", type=Path, metavar="PNG", help="also draw both sides' curves into this PNG")
     parity.add_argument("--against", choices=("torch", "torch_xla"), help="compare a torch model (model.name=torch) "
                         "trained by xlatrain (side A, with --a overrides) with PyTorch eager or torch_xla (side B)")
     parity.add_argument("--python", metavar="PATH", help="with --against torch_xla: the Python of a virtual "
@@ -93,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
                          help="the steps to trace, numbered from 1 (default 3:5: after the compilation and the "
                          "first steps' warm-up)")
     profile.set_defaults(command=_profile)
+    plot = commands.add_parser("plot", help="draw runs' loss, eval loss, learning rate, loss scale, throughput and "
+                               "MFU against step (several runs overlaid)")
+    plot.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    plot.add_argument("--out", type=Path, default=Path("metrics.png"), metavar="PNG",
+                      help="where to write the chart (default: metrics.png)")
+    plot.set_defaults(command=_plot, args=[])
     report = commands.add_parser("report", help="print the run summaries (compilations, executions, transfers)")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.set_defaults(command=_report, args=[])
@@ -237,11 +244,17 @@ def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Name
     if args.steps < 1 or not args.rtol >= 0:
         raise UserError("parity: --steps must be at least 1 and --rtol non-negative")
     if args.against:
+        if args.plot:
+            raise UserError("parity --plot draws two xlatrain runs; with --against, side B is not one: drop --plot")
         return _parity_against_torch(args)
+    if args.plot and not args.plot.parent.is_dir():
+        raise UserError(f"parity: --plot {str(args.plot)!r}: directory {str(args.plot.parent)!r} does not exist")
     paths = (args.configs or [None]) * (2 if len(args.configs) < 2 else 1)
     config_a, config_b = load_config(paths[0], args.a), load_config(paths[1], args.b)
-    report = run_parity(config_a, config_b, args.steps, args.rtol)
+    report = run_parity(config_a, config_b, args.steps, args.rtol, args.plot)
     print(report.summary())
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0 if report.first is None else 1
 
 
@@ -297,6 +310,16 @@ def _profile(config_path: str | None, overrides: list[str], args: argparse.Names
     run_dir = f"{config.run_dir()}-profile-{time.strftime('%Y%m%d-%H%M%S')}"
     return _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
                                 f"trainer.profile_steps=[{first},{last}]", f"trainer.run_dir={run_dir}"], args)
+
+
+def _plot(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.plot import plot_runs
+
+    if not args.out.parent.is_dir():
+        raise UserError(f"plot: --out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
+    panels = plot_runs(args.run_dirs, args.out)
+    print(f"wrote {args.out} ({', '.join(panels)} against step, {len(args.run_dirs)} run(s))")
+    return 0
 
 
 def _report(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import jax
 
 from xlatrain.config import Config
 from xlatrain.metrics import read_metrics
+from xlatrain.plot import plot_runs
 from xlatrain.trainer import train
 
 COMPARED = ("loss", "param_norm")
@@ -56,10 +57,14 @@ def parity_config(config: Config, steps: int, run_dir: Path) -> Config:
     return config.model_copy(update={"trainer": trainer})
 
 
-def run_parity(config_a: Config, config_b: Config, steps: int, rtol: float) -> ParityReport:
+def run_parity(config_a: Config, config_b: Config, steps: int, rtol: float, plot: Path | None = None) -> ParityReport:
+    """`plot`: also draw both sides' curves (`xlatrain plot`) into this PNG."""
     with tempfile.TemporaryDirectory(prefix="xlatrain-parity-") as scratch:
-        records = [trajectory(parity_config(c, steps, Path(scratch) / name))
-                   for c, name in ((config_a, "a"), (config_b, "b"))]
+        sides = [Path(scratch) / name for name in ("A", "B")]
+        records = [trajectory(parity_config(c, steps, side)) for c, side in zip((config_a, config_b), sides,
+                                                                                  strict=True)]
+        if plot is not None:
+            plot_runs(sides, plot)
     return compare(records[0], records[1], steps, rtol)
 
 

@@ -1,0 +1,40 @@
+"""`xlatrain plot`: runs' curves from metrics.jsonl, overlaid; a killed run's torn last line is tolerated."""
+
+import json
+
+from PIL import Image
+
+from xlatrain.cli import main
+
+
+def write_run(path, records, torn_tail=""):
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + torn_tail)
+    return path
+
+
+def steps(n, **extra):
+    return [{"step": s, "loss": 2.0 / s, "lr": 1e-3, "samples_per_sec": 100.0 + s, "skipped": False, **extra}
+            for s in range(1, n + 1)]
+
+
+def test_two_runs_are_drawn_on_the_panels_they_have(tmp_path, capsys):
+    fp32 = write_run(tmp_path / "a" / "run", [*steps(20), {"step": 20, "eval_loss": 0.2}])
+    fp16 = write_run(tmp_path / "b" / "run", steps(12, loss_scale=32768.0), torn_tail='{"step": 13, "lo')
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(fp32), str(fp16), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == (f"wrote {out} (loss, learning rate, loss scale, samples / s against "
+                                               "step, 2 run(s))")
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size[1] > image.size[0]  # one panel under another
+
+
+def test_a_missing_or_corrupt_metrics_file_is_one_line(tmp_path, capsys):
+    assert main(["plot", str(tmp_path / "nowhere")]) == 2
+    assert "plot: " + str(tmp_path / "nowhere" / "metrics.jsonl") + " does not exist" in capsys.readouterr().err
+    broken = write_run(tmp_path / "broken", steps(2))
+    (broken / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\nnot json\n{"step": 2, "loss": 0.5}\n')
+    assert main(["plot", str(broken), "--out", str(tmp_path / "x.png")]) == 2
+    assert "metrics.jsonl:2 is not a JSON record" in capsys.readouterr().err
+    assert main(["plot", str(broken), "--out", str(tmp_path / "no" / "x.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err

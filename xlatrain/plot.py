@@ -1,0 +1,75 @@
+"""`xlatrain plot RUN_DIR [RUN_DIR ...]`: a run's curves from its metrics.jsonl, several runs overlaid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xlatrain.errors import UserError
+
+PANELS = (("loss", ("loss", "eval_loss")), ("learning rate", ("lr",)), ("loss scale", ("loss_scale",)),
+          ("samples / s", ("samples_per_sec",)), ("MFU", ("mfu",)))
+"""Each panel's title and the metrics it draws against step; a panel no run has is left out."""
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl. A torn last line (the run was killed while writing it) is
+    dropped; any other unreadable line is an error naming the file and line."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"plot: {path} does not exist; give run directories written by `xlatrain train`")
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise UserError(f"plot: {path}:{number} is not a JSON record; repair or remove that line") from None
+    return records
+
+
+def run_names(run_dirs: list[Path]) -> list[str]:
+    """Each run's directory name, or the path as given where two names would be the same."""
+    names = [d.name or str(d) for d in run_dirs]
+    return [name if names.count(name) == 1 else str(d) for name, d in zip(names, run_dirs, strict=True)]
+
+
+def curves(records: list[dict], metric: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[metric]) for r in records if isinstance(r.get(metric), (int, float))
+              and not isinstance(r.get(metric), bool)]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> list[str]:
+    """Write the PNG; returns the panels drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {name: read_metrics(d) for name, d in zip(run_names(run_dirs), run_dirs, strict=True)}
+    panels = [(title, metrics) for title, metrics in PANELS
+              if any(curves(records, m)[0] for records in runs.values() for m in metrics)]
+    if not panels:
+        raise UserError(f"plot: no step metrics in {', '.join(str(d / 'metrics.jsonl') for d in run_dirs)} yet")
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True, squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (title, metrics), ax in zip(panels, axes[:, 0], strict=True):
+        for index, (name, records) in enumerate(runs.items()):
+            for metric in metrics:
+                steps, values = curves(records, metric)
+                if steps:
+                    ax.plot(steps, values, color=colours[index % len(colours)],
+                            linestyle="--" if metric.startswith("eval_") else "-", marker="." if len(steps) < 30
+                            else None, label=f"{name} {metric}" if len(metrics) > 1 else name)
+        ax.set_ylabel(title)
+        if title == "loss scale":
+            ax.set_yscale("log", base=2)  # it moves by factors of two
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[-1, 0].set_xlabel("step")
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return [title for title, _ in panels]
