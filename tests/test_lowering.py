@@ -20,9 +20,11 @@ def kinds(report):
 
 def test_data_parallel_step_all_reduces_gradients(capsys, devices):
     report = lower_json(capsys, *DIGITS_MLP)
-    assert set(report) == {"params", "flops", "peak_memory_bytes", "collectives", "amp_order"}
+    assert set(report) == {"params", "flops", "peak_memory_bytes", "collectives", "model_flops", "amp_order"}
     assert report["amp_order"] == []
     assert report["params"] == 64 * 32 + 32 + 32 * 10 + 10
+    # the first layer's input gradient is not needed: forward + both gradients of the second layer, one of the first
+    assert report["model_flops"] == 2 * 32 * (3 * 32 * 10 + 2 * 64 * 32)
     assert report["flops"] > 0 and report["peak_memory_bytes"] > 0
     reduce = kinds(report)["all-reduce"]
     assert reduce["count"] >= 1 and reduce["bytes"] >= 4 * report["params"]

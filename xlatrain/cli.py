@@ -222,6 +222,7 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     program = build_program(load_config(config_path, overrides))
     step = program.train_step.first
     report = step_report(step.lowered, step.compiled, program.param_count)
+    report["model_flops"] = program.derived.model_flops_per_step
     report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None
     if program.pipeline is not None:
         report["pipeline"] = program.pipeline_report(step.compiled)
@@ -331,7 +332,11 @@ def _report(_config_path: str | None, _overrides: list[str], args: argparse.Name
 
 def _format_report(report: dict, devices: int) -> str:
     lines = [f"params             {report['params']:,}",
-             f"FLOPs per step     {report['flops']:.4g} (XLA cost analysis, per device program)",
+             f"FLOPs per step     {report['flops']:.4g} (XLA cost analysis, per device program: a loop's body "
+             "counted once)",
+             "model FLOPs        " + (f"{report['model_flops']:.4g} per step, all devices (matmuls of the forward "
+                                      "and backward over the global batch, counted on the jaxpr with every loop's "
+                                      "trip count)" if report["model_flops"] else "not counted (a while loop)"),
              f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)",
              "collectives        " + ("none" if not report["collectives"] else "")]
     lines += [f"  {c['kind']:<26} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]

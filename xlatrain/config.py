@@ -587,6 +587,9 @@ class Derived:
     """Rows of one pipeline microbatch on one replica (pipelines only)."""
     pipeline_partition: tuple[int, ...] | None = None
     """Blocks per chunk, as planned (pipelines only); saved in the run's config.yaml and kept on resume."""
+    model_flops_per_step: float | None = None
+    """Matmul and convolution FLOPs of one step's forward and backward over the global batch, counted on the
+    jaxpr (lowering/flops.py); None until the model is built, or when a while loop hides a trip count."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}

@@ -20,14 +20,44 @@ from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
 from xlatrain.lowering.block_costs import measure_block_costs
-from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
-from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
+from xlatrain.lowering.compile import (
+    CompileBook,
+    StepExecutables,
+    compile_eval_step,
+    compile_train_step,
+)
+from xlatrain.lowering.flops import UncountedLoop, step_flops
+from xlatrain.lowering.grad_sync import (
+    ExplicitReplicas,
+    PartitionedReplicas,
+    explicit_replicas,
+)
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 from xlatrain.lowering.inspect import peak_memory_bytes
-from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_eval, make_pipeline_gradients, stage_link
+from xlatrain.lowering.pipeline_step import (
+    StagedTrees,
+    make_pipeline_eval,
+    make_pipeline_gradients,
+    stage_link,
+)
 from xlatrain.lowering.pipeline_work import pipeline_work, residual_bytes
-from xlatrain.lowering.step import eval_metrics, fuse_steps, make_eval_step, make_gradient_step, make_train_step
-from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
+from xlatrain.lowering.step import (
+    eval_metrics,
+    fuse_steps,
+    loss_sums,
+    make_eval_step,
+    make_forward,
+    make_gradient_step,
+    make_train_step,
+)
+from xlatrain.mesh import (
+    DATA,
+    build_mesh,
+    eval_batch_sharding,
+    per_replica,
+    replicated,
+    train_batch_sharding,
+)
 from xlatrain.models import build_model
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.optim import build_optimizer, learning_rate_schedule
@@ -289,6 +319,8 @@ def build_program(config: Config, devices: list | None = None,
     schedule = learning_rate_schedule(config.optimizer, derived,
                                         config.optimizer.decay_steps or config.trainer.steps)
     pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, pinned_partition)
+    derived = dataclasses.replace(derived, model_flops_per_step=_model_flops(config, derived, model, dataset.spec,
+                                                                             policy))
     if pipeline is not None:
         derived = dataclasses.replace(derived, pipeline_partition=pipeline.layout.partition)
     # Params of a BlockStack's layers are stacked: [layers, ...], or [virtual stages, stages, blocks, ...].
@@ -301,6 +333,22 @@ def build_program(config: Config, devices: list | None = None,
     check_state_fits(with_shardings(abstract, specs, mesh), mesh)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
                    CompileBook(config.trainer.compile_budget), pipeline, compile_cache)
+
+
+def _model_flops(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy) -> float | None:
+    """The unpipelined model's forward and backward over the global batch, traced (lowering/flops.py): what
+    every layout of the step (sharded, accumulated, pipelined) computes, recomputation aside."""
+    forward = make_forward(model, policy)
+
+    def objective(params, model_state, batch):
+        outputs, _ = forward(params, model_state, batch["inputs"], jax.random.PRNGKey(0))
+        return loss_sums(outputs, batch, config.model.loss)["loss"]
+
+    params, model_state = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy))
+    try:
+        return step_flops(jax.grad(objective), params, model_state, batch_structs(spec, (derived.global_batch,)))
+    except UncountedLoop:
+        return None
 
 
 def _model_name(config: Config) -> str:

@@ -30,6 +30,7 @@ from xlatrain.distributed import StopAgreement, check_processes_agree, host_name
 from xlatrain.lowering.compile import CompileLog
 from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
+from xlatrain.peaks import peak_per_device
 from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import open_run_dir, pinned_partition, save_run_config
@@ -147,7 +148,7 @@ class _Run:
             self.echo(f"  pipeline remat {self.program.remat.describe()}")
         bar = tqdm(total=self.trainer.steps, initial=start, disable=not (self.trainer.progress and is_primary()),
                    unit="step", dynamic_ncols=True)
-        clock = _Throughput(self.program)
+        clock = _Throughput(self.program, self._peak_flops())
         record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
         step, began = start, time.perf_counter()
         stopping = False
@@ -196,6 +197,18 @@ class _Run:
         for line in self.summary.lines():
             self.echo(f"  {line}")
         return result
+
+    def _peak_flops(self) -> float | None:
+        """One device's peak for MFU; said once at the start, with the step's model FLOPs."""
+        flops = self.program.derived.model_flops_per_step
+        if flops is None:
+            self.echo("  model FLOPs per step: not counted (a while loop hides its trip count); no MFU")
+            return None
+        peak, source = peak_per_device(list(self.program.mesh.devices.flat), self.program.policy.compute.name)
+        self.echo(f"  model FLOPs per step {flops:.4g} (matmuls of the forward and backward, counted on the jaxpr); "
+                  "peak per device " + (f"{peak / 1e12:.3g} TFLOP/s ({source})" if peak else f"unknown ({source}): "
+                                         "no MFU"))
+        return peak
 
     @staticmethod
     def _crossed(every: int, first: int, last: int) -> bool:
@@ -333,10 +346,12 @@ class _Throughput:
     outside that window, so a rate is never overstated however the reads bunch up (fused steps, the final
     flush); every step of a fused group (trainer.steps_per_sync) reports its window's rate."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, peak_flops: float | None):
         spec = program.dataset.spec
         self.samples = program.derived.global_batch
         self.tokens = self.samples * spec.input_shape[0] if spec.input_dtype.kind in "iu" else 0
+        self.flops_per_device = (program.derived.model_flops_per_step or 0.0) / program.derived.devices
+        self.peak_flops = peak_flops
         self.dispatched: dict[int, float] = {}
         self.window: tuple[float, int] | None = None
         self.last: dict[str, float] = {}
@@ -355,9 +370,16 @@ class _Throughput:
         self.last = {"samples_per_sec": self.samples * counted / seconds}
         if self.tokens:
             self.last["tokens_per_sec"] = self.tokens * counted / seconds
+        if self.flops_per_device:
+            self.last["tflops_per_sec_per_device"] = self.flops_per_device * counted / seconds / 1e12
+            if self.peak_flops:
+                self.last["mfu"] = self.flops_per_device * counted / seconds / self.peak_flops
         self.window = None
 
     def rates(self, numeric: bool = False) -> dict[str, Any]:
         if numeric:
-            return {k: round(v, 2) for k, v in self.last.items()}
-        return {k.replace("_per_sec", "/s"): f"{v:,.0f}" for k, v in self.last.items()}
+            return {k: float(f"{v:.4g}") if k in ("tflops_per_sec_per_device", "mfu") else round(v, 2)
+                    for k, v in self.last.items()}
+        shown = {"samples_per_sec": ("samples/s", "{:,.0f}"), "tokens_per_sec": ("tokens/s", "{:,.0f}"),
+                 "tflops_per_sec_per_device": ("TFLOP/s/dev", "{:.3g}"), "mfu": ("MFU", "{:.1%}")}
+        return {shown[k][0]: shown[k][1].format(v) for k, v in self.last.items()}

@@ -1,0 +1,80 @@
+"""Model FLOPs and MFU: the jaxpr count against hand counts (MLP, GPT, the 6 x params x tokens rule), loops
+counted by their trip counts, and the rates in metrics.jsonl."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import DIGITS_MLP, TINY_GPT
+from xlatrain.lowering.flops import UncountedLoop, step_flops
+
+from xlatrain.config import load_config
+from xlatrain.peaks import known_peak
+from xlatrain.program import build_program
+from xlatrain.trainer import train
+
+
+def gpt_flops(layers, width, mlp_ratio, seq, vocab, batch):
+    """Per token, forward: qkv, attention out, the MLP and every layer's q.k and p.v products over the whole
+    sequence (the dense attention computes them all, masked or not), then the head. The backward is twice
+    that: every matmul gives its input's and its weight's gradient (the embedding's is a scatter, no matmul)."""
+    forward = layers * (2 * 3 * width**2 + 2 * width**2 + 2 * 2 * mlp_ratio * width**2 + 2 * 2 * seq * width)
+    return 3 * (forward + 2 * width * vocab) * batch * seq
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_the_gpt_is_counted_as_by_hand_and_near_the_6nt_rule(scan, devices):
+    program = build_program(load_config(None, [f"model.scan_layers={scan}"]), devices[:1])
+    m, d = program.config.model, program.derived
+    tokens = d.global_batch * program.config.data.seq_len
+    assert d.model_flops_per_step == gpt_flops(m.layers, m.width, m.mlp_ratio, program.config.data.seq_len,
+                                                m.vocab, d.global_batch)
+    assert 1.0 < d.model_flops_per_step / (6 * program.param_count * tokens) < 1.1
+
+
+def test_accumulation_and_pipelines_count_the_same_model(devices):
+    flops = {name: build_program(load_config(None, [*TINY_GPT, "batch.global_size=32", *overrides]),
+                                 devices).derived.model_flops_per_step
+             for name, overrides in {"plain": [], "accumulated": ["batch.microbatches=4"],
+                                     "pipelined": ["mesh.stage=2", "parallel.mode=shard_map"]}.items()}
+    assert len(set(flops.values())) == 1, flops
+
+
+def test_a_scan_counts_its_body_times_its_length_and_a_while_loop_is_refused():
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    weights = jax.ShapeDtypeStruct((5, 64, 64), jnp.float32)
+
+    def scanned(ws, x):
+        return jnp.sum(jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0])
+
+    assert step_flops(scanned, weights, x) == 5 * 2 * 16 * 64 * 64
+    assert step_flops(jax.grad(scanned), weights, x) == 3 * 5 * 2 * 16 * 64 * 64  # the body gives dx for all 5
+    with pytest.raises(UncountedLoop):
+        step_flops(lambda n, x: jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ c[1]),
+                                                   (0, x))[1], jax.ShapeDtypeStruct((), jnp.int32),
+                   jax.ShapeDtypeStruct((8, 8), jnp.float32))
+
+
+def test_known_devices_have_datasheet_peaks():
+    assert known_peak("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4e12)
+    assert known_peak("NVIDIA H100 PCIe", "bfloat16") == pytest.approx(756e12)
+    assert known_peak("NVIDIA L40S", "float32") == pytest.approx(183e12)
+    assert known_peak("NVIDIA L4", "float16") == pytest.approx(121e12)
+    assert known_peak("NVIDIA GH200 480GB", "bfloat16") == pytest.approx(989.4e12)
+    assert known_peak("Some new accelerator", "bfloat16") is None
+
+
+def test_metrics_carry_tflops_per_device_and_mfu(tmp_path, devices):
+    config = load_config(None, [*DIGITS_MLP, "trainer.steps=10", f"trainer.run_dir={tmp_path}"])
+    lines = []
+    train(config, echo=lines.append)
+    flops = 2 * 32 * (3 * 32 * 10 + 2 * 64 * 32)
+    assert any(f"model FLOPs per step {flops:.4g}" in line and "measured float32 matmul" in line for line in lines)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rated = [r for r in records if "mfu" in r]
+    assert rated, records
+    for r in rated:
+        steps_per_sec = r["samples_per_sec"] / 32
+        assert r["tflops_per_sec_per_device"] == pytest.approx(flops * steps_per_sec / 8 / 1e12, rel=1e-2)
+        assert 0 < r["mfu"] < 1
