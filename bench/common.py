@@ -47,6 +47,31 @@ def write_results(name: str, command: str, payload: dict) -> Path:
     return path
 
 
+def metrics_steps(run_dir: Path) -> list[int]:
+    """The steps of the training records that RUN_DIR/metrics.jsonl holds so far."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
+
+
+def time_to_first_step(argv: list[str], run_dir: Path, cwd: Path) -> tuple[float, dict]:
+    """Start `xlatrain ARGV` (which trains into run_dir), and return the seconds until its first step was
+    logged, and, after it exits, its last session summary."""
+    import subprocess
+
+    began = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "xlatrain.cli", *argv], cwd=cwd, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    while not metrics_steps(run_dir):
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.02)
+    first_step = time.perf_counter() - began
+    _, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err
+    return first_step, json.loads((run_dir / "summary.jsonl").read_text().splitlines()[-1])
+
+
 def train_runner(program) -> Callable[[], dict]:
     """Calls of the program's compiled train step on its first training batch (stacked for fused
     steps), each fetching that boundary's metrics to the host as the trainer does."""

@@ -7,16 +7,11 @@ second loads its executables. Rounds alternate nothing (the order is the point),
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.common import write_results
-from bench.multiprocess import metrics_steps
+from bench.common import time_to_first_step, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 3
@@ -25,18 +20,9 @@ ROUNDS = 3
 def start(run_dir: Path, cache: Path) -> dict:
     """One 1-step run in a fresh process: seconds from the process's start to its first logged step, and the
     compilations it reports."""
-    began = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "xlatrain.cli", "train", "trainer.steps=1",
-                                "trainer.log_every=1", "trainer.progress=false", f"trainer.run_dir={run_dir}",
-                                f"trainer.compile_cache={cache}"], cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-    while not metrics_steps(run_dir):
-        assert process.poll() is None, process.stderr.read()
-        time.sleep(0.02)
-    first_step = time.perf_counter() - began
-    _, err = process.communicate(timeout=600)
-    assert process.returncode == 0, err
-    summary = json.loads((run_dir / "summary.jsonl").read_text().splitlines()[-1])
+    first_step, summary = time_to_first_step(["train", "trainer.steps=1", "trainer.log_every=1",
+                                              "trainer.progress=false", f"trainer.run_dir={run_dir}",
+                                              f"trainer.compile_cache={cache}"], run_dir, REPO)
     return {"time_to_first_step_s": first_step, "compile_seconds": summary["compile_seconds"],
             "loaded_from_cache": summary["compile_cache_hits"]}
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import write_results
+from bench.common import metrics_steps, time_to_first_step, write_results
 from xlatrain.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,27 +38,11 @@ SIZES = [2**16, 2**20, 2**22, 2**24]  # bytes per device: 64 KiB .. 16 MiB
 STUCK_HOOK_TIMEOUT_S = 5
 
 
-def metrics_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
-
-
 def start_up_and_throughput(processes: int, work: Path) -> dict:
     run_dir = work / f"launch-{processes}"
-    began = time.perf_counter()
-    launcher = subprocess.Popen([sys.executable, "-m", "xlatrain.cli", "launch", "--nproc", str(processes),
-                                 "--devices-per-proc", str(8 // processes), *CONFIG, f"trainer.steps={STEPS}",
-                                 f"trainer.run_dir={run_dir}"], cwd=REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-    while not metrics_steps(run_dir):
-        assert launcher.poll() is None, launcher.stderr.read()
-        time.sleep(0.05)
-    first_step = time.perf_counter() - began
-    _, err = launcher.communicate(timeout=600)
-    assert launcher.returncode == 0, err
-    summary = json.loads((run_dir / "summary.jsonl").read_text().splitlines()[-1])
+    first_step, summary = time_to_first_step(["launch", "--nproc", str(processes), "--devices-per-proc",
+                                              str(8 // processes), *CONFIG, f"trainer.steps={STEPS}",
+                                              f"trainer.run_dir={run_dir}"], run_dir, REPO)
     return {"processes": processes, "devices_per_process": 8 // processes,
             "time_to_first_step_s": round(first_step, 2),
             "steps_per_s": round((summary["final_step"] - summary["start_step"]) / summary["wall_seconds"], 1)}
