@@ -111,6 +111,9 @@ def _short(value: Any) -> str:
     return str(getattr(value, "spec", value))
 
 
+FIRST_COMPILATION = "first compilation"
+
+
 @dataclass(frozen=True)
 class CompileRecord:
     step: str
@@ -150,7 +153,7 @@ class StepExecutables:
         self._nominal = batch_signature(nominal_batch)
         self._by_signature: dict[Signature, CompiledStep] = {}
         self.executions = 0
-        self.first = self._compile(self._nominal, nominal_batch, "first compilation")
+        self.first = self._compile(self._nominal, nominal_batch, FIRST_COMPILATION)
 
     def __call__(self, state: Any, batch: dict) -> Any:
         signature = batch_signature(batch)

@@ -1,6 +1,8 @@
 """Recompilation control: shape buckets with masked padding, every compile counted with its cause, a
 compile budget, and the run summary behind `xlatrain report`."""
 
+import re
+
 import numpy as np
 import pytest
 from conftest import run_cli
@@ -10,6 +12,7 @@ from xlatrain.config import load_config
 from xlatrain.data.loader import make_global, pad_to_bucket
 from xlatrain.data.sources import paragraph_spans
 from xlatrain.mesh import eval_batch_sharding
+from xlatrain.metrics import read_metrics
 from xlatrain.program import build_program
 from xlatrain.trainer import train
 
@@ -62,11 +65,18 @@ def test_every_recompile_is_counted_with_its_cause_and_summarised(tmp_path):
     summary = result.summary
     assert summary.executions == 14 + 1 and summary.boundaries == 14
     assert summary.host_to_device_bytes > 0 and summary.device_to_host_bytes > 0
+    recompile_seconds = summary.step_compilations[2]["seconds"]
+    assert summary.time_breakdown["compile"] == pytest.approx(recompile_seconds, rel=1e-3)
+    compiling = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("time_compile")]
+    assert len(compiling) == 1 and compiling[0]["time_compile"] > 0.5, compiling  # its step's interval
+    assert compiling[0]["time_compile"] * compiling[0]["interval_seconds"] == pytest.approx(recompile_seconds,
+                                                                                             rel=1e-2)
 
     report = run_cli("report", str(tmp_path / "run"))
     assert report.returncode == 0, report.stderr
     assert "compilations" in report.stdout and "batch['inputs'] shape (1, 16, 32) -> (1, 16, 8)" in report.stdout
     assert "waiting for data" in report.stdout and "host->device" in report.stdout
+    assert re.search(r"time: data .*, compile \d+\.\d% \(\d+\.\d\ds\), device", report.stdout), report.stdout
 
 
 def test_compile_budget_stops_the_run_with_the_report(tmp_path):

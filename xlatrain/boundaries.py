@@ -11,6 +11,7 @@ the host in one transfer, for exactly the step they came from (torch_xla's `add_
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,7 +25,9 @@ from xlatrain.errors import UserError
 class StepClosures:
     """Closures queued at boundaries; run in registration order once their values are fetched."""
 
-    def __init__(self) -> None:
+    def __init__(self, waiting: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        """`waiting()`: a context around each fetch of values from the device (the time breakdown's)."""
+        self._waiting = waiting
         self._queue: list[tuple[int, Callable, tuple]] = []
         self._donated: set[int] = set()
         self.must_run_before_dispatch = False
@@ -50,7 +53,8 @@ class StepClosures:
             self.must_run_before_dispatch = False
         with compat.allow_transfers():  # a boundary: the fetch, and closures are host code
             start = time.perf_counter()
-            values = jax.device_get([args for _, _, args in ready])
+            with self._waiting():
+                values = jax.device_get([args for _, _, args in ready])
             self.wait_seconds += time.perf_counter() - start
             self.device_to_host_bytes += sum(np.asarray(v).nbytes for v in jax.tree.leaves(values))
             for (_, fn, _), host_args in zip(ready, values, strict=True):

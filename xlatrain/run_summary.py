@@ -10,7 +10,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from xlatrain.bottlenecks import Finding
 from xlatrain.errors import UserError
+from xlatrain.time_breakdown import describe
 
 SUMMARY_FILE = "summary.jsonl"
 
@@ -40,6 +42,10 @@ class RunSummary:
     """Host time blocked waiting for the device loader."""
     host_to_device_bytes: int = 0
     device_to_host_bytes: int = 0
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+    """The loop's wall time in seconds: data, compile, device, eval, checkpoint, host (xlatrain/time_breakdown.py)."""
+    findings: list[dict] = field(default_factory=list)
+    """The bottleneck rules that fired (xlatrain/bottlenecks.py): rule, step, message."""
 
     def lines(self) -> list[str]:
         steps = self.final_step - self.start_step
@@ -56,6 +62,9 @@ class RunSummary:
             f"waiting for results {self.result_wait_seconds:.2f}s, waiting for data {self.data_wait_seconds:.2f}s",
             f"host->device {_bytes(self.host_to_device_bytes)}, device->host {_bytes(self.device_to_host_bytes)}",
         ]
+        if self.time_breakdown:
+            lines.append(f"time: {describe(self.time_breakdown)}")
+        lines += [Finding(**f).line() for f in self.findings]
         return lines
 
     def append_to(self, run_dir: Path) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from xlatrain import compat
+from xlatrain.bottlenecks import BottleneckRules, Finding, Interval, Knobs
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
 from xlatrain.checkpoint import Checkpoints
 from xlatrain.config import Config
@@ -27,7 +28,7 @@ from xlatrain.data.loader import (
     train_iterator,
 )
 from xlatrain.distributed import StopAgreement, check_processes_agree, host_name, is_primary
-from xlatrain.lowering.compile import CompileLog
+from xlatrain.lowering.compile import FIRST_COMPILATION, CompileLog
 from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.peaks import peak_per_device
@@ -37,6 +38,7 @@ from xlatrain.run_dir import open_run_dir, pinned_partition, save_run_config
 from xlatrain.run_summary import RunSummary
 from xlatrain.state import with_shardings
 from xlatrain.stop import StopSignals, stop_signals
+from xlatrain.time_breakdown import TimeBreakdown, fractions
 from xlatrain.watchdog import Progress, watching
 
 
@@ -116,8 +118,11 @@ class _Run:
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", self.trainer.keep_checkpoints)
         self.compile_log = compile_log
         self.hooks = hooks
-        self.closures = StepClosures()
+        self.breakdown = TimeBreakdown()
+        self.closures = StepClosures(waiting=lambda: self.breakdown.spending("device"))
         self.summary = RunSummary()
+        self.rules = BottleneckRules(_knobs(program), self._say)
+        self._interval_first_step = 1
         self.host_to_device_bytes = 0
 
     def execute(self) -> TrainResult:
@@ -151,6 +156,10 @@ class _Run:
         clock = _Throughput(self.program, self._peak_flops())
         record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
         step, began = start, time.perf_counter()
+        self.breakdown.start(began)
+        self._interval_first_step = start + 1
+        if self.program.pipeline is not None:
+            self.rules.check_partition(self.program.pipeline.balance, self.program.pipeline.partition_source)
         stopping = False
         profile = ProfileWindow(self.trainer.profile_steps, self.run_dir, self.echo)
         try:
@@ -183,6 +192,8 @@ class _Run:
                         # Run this step's closures first: a non-finite state must never become a checkpoint.
                         self.closures.run()
                         self._save(step, state, loader)
+                    if self._crossed(self.trainer.log_every, first, step) or step == self.trainer.steps or stopping:
+                        self._time_interval(step, metrics_writer, clock)
                 self.closures.run()
                 result.interrupted = stopping
         finally:
@@ -217,20 +228,24 @@ class _Run:
 
     def _next_batch(self, loader: DeviceLoader) -> dict:
         started = time.perf_counter()
-        with self.progress.during("loading_data"):
+        with self.progress.during("loading_data"), self.breakdown.spending("data"):
             batch = next(loader)
         self.summary.data_wait_seconds += time.perf_counter() - started
         return batch
 
     def _dispatch(self, executable: Any, state: Any, batch: Any) -> Any:
-        started = time.perf_counter()
+        records = self.program.compile_book.records
+        compiled_before, started = len(records), time.perf_counter()
         out = executable(state, batch)
         self.summary.dispatch_seconds += time.perf_counter() - started
+        if len(records) > compiled_before:  # a batch signature seen for the first time: compiled inside the call
+            self.breakdown.claim("compile", sum(r.seconds for r in records[compiled_before:]))
         return out
 
     def _save(self, step: int, state: Any, loader: DeviceLoader) -> None:
         # orbax copies the state to the host itself
-        with compat.allow_transfers(), self.compile_log.phase("checkpoints"), self.progress.during("checkpointing"):
+        with compat.allow_transfers(), self.compile_log.phase("checkpoints"), \
+                self.progress.during("checkpointing"), self.breakdown.spending("checkpoint"):
             self.checkpoints.save(step, state, loader.state())
         self.progress.last_checkpoint = step
         self.closures.device_to_host_bytes += sum(x.addressable_data(0).nbytes for x in jax.tree.leaves(state))
@@ -247,6 +262,9 @@ class _Run:
         s.result_wait_seconds = self.closures.wait_seconds
         s.host_to_device_bytes = self.host_to_device_bytes
         s.device_to_host_bytes = self.closures.device_to_host_bytes
+        self.breakdown.cut()
+        s.time_breakdown = {k: round(v, 4) for k, v in self.breakdown.session.items()}
+        s.findings = self.rules.as_records()
         if is_primary():
             s.append_to(self.run_dir)
 
@@ -307,6 +325,21 @@ class _Run:
         if step % self.trainer.log_every == 0 or step == self.trainer.steps:
             writer.write({"step": step, **values, **clock.rates(numeric=True), "skipped": not finite})
 
+    def _time_interval(self, step: int, writer: MetricsWriter | DiscardedMetrics, clock: _Throughput) -> None:
+        """End a logged interval in the loop itself, after its evaluation and checkpoint: its own line in
+        metrics.jsonl, and the bottleneck rules."""
+        spent = self.breakdown.cut()
+        writer.write({"step": step, **fractions(spent), "interval_seconds": round(sum(spent.values()), 4)})
+        self.rules.check(Interval(self._interval_first_step, step, spent, clock.last.get("mfu"),
+                                  self._recompilations()))
+        self._interval_first_step = step + 1
+
+    def _recompilations(self) -> list[tuple[str, str]]:
+        return [(r.step, r.cause) for r in self.program.compile_book.records if r.cause != FIRST_COMPILATION]
+
+    def _say(self, finding: Finding) -> None:
+        self.echo(f"  {finding.line()}")
+
     def _nonfinite(self, step: int, values: dict[str, float]) -> None:
         scaling = self.program.policy.loss_scale
         if scaling is not None and values["loss_scale"] > scaling.min:
@@ -328,8 +361,9 @@ class _Run:
                   writer: MetricsWriter | DiscardedMetrics) -> None:
         if not batches:
             return
-        with self.progress.during("evaluating"):
-            outputs = [self._dispatch(eval_step, state, b) for b in batches]
+        self.closures.run()  # the train step's own device time is not evaluation's
+        with self.progress.during("evaluating"), self.breakdown.spending("eval"):
+            outputs = jax.block_until_ready([self._dispatch(eval_step, state, b) for b in batches])
 
         def report(outputs: list[dict]) -> None:
             record = {k: float(np.mean([o[k] for o in outputs])) for k in outputs[0]}
@@ -338,6 +372,12 @@ class _Run:
             self.echo(f"  step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
 
         self.closures.add(step, report, (outputs,))
+
+
+def _knobs(program: Program) -> Knobs:
+    config, d = program.config, program.derived
+    return Knobs(prefetch=config.data.prefetch, steps_per_sync=config.trainer.steps_per_sync,
+                 rows_per_device=d.global_batch // d.devices, policy=config.precision.policy)
 
 
 class _Throughput:
