@@ -128,7 +128,11 @@ class Program:
     @cached_property
     def train_step(self) -> StepExecutables:
         """k fused optimizer steps (trainer.steps_per_sync) per call, compiled per batch shape."""
-        return self._train_step_for(self.remat.remat if self.remat is not None else "full")
+        return self._train_step_for(self._remat_name)
+
+    @property
+    def _remat_name(self) -> str:
+        return self.remat.remat if self.remat is not None else "full"
 
     @cached_property
     def remat(self) -> RematChoice | None:
@@ -250,7 +254,7 @@ class Program:
         float32, in the state's parameter layout) and the metric sums: for checks against a reference."""
         gradient_step = make_gradient_step(self.model, self.config.model.loss, self.policy,
                                            replicas=self._replicas(), compute_params=self._gather_params,
-                                           gradients=self._pipelined().get("gradients"))
+                                           gradients=self._pipelined(self._remat_name).get("gradients"))
 
         def fn(state: TrainState, batch: dict) -> tuple[Any, dict]:
             return gradient_step(state, batch)[:2]
