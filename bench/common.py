@@ -72,9 +72,10 @@ def time_to_first_step(argv: list[str], run_dir: Path, cwd: Path) -> tuple[float
     return first_step, json.loads((run_dir / "summary.jsonl").read_text().splitlines()[-1])
 
 
-def train_runner(program) -> Callable[[], dict]:
-    """Calls of the program's compiled train step on its first training batch (stacked for fused
-    steps), each fetching that boundary's metrics to the host as the trainer does."""
+def train_runner(program, executable=None) -> Callable[[], dict]:
+    """Calls of the program's compiled train step (or `executable`, another compilation of it) on its first
+    training batch (stacked for fused steps), each fetching that boundary's metrics to the host as the trainer
+    does."""
     from xlatrain.data.loader import make_global
     from xlatrain.mesh import train_batch_sharding
 
@@ -87,7 +88,7 @@ def train_runner(program) -> Callable[[], dict]:
     box = {"state": program.create_state()}
 
     def run():
-        box["state"], metrics = program.train_step(box["state"], device_batch)
+        box["state"], metrics = (executable or program.train_step)(box["state"], device_batch)
         return jax.device_get(metrics)
 
     return run

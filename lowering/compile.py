@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 from jax.sharding import NamedSharding
+from xlatrain.lowering.xla_options import compiler_options
 
 from xlatrain import compat
 from xlatrain.errors import UserError
@@ -67,7 +68,7 @@ def compile_step(fn: Callable, abstract_args: tuple, in_shardings: tuple, out_sh
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums)
     start = time.perf_counter()
     lowered = jitted.lower(*abstract_args)
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options(jax.default_backend()) or None)
     return CompiledStep(lowered, compiled, time.perf_counter() - start)
 
 

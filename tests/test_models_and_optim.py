@@ -23,8 +23,16 @@ def gpt(*overrides):
     return model_factory(config.model, TOKENS)(nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("layers, platform, scans", [(4, "cpu", False), (16, "cpu", False), (17, "cpu", True),
+                                                     (4, "gpu", True), (4, "tpu", True)])
+def test_scan_layers_auto_unrolls_shallow_stacks_on_cpu_only(layers, platform, scans):
+    assert load_config(None, [f"model.layers={layers}"]).model.scans_layers(platform) is scans
+    assert load_config(None, [f"model.layers={layers}", "model.scan_layers=false"]).model.scans_layers("gpu") is False
+
+
 def test_gpt_is_causal_and_scan_matches_loop():
-    scanned, looped = gpt(), gpt("model.scan_layers=false")
+    scanned, looped = gpt("model.scan_layers=true"), gpt("model.scan_layers=false")
+    assert scanned.scan_blocks and not looped.scan_blocks
     same_params = jax.tree.map(np.array_equal, nnx.to_pure_dict(nnx.state(scanned)),
                                nnx.to_pure_dict(nnx.state(looped)))
     assert all(jax.tree.leaves(same_params))  # both stack the layers; scan_layers only changes the loop

@@ -4,6 +4,7 @@ torch nn.Module (xlatrain/models/torch_module.py, through torchax)."""
 import inspect
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -47,8 +48,8 @@ def model_factory(config: ModelConfig, spec: DataSpec,
             raise UserError(f"config: model.vocab={config.vocab} is smaller than the data's "
                             f"{spec.num_outputs} token ids")
         shape = GPTShape(config.layers, config.width, config.heads, config.mlp_ratio, config.vocab,
-                         config.max_len or spec.input_shape[0], config.dropout, config.scan_layers,
-                         jnp.dtype(compute_dtype))
+                         config.max_len or spec.input_shape[0], config.dropout,
+                         config.scans_layers(jax.default_backend()), jnp.dtype(compute_dtype))
         return lambda rngs: GPT(shape, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)

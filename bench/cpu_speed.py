@@ -1,0 +1,87 @@
+"""The GPT on CPU: xlatrain's train step against the same model in eager PyTorch (the threads torch picks: 2
+here), one device, the same batch, AdamW with clipping, one host read of the metrics per step on every side;
+and the effect of each XLA:CPU compiler option tried (lowering/xla_options.py), one at a time, on the step.
+
+    PYTHONPATH=examples/torch_model python3 -m bench.cpu_speed    # writes bench/results/cpu_speed.json
+
+Shapes: the built-in default GPT (4 blocks, width 128, 4 heads, sequences of 64, batch 16) and a 4-block
+width-256 GPT on sequences of 128 (batch 16). The PyTorch side is examples/torch_model/tiny_gpt.py, the same
+architecture with the same parameter count. Target: xlatrain / PyTorch eager <= 1.0 on both.
+"""
+
+from __future__ import annotations
+
+import jax
+import torch
+from xlatrain.lowering.xla_options import CPU_OPTIONS_TRIED, compiler_options
+
+from bench.common import interleaved_medians, train_runner, write_results
+from bench.torch_bridge import eager_runner
+from xlatrain.config import load_config
+from xlatrain.program import build_program
+
+SHAPES = {
+    "default GPT (4 x 128, seq 64)": {"width": 128, "seq_len": 64},
+    "GPT 4 x 256, seq 128": {"width": 256, "seq_len": 128},
+}
+COMMON = ["mesh.data=1", "optimizer.name=adamw", "optimizer.weight_decay=0.01", "batch.global_size=16"]
+
+
+def gpt_overrides(width: int, seq_len: int) -> list[str]:
+    return [*COMMON, "model.layers=4", "model.heads=4", f"model.width={width}", f"data.seq_len={seq_len}"]
+
+
+def programs(width: int, seq_len: int) -> dict:
+    torch_gpt = [*COMMON, f"data.seq_len={seq_len}",
+                 f"model.kwargs={{vocab: 256, width: {width}, layers: 4, heads: 4, max_len: {seq_len}}}"]
+    gpt = gpt_overrides(width, seq_len)
+    built = {
+        "torch": build_program(load_config("examples/configs/torch_gpt.yaml", torch_gpt), jax.devices()[:1]),
+        "scanned": build_program(load_config(None, [*gpt, "model.scan_layers=true"]), jax.devices()[:1]),
+        "unrolled": build_program(load_config(None, [*gpt, "model.scan_layers=false"]), jax.devices()[:1]),
+    }
+    assert len({p.param_count for p in built.values()}) == 1, {k: p.param_count for k, p in built.items()}
+    return built
+
+
+def against_pytorch(width: int, seq_len: int) -> dict:
+    built = programs(width, seq_len)
+    medians = interleaved_medians({"pytorch_eager": eager_runner(built["torch"]),
+                                   "xlatrain_scanned": train_runner(built["scanned"]),
+                                   "xlatrain_unrolled": train_runner(built["unrolled"])},
+                                  rounds=10, steps_per_round=10, warmup=5)
+    eager = medians["pytorch_eager"]
+    return {"median_step_seconds": medians, "over_pytorch_eager": {k: v / eager for k, v in medians.items()},
+            "params": built["scanned"].param_count}
+
+
+def option_effects(width: int, seq_len: int) -> dict:
+    """Each option of CPU_OPTIONS_TRIED alone on top of xlatrain's defaults, step time over the defaults'."""
+    program = build_program(load_config(None, gpt_overrides(width, seq_len)), jax.devices()[:1])
+    lowered, defaults = program.train_step.first.lowered, compiler_options("cpu")
+    runners = {"defaults": train_runner(program)}
+    for name, value in CPU_OPTIONS_TRIED.items():
+        executable = lowered.compile(compiler_options={**defaults, name: value})
+        runners[f"{name}={value}"] = train_runner(program, executable)
+    medians = interleaved_medians(runners, rounds=6, steps_per_round=10, warmup=3)
+    return {name: medians[name] / medians["defaults"] for name in medians}
+
+
+def main() -> None:
+    results = {}
+    for label, shape in SHAPES.items():
+        results[label] = against_pytorch(**shape)
+        for name, ratio in results[label]["over_pytorch_eager"].items():
+            ms = results[label]["median_step_seconds"][name] * 1e3
+            print(f"{label:32s} {name:20s} {ms:8.2f} ms  {ratio:.2f}x PyTorch eager")
+    effects = option_effects(**SHAPES["default GPT (4 x 128, seq 64)"])
+    for name, ratio in effects.items():
+        print(f"option {name:60s} {ratio:.3f}x the defaults' step time")
+    path = write_results("cpu_speed", "PYTHONPATH=examples/torch_model python3 -m bench.cpu_speed",
+                         {"target": "xlatrain / PyTorch eager <= 1.0", "torch_threads": torch.get_num_threads(),
+                          "shapes": results, "xla_cpu_options_alone_over_defaults": effects})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Every XLA compiler option xlatrain sets, per platform, in one place, and the CPU options it has measured.
+
+`compiler_options(platform)` is what every step compiles with. `python3 -m bench.cpu_speed` measures each
+option of CPU_OPTIONS_TRIED alone on the default GPT's train step (bench/results/cpu_speed.json); an option
+joins CPU_OPTIONS only when it makes that step faster beyond the benchmark's noise without changing its results.
+"""
+
+from __future__ import annotations
+
+CPU_OPTIONS: dict[str, bool | int | str] = {}
+"""None so far: no option tried below made the default GPT's step faster (README, "Benchmarks")."""
+
+CPU_OPTIONS_TRIED: dict[str, bool | int | str] = {
+    "xla_cpu_multi_thread_eigen": False,  # Eigen's own thread pool for dots and convolutions (on by default)
+    "xla_cpu_use_xnnpack": True,  # XNNPACK kernels for dots and some elementwise work
+    "xla_cpu_use_onednn": True,  # oneDNN kernels for dots
+    "xla_cpu_enable_concurrency_optimized_scheduler": True,  # schedule for independent thunks to overlap
+    "xla_cpu_use_fusion_emitters": False,  # the older loop emitters for fusions
+    "xla_cpu_parallel_codegen_split_count": 8,  # code generation split into more modules
+    "xla_cpu_enable_fast_math": True,  # reassociation, no NaN/inf care: changes results, never a default
+}
+
+
+def compiler_options(platform: str) -> dict[str, bool | int | str]:
+    return dict(CPU_OPTIONS) if platform == "cpu" else {}
