@@ -147,11 +147,7 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
 
 
 def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
-    from xlatrain.stop import (
-        STOPPED_BEFORE_FIRST_STEP,
-        StoppedBeforeFirstStep,
-        stop_signals,
-    )
+    from xlatrain.stop import STOPPED_BEFORE_FIRST_STEP, StoppedBeforeFirstStep, stop_signals
 
     with stop_signals():
         try:

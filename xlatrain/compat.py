@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 """Recorded by jax (jax/_src/dispatch.py) once per XLA backend compilation, with a `fun_name`."""
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+"""Recorded by jax once per executable loaded from the persistent compilation cache."""
 
 
 def shard_map(fn: Callable, mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any,

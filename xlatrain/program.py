@@ -20,26 +20,12 @@ from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
 from xlatrain.lowering.block_costs import measure_block_costs
-from xlatrain.lowering.compile import (
-    CompileBook,
-    StepExecutables,
-    compile_eval_step,
-    compile_train_step,
-)
+from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.flops import UncountedLoop, step_flops
-from xlatrain.lowering.grad_sync import (
-    ExplicitReplicas,
-    PartitionedReplicas,
-    explicit_replicas,
-)
+from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 from xlatrain.lowering.inspect import peak_memory_bytes
-from xlatrain.lowering.pipeline_step import (
-    StagedTrees,
-    make_pipeline_eval,
-    make_pipeline_gradients,
-    stage_link,
-)
+from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_eval, make_pipeline_gradients, stage_link
 from xlatrain.lowering.pipeline_work import pipeline_work, residual_bytes
 from xlatrain.lowering.step import (
     eval_metrics,
@@ -50,14 +36,7 @@ from xlatrain.lowering.step import (
     make_gradient_step,
     make_train_step,
 )
-from xlatrain.mesh import (
-    DATA,
-    build_mesh,
-    eval_batch_sharding,
-    per_replica,
-    replicated,
-    train_batch_sharding,
-)
+from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import build_model
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.optim import build_optimizer, learning_rate_schedule
