@@ -295,7 +295,8 @@ def build_program(config: Config, devices: list | None = None,
         prepare_custom_collectives(mesh)
     dataset = open_dataset(config.data, config.model.loss)
     policy = resolve_policy(config.precision, config.collectives.dtype)
-    model = build_model(config.model, dataset.spec, policy.compute, config.seed, derived.data_parallel)
+    model = build_model(config.model, dataset.spec, policy.compute, config.seed, derived.data_parallel,
+                        derived.scan_layers)
     if derived.stages > 1:
         _refuse_unpipelinable(config, derived, model)
     check_model_outputs(model, dataset.spec, config.model.loss, policy, _model_name(config))

@@ -23,19 +23,22 @@ __all__ = ["BlockStack", "ModelDef", "build_model", "model_factory", "stack_bloc
 
 
 def build_model(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype, seed: int,
-                data_parallel: int) -> ModelDef:
+                data_parallel: int, scan_layers: bool | None = None) -> ModelDef:
     """The model of a run. `seed` seeds a torch module's own initialisation; `data_parallel` is the size of
-    the `data` axis, which decides the dimension of a torch parameter that zero1/fsdp shard."""
+    the `data` axis, which decides the dimension of a torch parameter that zero1/fsdp shard; `scan_layers`:
+    the run's resolved model.scan_layers (a GPT's)."""
     if isinstance(config, TorchModelConfig):
         from xlatrain.models.torch_module import torch_model
 
         return torch_model(config, seed, data_parallel)
-    return flax_model(model_factory(config, spec, compute_dtype))
+    return flax_model(model_factory(config, spec, compute_dtype, scan_layers))
 
 
-def model_factory(config: ModelConfig, spec: DataSpec,
-                  compute_dtype: jnp.dtype = jnp.float32) -> Callable[[nnx.Rngs], nnx.Module]:
-    """A function rngs -> module, so the caller decides where (abstractly, or under jit) it runs."""
+def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype = jnp.float32,
+                  scan_layers: bool | None = None) -> Callable[[nnx.Rngs], nnx.Module]:
+    """A function rngs -> module, so the caller decides where (abstractly, or under jit) it runs.
+    `scan_layers`: a GPT's model.scan_layers as resolved for the run's devices (None: for jax's default
+    backend)."""
     if isinstance(config, MLPConfig):
         features = 1
         for size in spec.input_shape:
@@ -49,7 +52,8 @@ def model_factory(config: ModelConfig, spec: DataSpec,
                             f"{spec.num_outputs} token ids")
         shape = GPTShape(config.layers, config.width, config.heads, config.mlp_ratio, config.vocab,
                          config.max_len or spec.input_shape[0], config.dropout,
-                         config.scans_layers(jax.default_backend()), jnp.dtype(compute_dtype))
+                         config.scans_layers(jax.default_backend()) if scan_layers is None else scan_layers,
+                         jnp.dtype(compute_dtype))
         return lambda rngs: GPT(shape, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)
