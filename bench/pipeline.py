@@ -5,9 +5,11 @@ times on fake CPU devices.
    come from XLA's cost analysis (lowering/block_costs.py) for a GPT of LAYERS blocks; for each p, m, v
    the blocks are partitioned automatically and the schedule's table is replayed with each chunk's
    forward and backward FLOPs as durations (xlatrain.pipeline.schedule.simulate). The global batch is
-   fixed, so a microbatch costs 1/m of the batch. Reported per case: the simulated bubble beside theory's
-   (p-1)/(v*m+p-1), and the efficiency: one device's sequential time / (p x the pipelined step time),
-   1.0 being a perfect p-fold speedup.
+   fixed, so a microbatch costs 1/m of the batch. Each schedule is replayed with remat: full (a backward
+   recomputes its forward) and remat: none (it does not); zb1p, whose backward is B and W, with remat: none,
+   its B and W costs measured separately (W: the weight-gradient part of the split backward). Reported per
+   case: the simulated bubble beside theory's, and the efficiency: one device's sequential time (the model's
+   work, without recomputation) / (p x the pipelined step time), 1.0 being a perfect p-fold speedup.
 2. Measurement. The compiled train step on 8 CPU devices, for each schedule (data 2 x stage 4, and data
    4 x stage 2), against plain data parallel over the same 8 devices, interleaved A/B rounds, medians.
    Fake CPU devices share this machine's cores, so these times show the pipeline's *overheads*
@@ -36,8 +38,9 @@ LAYERS = 8
 GPT = [f"model.layers={LAYERS}", "model.width=64", "model.heads=4", "data.seq_len=64", "data.max_bytes=400000",
        "batch.global_size=32", "trainer.progress=false"]
 BATCH_ROWS = 64
-SIMULATED = [(name, p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p, 8 * p)
-             for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)) if p * v <= LAYERS]
+SIMULATED = [(name, p, m, v, remat) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p, 8 * p)
+             for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1)) if p * v <= LAYERS
+             for remat in ("full", "none") if name != "zb1p" or remat == "none"]
 PIPELINES = {
     "gpipe p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.microbatches=8"],
     "1f1b p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=8"],
@@ -45,29 +48,41 @@ PIPELINES = {
                                           "parallel.pipeline.microbatches=8"],
     "1f1b p=2 m=4 (x4 data)": ["mesh.stage=2", "parallel.pipeline.microbatches=4"],
 }
+ZERO_BUBBLE = {f"{name} p={p} m={m}{data}": [f"mesh.stage={p}", f"parallel.pipeline.schedule={name}",
+                                             f"parallel.pipeline.microbatches={m}", "parallel.pipeline.remat=none"]
+               for p, m, data in ((2, 4, " (x4 data)"), (4, 8, " (x2 data)"), (4, 16, " (x2 data)"), (8, 8, ""))
+               for name in ("1f1b", "zb1p")}
 MEASURED = {"data parallel 8": ["parallel.mode=shard_map"],
             **{f"{name} remat {remat}": [*overrides, f"parallel.pipeline.remat={remat}"]
-               for name, overrides in PIPELINES.items() for remat in ("full", "none")}}
+               for name, overrides in PIPELINES.items() for remat in ("full", "none")},
+            **{f"{name} remat none": overrides for name, overrides in ZERO_BUBBLE.items() if name not in PIPELINES}}
 
 
 def simulated_cases() -> list[dict]:
     """Costs measured for a microbatch of one row (8 rows per replica in 8 microbatches); a replica's
     batch of BATCH_ROWS rows in m microbatches makes each microbatch cost BATCH_ROWS / m times that."""
     program = build_program(load_config(None, [*GPT, "parallel.mode=shard_map", "mesh.stage=2",
-                                               "parallel.pipeline.microbatches=8"]))
+                                               "parallel.pipeline.microbatches=8", "parallel.pipeline.schedule=zb1p",
+                                               "parallel.pipeline.remat=none"]))
     assert program.derived.pipeline_microbatch_size == 1
     costs = program.pipeline.costs
     cases = []
-    for name, p, m, v in SIMULATED:
+    for name, p, m, v, remat in SIMULATED:
         partition = auto_partition(costs, p * v)
         scale = BATCH_ROWS / m
         chunks = costs.chunks(partition)
-        timeline = simulate(build(name, p, m, v), [c.forward_flops * scale for c in chunks],
-                            [c.backward_flops * scale for c in chunks])
-        sequential = sum(c.flops for c in chunks) * scale * m
-        cases.append({"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v,
+        forward = [c.forward_flops * scale for c in chunks]
+        backward = [c.backward_flops * scale - (f if remat == "none" else 0.0) for c, f in zip(chunks, forward)]
+        schedule = build(name, p, m, v)
+        if schedule.splits_backward:
+            weight = [c.weight_flops * scale for c in chunks]
+            timeline = simulate(schedule, forward, [b - w for b, w in zip(backward, weight)], weight)
+        else:
+            timeline = simulate(schedule, forward, backward)
+        sequential = sum(c.backward_flops for c in chunks) * scale * m  # a forward and a backward, no recompute
+        cases.append({"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v, "remat": remat,
                       "partition": list(partition), "simulated_bubble": timeline.bubble(),
-                      "theoretical_bubble": (p - 1) / (v * m + p - 1),
+                      "theoretical_bubble": schedule.theoretical_bubble(),
                       "efficiency": sequential / (p * timeline.step_time)})
     return cases
 
@@ -87,7 +102,8 @@ def main() -> None:
     assert jax.device_count() == 8, "bench.pipeline sets 8 CPU devices before JAX starts; unset JAX_PLATFORMS"
     cases = simulated_cases()
     for c in cases:
-        print(f"simulated {c['schedule']:<11} p={c['stages']} m={c['microbatches']:<2} v={c['virtual_stages']}: "
+        print(f"simulated {c['schedule']:<11} p={c['stages']} m={c['microbatches']:<2} v={c['virtual_stages']} "
+              f"remat {c['remat']:<4}: "
               f"bubble {c['simulated_bubble']:.1%} (theory {c['theoretical_bubble']:.1%}), "
               f"efficiency {c['efficiency']:.2f}, partition {c['partition']}")
     medians, work = measured_cases()

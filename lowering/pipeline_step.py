@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from xlatrain.lowering.residuals import ResidualLayout, buffer_counts, empty_buffers, pack, unpack
+from xlatrain.lowering.split_backward import BackwardSplit, abstract_value, split_pullback
 from xlatrain.lowering.step import all_finite, loss_sums
 
 from xlatrain.mesh import STAGE
@@ -91,6 +92,8 @@ def chunk_functions(parts: BlockParts, policy: Policy, loss: str, micro_j: dict,
                     active: jax.Array | None, scale: jax.Array, total_weight: jax.Array) -> dict[str, Callable]:
     """Each kind of chunk for microbatch j, as a function of what it is differentiated by (`chunk_inputs`):
     the block params `cb` and other params `cr`, both cast to the compute dtype, and the input activation `x`.
+    The first chunk's `x` is zeros added to its embedding, so that its pullback too has an input gradient,
+    which a split backward's B computes through the chunk's blocks (XLA folds the addition away).
     The last returns the scaled loss and, as aux, the loss sums."""
 
     def run(cb, x):
@@ -104,11 +107,11 @@ def chunk_functions(parts: BlockParts, policy: Policy, loss: str, micro_j: dict,
         sums = loss_sums(outputs, micro_j, loss)
         return sums["loss"] * scale / total_weight, sums
 
-    return {"first": lambda cb, cr: run(cb, embed(cb, cr)), "middle": run, "last": last}
+    return {"first": lambda cb, cr, x: run(cb, embed(cb, cr) + x), "middle": run, "last": last}
 
 
 def chunk_inputs(kind: str, cb: Tree, cr: dict, x: jax.Array) -> tuple:
-    return {"first": (cb, cr), "middle": (cb, x), "last": (cb, cr, x)}[kind]
+    return {"first": (cb, cr, x), "middle": (cb, x), "last": (cb, cr, x)}[kind]
 
 
 def vjp_of(kind: str, fn: Callable, inputs: tuple) -> tuple:
@@ -132,6 +135,22 @@ def residual_layouts(parts: BlockParts, policy: Policy, loss: str, cb: Tree, cr:
     scalar = jax.ShapeDtypeStruct((), jnp.float32)  # the loss scale and total weight, traced as the step's are
     return {kind: ResidualLayout.of(pullback_of(kind), (cb, cr, x, micro_j, keys, active, scalar, scalar),
                                     data=(2, 3, 4, 5)) for kind in KINDS}
+
+
+def backward_splits(parts: BlockParts, policy: Policy, loss: str, cb: Tree, cr: dict, x: Any, micro_j: dict,
+                    keys: Any, active: Any) -> dict[str, BackwardSplit]:
+    """Each kind of chunk's backward split into B and W (lowering/split_backward.py), from abstract arguments."""
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)  # the loss scale and total weight, traced as the step's are
+
+    def split(kind):
+        def pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
+            functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
+            return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x))[1]
+
+        abstract = abstract_value(pullback, cb, cr, x, micro_j, keys, active, scalar, scalar)
+        return split_pullback(abstract, scalar if kind == "last" else x)
+
+    return {kind: split(kind) for kind in KINDS}
 
 
 def split_rows(batch: dict, microbatches: int) -> dict:
@@ -201,7 +220,7 @@ def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgra
                 return jax.tree.map(jnp.add, sums, functions["last"](cb, cr, x_in)[1]), nothing
 
             branches = {Branch.IDLE: lambda sums: (sums, nothing),
-                        Branch.FORWARD_FIRST: lambda sums: (sums, functions["first"](cb, cr)),
+                        Branch.FORWARD_FIRST: lambda sums: (sums, functions["first"](cb, cr, nothing)),
                         Branch.FORWARD: lambda sums: (sums, functions["middle"](cb, x_in)),
                         Branch.FORWARD_LAST: last}
             sums, to_next = jax.lax.switch(
@@ -222,6 +241,8 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
     `batch` is the replica's [accumulation microbatches, rows, ...] and params are this stage's. `remat`:
     "full" recomputes each chunk's forward in its backward slot, "none" keeps its residuals instead."""
     keep_residuals = {"none": True, "full": False}[remat]
+    if slots.splits_backward and not keep_residuals:
+        raise ValueError("a schedule that splits the backward into B and W keeps the forward's residuals: remat none")
     p, width = layout.stages, layout.width
     forward_pairs = next_stage_pairs(slots, p)
     backward_pairs = tuple((t, s) for s, t in forward_pairs)
@@ -248,14 +269,21 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                                    jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
                                    None if active_blocks is None else active_blocks[0]) if keep_residuals else {}
         kept_counts = buffer_counts(list(layouts.values()))
+        splits = backward_splits(parts, policy, loss, compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
+                                 jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
+                                 None if active_blocks is None else active_blocks[0]) if slots.splits_backward else {}
+        stash_counts = buffer_counts([split.stash_layout for split in splits.values()])
+        no_stash = empty_buffers(stash_counts)
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
+        one = jnp.ones((), jnp.float32)
         no_residuals = empty_buffers(kept_counts)
         pools = (jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype),
                  jnp.zeros((slots.cotangent_buffers + 1, *x_shape.shape), x_shape.dtype),
-                 empty_buffers(kept_counts, slots.residual_buffers + 1))
+                 empty_buffers(kept_counts, slots.residual_buffers + 1),
+                 empty_buffers(stash_counts, slots.stash_buffers + 1))
 
         def slot(carry, t):
-            (activations, cotangents, residuals), totals = carry
+            (activations, cotangents, residuals, stashes), totals = carry
             at = {name: table[t, stage] for name, table in tables.items()}
             j, r = at["microbatch"], at["round"]
             chunk = r * p + stage
@@ -265,6 +293,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                                         None if active_blocks is None else active_blocks[chunk], scale, total_weight)
             x_in, dy = activations[at["activation_read"]], cotangents[at["cotangent_read"]]
             kept_in = {name: pool[at["residual_read"]] for name, pool in residuals.items()}
+            stash_in = {name: pool[at["stash_read"]] for name, pool in stashes.items()}
 
             def add(totals, grad_blocks=None, grad_rest=None, sums=None):
                 g_blocks, g_rest, s = totals
@@ -291,42 +320,65 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                 return layouts[kind].with_kept(pullback, unpack(kept_in, layouts[kind]))
 
             def idle(totals):
-                return totals, nothing, nothing, no_residuals
+                return totals, nothing, nothing, no_residuals, no_stash
 
             def forward_first(totals):
-                y, kept = forward_of("first", cb, cr)
-                return totals, y, nothing, kept
+                y, kept = forward_of("first", cb, cr, nothing)
+                return totals, y, nothing, kept, no_stash
 
             def forward(totals):
                 y, kept = forward_of("middle", cb, x_in)
-                return totals, y, nothing, kept
+                return totals, y, nothing, kept, no_stash
 
             def forward_last(totals):
                 (_, sums), kept = forward_of("last", cb, cr, x_in)
-                return add(totals, sums=sums), nothing, nothing, kept
+                return add(totals, sums=sums), nothing, nothing, kept, no_stash
 
             def backward_first(totals):
-                grad_blocks, grad_rest = pullback_of("first", cb, cr)(dy)
-                return add(totals, grad_blocks, grad_rest), nothing, nothing, no_residuals
+                grad_blocks, grad_rest, _ = pullback_of("first", cb, cr, nothing)(dy)
+                return add(totals, grad_blocks, grad_rest), nothing, nothing, no_residuals, no_stash
 
             def backward(totals):
                 grad_blocks, dx = pullback_of("middle", cb, x_in)(dy)
-                return add(totals, grad_blocks), nothing, dx, no_residuals
+                return add(totals, grad_blocks), nothing, dx, no_residuals, no_stash
 
             def backward_last(totals):
-                grad_blocks, grad_rest, dx = pullback_of("last", cb, cr, x_in)(jnp.ones((), jnp.float32))
-                return add(totals, grad_blocks, grad_rest), nothing, dx, no_residuals
+                grad_blocks, grad_rest, dx = pullback_of("last", cb, cr, x_in)(one)
+                return add(totals, grad_blocks, grad_rest), nothing, dx, no_residuals, no_stash
 
+            def split_backward(kind, inputs, cotangent, send):
+                def run(totals):
+                    dx, stash = splits[kind].b(pullback_of(kind, *inputs), cotangent)
+                    return totals, nothing, dx if send else nothing, no_residuals, pack(stash, stash_counts)
+
+                return run
+
+            def weight_gradients(kind, inputs):
+                def run(totals):
+                    stash = unpack(stash_in, splits[kind].stash_layout)
+                    grads = splits[kind].w(pullback_of(kind, *inputs), stash)
+                    return add(totals, *grads), nothing, nothing, no_residuals, no_stash
+
+                return run
+
+            if slots.splits_backward:
+                backward_first = split_backward("first", (cb, cr, nothing), dy, send=False)
+                backward = split_backward("middle", (cb, x_in), dy, send=True)
+                backward_last = split_backward("last", (cb, cr, x_in), one, send=True)
             branches = {Branch.IDLE: idle, Branch.FORWARD_FIRST: forward_first, Branch.FORWARD: forward,
                         Branch.FORWARD_LAST: forward_last, Branch.BACKWARD_FIRST: backward_first,
-                        Branch.BACKWARD: backward, Branch.BACKWARD_LAST: backward_last}
-            totals, to_next, to_previous, kept = jax.lax.switch(
+                        Branch.BACKWARD: backward, Branch.BACKWARD_LAST: backward_last,
+                        Branch.WEIGHT_FIRST: weight_gradients("first", (cb, cr, nothing)) if splits else idle,
+                        Branch.WEIGHT: weight_gradients("middle", (cb, x_in)) if splits else idle,
+                        Branch.WEIGHT_LAST: weight_gradients("last", (cb, cr, x_in)) if splits else idle}
+            totals, to_next, to_previous, kept, stashed = jax.lax.switch(
                 at["branch"], [scoped(b.name.lower(), branches[b]) for b in Branch], totals)
             received = link.ppermute(to_next, forward_pairs)
             returned = link.ppermute(to_previous, backward_pairs)
             pools = (activations.at[at["activation_write"]].set(received),
                      cotangents.at[at["cotangent_write"]].set(returned),
-                     {name: pool.at[at["residual_write"]].set(kept[name]) for name, pool in residuals.items()})
+                     {name: pool.at[at["residual_write"]].set(kept[name]) for name, pool in residuals.items()},
+                     {name: pool.at[at["stash_write"]].set(stashed[name]) for name, pool in stashes.items()})
             return (pools, totals), None
 
         return jax.lax.scan(scoped("pipeline_slot", slot), (pools, totals), jnp.arange(slots.slots))[0][1]

@@ -4,7 +4,8 @@ XLA's cost analysis counts the body of a loop once and a conditional as its dear
 step's own program (a loop over time slots, a switch per slot) cannot be counted whole. Instead every action of
 the schedule (one chunk's forward or backward on one microbatch) is compiled on its own from abstract shapes,
 exactly as the step's slot runs it (lowering/pipeline_step.py: with `remat: full` the backward recomputes the
-forward, with `remat: none` it starts from the kept residuals), and its FLOPs are summed over the table. The
+forward, with `remat: none` it starts from the kept residuals; a split backward's B and W run their parts of
+the pullback), and its FLOPs are summed over the table. The
 reference is the gradient of the whole model on one microbatch, times the microbatches. Blocks run unrolled
 here, for the same reason.
 """
@@ -17,7 +18,14 @@ from functools import cache
 
 import jax
 import jax.numpy as jnp
-from xlatrain.lowering.pipeline_step import KINDS, chunk_functions, chunk_inputs, residual_layouts, vjp_of
+from xlatrain.lowering.pipeline_step import (
+    KINDS,
+    backward_splits,
+    chunk_functions,
+    chunk_inputs,
+    residual_layouts,
+    vjp_of,
+)
 from xlatrain.lowering.residuals import buffer_counts, unpack
 
 from xlatrain import compat
@@ -57,8 +65,9 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
         return jax.ShapeDtypeStruct((count, 2), jnp.uint32)
 
     @cache
-    def action_flops(kind: str, count: int, backward: bool) -> float:
+    def action_flops(kind: str, count: int, action: str) -> float:
         cb, keys = cast_blocks(count), keys_for(count)
+        backward = action != "F"
         cotangent = scalar if kind == "last" else x
 
         def forward(cb, cr, x, micro_j, keys, scales):
@@ -84,7 +93,19 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
         if not backward:
             return _flops(forward_keeping, cb, cr, x, micro, keys, scales)
         kept = {name: jax.ShapeDtypeStruct((n,), name) for name, n in layout.counts().items()}
-        return _flops(pull, cb, cr, x, micro, keys, scales, kept, cotangent)
+        if not schedule.splits_backward:
+            return _flops(pull, cb, cr, x, micro, keys, scales, kept, cotangent)
+        split = backward_splits(unrolled, policy, loss, cb, cr, x, micro, keys, None)[kind]
+
+        def pullback(cb, cr, x, micro_j, keys, scales, kept):
+            pullback = vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x))[1]
+            return layout.with_kept(pullback, unpack(kept, layout))
+
+        if action == "B":
+            return _flops(lambda *a: split.b(pullback(*a[:-1]), a[-1]), cb, cr, x, micro, keys, scales, kept,
+                          cotangent)
+        return _flops(lambda *a: split.w(pullback(*a[:-1]), a[-1]), cb, cr, x, micro, keys, scales, kept,
+                      split.split.stash_shapes())
 
     chunks = len(partition)
     pipelined = 0.0
@@ -93,7 +114,7 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
             if action is None:
                 continue
             kind = KINDS[0] if action.chunk == 0 else KINDS[2] if action.chunk == chunks - 1 else KINDS[1]
-            pipelined += action_flops(kind, partition[action.chunk], action.kind == "B")
+            pipelined += action_flops(kind, partition[action.chunk], action.kind)
 
     def whole_model(cb, cr, micro_j, keys, scales):
         def scaled_loss(cb, cr):
@@ -112,16 +133,17 @@ def _flops(fn, *args) -> float:
 
 
 def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
-                   policy: Policy, partition: tuple[int, ...]) -> int:
+                   policy: Policy, partition: tuple[int, ...], stash: bool = False) -> int:
     """Bytes of the buffers that hold one microbatch's residuals on a stage with remat: none (every kind of
-    chunk fits them), for chunks as the step runs them (padded to the largest, and masked when unequal)."""
+    chunk fits them), for chunks as the step runs them (padded to the largest, and masked when unequal).
+    `stash`: the bytes of the buffers that hold a split backward's stash from B to W instead."""
     width = max(partition)
     cb, cr, x = abstract_chunk(parts, abstract_params, micro, policy, width)
     active = None if len(set(partition)) == 1 else jax.ShapeDtypeStruct((), jnp.int32)
-    layouts = residual_layouts(parts, policy, loss, cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32),
-                               active)
-    counts = buffer_counts(list(layouts.values()))
-    return sum(count * jnp.dtype(name).itemsize for name, count in counts.items())
+    chunk = (parts, policy, loss, cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32), active)
+    layouts = ([split.stash_layout for split in backward_splits(*chunk).values()] if stash
+               else list(residual_layouts(*chunk).values()))
+    return sum(count * jnp.dtype(name).itemsize for name, count in buffer_counts(layouts).items())
 
 
 def abstract_chunk(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], policy: Policy,

@@ -85,7 +85,33 @@ FAST_CASE = "p2-1f1b-m=p"
                                        for name, o in CASES.items()])
 @pytest.mark.parametrize("remat", ["full", "none"])
 def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, remat, devices):
-    pipelined = program_for([*overrides, f"parallel.pipeline.remat={remat}"])
+    assert_gradients_equal_the_unpipelined_model(overrides, [f"parallel.pipeline.remat={remat}"])
+
+
+ZERO_BUBBLE_CASES = {
+    "p2-m=p": ["mesh.stage=2", "parallel.pipeline.microbatches=2"],
+    "p2-m3-accumulate-uneven": CASES["p2-1f1b-m3-accumulate-uneven"],
+    "p4-m=2p-dp2": ["mesh.stage=4", "model.layers=4", "parallel.pipeline.microbatches=8"],
+    "p4-m5-dp2-auto-uneven": CASES["p4-1f1b-m5-dp2-auto-uneven"],
+    "p4-bf16-dp2": CASES["p4-1f1b-bf16-dp2"],
+    "p2-fp16-scanned-custom-collectives": ["mesh.stage=2", "model.layers=4", "precision.policy=fp16",
+                                           "model.scan_layers=true", "collectives.impl=custom"],
+}
+
+
+@pytest.mark.parametrize("overrides", [pytest.param(o, id=name, marks=() if name == "p2-m=p" else pytest.mark.slow)
+                                       for name, o in ZERO_BUBBLE_CASES.items()])
+def test_zero_bubble_loss_and_gradients_equal_the_unpipelined_model(overrides, devices):
+    """zb1p: each backward as B (input gradient) and W (weight gradients) in their own slots."""
+    program = assert_gradients_equal_the_unpipelined_model(overrides, ["parallel.pipeline.schedule=zb1p",
+                                                                       "parallel.pipeline.remat=none"])
+    assert program.pipeline.slots.stash_buffers > 0
+    hlo = program.train_step.first.compiled.as_text()
+    assert all(f"/{scope}/" in hlo for scope in ("weight", "weight_last", "backward", "backward_last"))
+
+
+def assert_gradients_equal_the_unpipelined_model(overrides, pipeline_overrides):
+    pipelined = program_for([*overrides, *pipeline_overrides])
     grads, sums = pipelined.gradients(pipelined.create_state(), token_batch(pipelined))
     d = pipelined.derived
     expected_grads, expected_sums = reference_gradients(tuple(overrides),
@@ -96,6 +122,7 @@ def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, rem
     errors = relative_errors(expected_grads, pipelined.pipeline.layout.layer_params(grads))
     assert max(jax.tree.leaves(errors)) < tolerance, errors
     assert all(float(np.max(np.abs(np.asarray(g)))) > 0 for g in jax.tree.leaves(grads))
+    return pipelined
 
 
 def evaluated(program) -> tuple[dict, object]:
@@ -128,15 +155,15 @@ def test_pipelined_evaluation_equals_the_unpipelined_model_and_moves_only_activa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["full", "none"])
-def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, remat, devices):
+@pytest.mark.parametrize("schedule,remat", [("1f1b", "full"), ("1f1b", "none"), ("zb1p", "none")])
+def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, schedule, remat, devices):
     common = [*TINY_GPT, *PIPELINE, "model.layers=4", "optimizer.schedule=constant", "trainer.eval_every=30",
               "trainer.checkpoint_every=15", "optimizer.weight_decay=0.1"]
     plain = train(load_config(None, [*common, "mesh.data=1", "parallel.mode=jit", "trainer.steps=30",
                                      f"trainer.run_dir={tmp_path / 'plain'}"]),
                   devices=devices[:1], echo=lambda _: None)
     pipelined = [*common, "mesh.stage=4", "parallel.pipeline.microbatches=4", f"parallel.pipeline.remat={remat}",
-                 f"trainer.run_dir={tmp_path / 'pipe'}"]
+                 f"parallel.pipeline.schedule={schedule}", f"trainer.run_dir={tmp_path / 'pipe'}"]
     first = train(load_config(None, [*pipelined, "trainer.steps=15"]), echo=lambda _: None)
     second = train(load_config(None, [*pipelined, "trainer.steps=30"]), echo=lambda _: None)
     assert second.start_step == 15
@@ -195,6 +222,18 @@ def test_1f1b_holds_p_microbatches_of_activations_and_residuals_where_gpipe_hold
         saved = reports["gpipe", remat]["temp_bytes"] - reports["1f1b", remat]["temp_bytes"]
         assert saved == pytest.approx((16 - 4) * per_microbatch, rel=0.05), remat
 
+    # zb1p holds what 1F1B holds, and B's stash for the W's it defers (stage s defers up to s of them)
+    program = program_for([*common, "parallel.pipeline.schedule=zb1p", "parallel.pipeline.remat=none"])
+    zb = program.pipeline_report(program.train_step.first.compiled)
+    assert (zb["activation_buffers"], zb["residual_buffers"]) == (4, 4), zb
+    assert 1 <= zb["stash_buffers"] <= 4, zb
+    stash = zb["stash_bytes_per_microbatch"]
+    assert activations < stash < residuals
+    extra = zb["temp_bytes"] - reports["1f1b", "none"]["temp_bytes"]
+    # the stash pool (buffers + a scratch one) and, measured, about as much again (4.08 MB over 1F1B's here
+    # against a 2.5 MB pool)
+    assert 0 < extra <= 2 * (zb["stash_buffers"] + 1) * stash, (extra, stash, zb["stash_buffers"])
+
 
 def test_remat_auto_keeps_residuals_only_when_xlas_memory_analysis_of_the_step_fits_the_budget(devices):
     """auto compiles the step keeping residuals, and trains with that very executable when it fits: one
@@ -221,36 +260,53 @@ def test_remat_none_does_the_unpipelined_models_work_and_full_recomputes_the_for
     """XLA's FLOPs of every action of the table (lowering/pipeline_work.py) against the gradient of the whole
     model over the same microbatches: equal within 5% with remat: none; a forward more (~4/3) with full."""
     ratios = {}
-    for remat in ("none", "full"):
+    for schedule, remat in (("1f1b", "none"), ("1f1b", "full"), ("zb1p", "none")):
         program = program_for(["mesh.stage=2", "model.layers=3", "parallel.pipeline.microbatches=2",
-                               f"parallel.pipeline.remat={remat}"])
-        ratios[remat] = program.pipeline.count_work(remat).ratio
-    assert ratios["none"] == pytest.approx(1.0, abs=0.05), ratios
-    assert 1.2 < ratios["full"] < 1.45, ratios
+                               f"parallel.pipeline.remat={remat}", f"parallel.pipeline.schedule={schedule}"])
+        ratios[schedule, remat] = program.pipeline.count_work(remat).ratio
+    assert ratios["1f1b", "none"] == pytest.approx(1.0, abs=0.05), ratios
+    assert ratios["zb1p", "none"] == pytest.approx(1.0, abs=0.05), ratios  # B and W: one backward's work
+    assert 1.2 < ratios["1f1b", "full"] < 1.45, ratios
 
 
 # --- plans, slot programs, layouts and partitions, without compiling a step -------------------------
 
 
 @pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 5, 1), ("1f1b", 2, 2, 1),
-                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)])
+                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3), ("zb1p", 4, 8, 1),
+                                        ("zb1p", 4, 5, 1), ("zb1p", 2, 2, 1)])
 def test_slot_program_delivers_every_input_to_its_action(name, p, m, v):
     """Run the slot program symbolically: each buffer holds a tag of what arrived; every action must read
-    its own chunk's input activation and incoming gradient."""
+    its own chunk's input activation and incoming gradient; a backward (its W, when split) its forward's
+    residuals, and a W the stash of its B."""
     schedule, program = build(name, p, m, v), slot_program(build(name, p, m, v))
     chunks = p * v
     activations = [[None] * (program.activation_buffers + 1) for _ in range(p)]
     cotangents = [[None] * (program.cotangent_buffers + 1) for _ in range(p)]
+    residuals = [[None] * (program.residual_buffers + 1) for _ in range(p)]
+    stashes = [[None] * (program.stash_buffers + 1) for _ in range(p)]
+    branches = {"F": "FORWARD", "B": "BACKWARD", "W": "WEIGHT"}
     for slot, row in enumerate(schedule.table):
         sent_forward, sent_backward = [None] * p, [None] * p
+        kept, stashed = [None] * p, [None] * p
         for stage, action in enumerate(row):
             if action is None:
                 assert program.branch[slot, stage] == Branch.IDLE
                 continue
             c, j = action.chunk, action.microbatch
             part = "_FIRST" if c == 0 else "_LAST" if c == chunks - 1 else ""
-            assert program.branch[slot, stage] == Branch[("FORWARD" if action.kind == "F" else "BACKWARD") + part]
+            assert program.branch[slot, stage] == Branch[branches[action.kind] + part]
             assert (program.microbatch[slot, stage], program.round[slot, stage]) == (j, c // p)
+            if action.kind in ("B", "W"):
+                assert residuals[stage][program.residual_read[slot, stage]] == ("kept", c, j)
+            if action.kind == "W":
+                assert stashes[stage][program.stash_read[slot, stage]] == ("stash", c, j)
+            if action.kind == "F":
+                kept[stage] = ("kept", c, j)
+            if action.kind == "B" and schedule.splits_backward:
+                stashed[stage] = ("stash", c, j)
+            if action.kind == "W":
+                continue
             if c > 0:
                 assert activations[stage][program.activation_read[slot, stage]] == ("x", c, j)
             if action.kind == "B" and c < chunks - 1:
@@ -263,6 +319,8 @@ def test_slot_program_delivers_every_input_to_its_action(name, p, m, v):
             source_forward = sent_forward[stage - 1] if stage > 0 or v > 1 else None
             activations[stage][program.activation_write[slot, stage]] = source_forward
             cotangents[stage][program.cotangent_write[slot, stage]] = sent_backward[(stage + 1) % p]
+            residuals[stage][program.residual_write[slot, stage]] = kept[stage]
+            stashes[stage][program.stash_write[slot, stage]] = stashed[stage]
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 16), (2, 6), (4, 4)])
@@ -336,6 +394,9 @@ ERRORS = {
                             "memory_budget_bytes is read by remat=auto only, and remat=full is fixed"),
     "batch-split": (["mesh.stage=2", "parallel.pipeline.microbatches=3"], "not divisible by batch.microbatches 1 x "
                     "parallel.pipeline.microbatches 3"),
+    "zero-bubble-recomputing": (["mesh.stage=2", "parallel.pipeline.schedule=zb1p", "parallel.pipeline.remat=auto"],
+                                "schedule=zb1p runs each backward as B and W from the forward's residuals: set "
+                                "parallel.pipeline.remat=none (not auto)"),
 }
 
 

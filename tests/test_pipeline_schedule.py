@@ -12,13 +12,16 @@ from xlatrain.pipeline.slots import Branch, slot_program
 
 CASES = [(name, p, m, 1) for name in ("gpipe", "1f1b") for p in (2, 4) for m in (p, 2 * p, p + 1, 1)]
 CASES += [("interleaved", p, m, 2) for p in (2, 4) for m in (p, 2 * p)] + [("interleaved", 2, 4, 3)]
+CASES += [("zb1p", p, m, 1) for p in (2, 4, 8) for m in (p, 2 * p, p + 1)]
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in CASES])
 def test_schedules_keep_dependencies_and_meet_the_theoretical_bubble(name, p, m, v):
     schedule = build(name, p, m, v)
     assert dependency_problems(schedule) == []
-    assert schedule.bubble() == pytest.approx((p - 1) / (v * m + p - 1))
+    actions_per_microbatch = 3 if name == "zb1p" else v  # F, B and W each take a slot
+    assert schedule.bubble() == pytest.approx((p - 1) / (actions_per_microbatch * m + p - 1))
+    assert schedule.bubble() == pytest.approx(schedule.theoretical_bubble())
     assert all(len(row) == p for row in schedule.table)
 
 
@@ -36,6 +39,24 @@ def test_an_evaluation_runs_the_forwards_alone_in_v_m_plus_p_minus_1_slots(name,
 def test_1f1b_holds_at_most_p_microbatches_where_gpipe_holds_m(p, m):
     assert max(build("1f1b", p, m).peak_in_flight()) == min(p, m)
     assert build("gpipe", p, m).peak_in_flight() == [m] * p
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 5), (2, 6), (8, 16)])
+def test_zb1p_holds_what_1f1b_holds(p, m):
+    assert max(build("zb1p", p, m).peak_in_flight()) == max(build("1f1b", p, m).peak_in_flight()) == min(p, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.4, 0.7)])
+def test_zb1p_idles_p_minus_1_times_f_plus_b_minus_w_where_1f1b_idles_p_minus_1_times_f_plus_b(p, m, f, b, w):
+    """The simulator with F, B and W costs: ZB-H1's step is m(F + B + W) + (p - 1)(F + B - W) (the paper's
+    bound); 1F1B running B and W back to back as one backward of cost B + W idles (p - 1)(F + B + W)."""
+    zb = simulate(build("zb1p", p, m), [f] * p, [b] * p, [w] * p)
+    assert zb.step_time == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w))
+    plain = simulate(build("1f1b", p, m), [f] * p, [b + w] * p)
+    assert plain.step_time == pytest.approx(m * (f + b + w) + (p - 1) * (f + b + w))
+    with pytest.raises(ScheduleError, match="needs a W cost per chunk"):
+        simulate(build("zb1p", p, m), [f] * p, [b] * p)
 
 
 def test_interleaving_shrinks_the_bubble_by_v():

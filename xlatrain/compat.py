@@ -126,6 +126,18 @@ def outputs_reading(fn: Callable, args: tuple, watched: tuple[int, ...]) -> list
     return result
 
 
+def bind_equation(eqn: Any, inputs: list[Any]) -> list[Any]:
+    """Run one equation of a jaxpr on `inputs` (values or tracers, one per eqn.invars, literals included), as
+    jax's own interpreter (`jax.core.eval_jaxpr`) does, keeping the equation's name stack."""
+    from jax._src import source_info_util
+
+    params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        outputs = eqn.primitive.bind(*inputs, **params)
+    return list(outputs) if eqn.primitive.multiple_results else [outputs]
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return attention(q, k, v, is_causal=True)
 

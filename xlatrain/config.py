@@ -267,7 +267,7 @@ DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
                          "heads": "data", "hidden": "data", "channels": "data"}
 
 
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p"]
 
 
 class PipelineConfig(Strict):
@@ -275,7 +275,9 @@ class PipelineConfig(Strict):
 
     schedule: PipelineSchedule = "1f1b"
     """gpipe: every forward, then every backward. 1f1b: one forward one backward, at most mesh.stage
-    microbatches of activations per stage. interleaved: 1f1b over virtual_stages model chunks per stage."""
+    microbatches of activations per stage. interleaved: 1f1b over virtual_stages model chunks per stage.
+    zb1p: zero-bubble ZB-H1, 1f1b with each backward split into the input gradient (B) and the weight
+    gradients (W), which fill the cool-down bubble; 1f1b's memory (needs remat: none)."""
     microbatches: PositiveInt | None = None
     """Pipeline microbatches each gradient-accumulation microbatch is split into; null = 2 x mesh.stage."""
     virtual_stages: PositiveInt | None = None
@@ -546,6 +548,9 @@ class Config(Strict):
         if pipe.schedule == "interleaved" and v < 2:
             raise ValueError("parallel.pipeline.schedule=interleaved needs virtual_stages >= 2 (model chunks per "
                              "stage); use schedule=1f1b for one chunk per stage")
+        if pipe.schedule == "zb1p" and pipe.remat != "none":
+            raise ValueError(f"parallel.pipeline.schedule=zb1p runs each backward as B and W from the forward's "
+                             f"residuals: set parallel.pipeline.remat=none (not {pipe.remat})")
         if pipe.memory_budget_bytes is not None and pipe.remat != "auto":
             raise ValueError(f"parallel.pipeline.memory_budget_bytes is read by remat=auto only, and remat="
                              f"{pipe.remat} is fixed: set remat=auto, or drop memory_budget_bytes")

@@ -174,6 +174,8 @@ class Program:
                 "activation_bytes_per_microbatch": plan.costs.boundary_bytes,
                 "remat": self.remat.remat, "remat_reason": self.remat.reason,
                 "residual_buffers": plan.slots.residual_buffers if self.remat.remat == "none" else 0,
+                "stash_buffers": plan.slots.stash_buffers,
+                "stash_bytes_per_microbatch": plan.count_stash_bytes() if plan.slots.splits_backward else 0,
                 "residual_bytes_per_microbatch": plan.count_residual_bytes() if self.remat.remat == "none" else 0,
                 "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else 0}
 
@@ -351,13 +353,14 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
                 batch_structs(spec, (derived.pipeline_microbatch_size,)))
 
     def measure():
-        return measure_block_costs(model.blocks, *abstract(), config.model.loss, policy)
+        return measure_block_costs(model.blocks, *abstract(), config.model.loss, policy,
+                                   split_backward=config.parallel.pipeline.schedule == "zb1p")
 
     def count_work(schedule, partition, remat):
         return pipeline_work(model.blocks, *abstract(), config.model.loss, policy, schedule, partition, remat)
 
-    def count_residual_bytes(partition):
-        return residual_bytes(model.blocks, *abstract(), config.model.loss, policy, partition)
+    def count_residual_bytes(partition, stash):
+        return residual_bytes(model.blocks, *abstract(), config.model.loss, policy, partition, stash)
 
     return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
                          model.blocks.layers, measure, count_work, count_residual_bytes,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from xlatrain.pipeline.schedule import Schedule, Timeline, simulate
 
-_COLOURS = {"F": ("#4c78a8", "#9ecae9"), "B": ("#e45756", "#ff9d98")}
+_COLOURS = {"F": ("#4c78a8", "#9ecae9"), "B": ("#e45756", "#ff9d98"), "W": ("#54a24b", "#88d27a")}
 """Per kind, the colours of even and odd virtual-stage rounds."""
 
 
@@ -18,7 +18,8 @@ def draw(schedule: Schedule, path: Path, timeline: Timeline | None = None, time_
     import matplotlib.pyplot as plt
 
     chunks = schedule.stages * schedule.virtual_stages
-    timeline = timeline or simulate(schedule, [1.0] * chunks, [1.0] * chunks)
+    ones = [1.0] * chunks
+    timeline = timeline or simulate(schedule, ones, ones, ones if schedule.splits_backward else None)
     figure, axes = plt.subplots(figsize=(max(6.0, 0.35 * timeline.step_time + 2), 0.6 * schedule.stages + 1.4))
     for action, begin in timeline.start.items():
         stage, round_ = action.chunk % schedule.stages, action.chunk // schedule.stages

@@ -22,6 +22,8 @@ class PieceCost:
     param_bytes: float
     activation_bytes: float
     """XLA's temporaries for the piece's forward and backward."""
+    weight_flops: float = 0.0
+    """The part of the backward that computes the weight gradients (a split backward's W)."""
 
     def __add__(self, other: PieceCost) -> PieceCost:
         return PieceCost(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
@@ -29,8 +31,8 @@ class PieceCost:
     def __mul__(self, count: float) -> PieceCost:
         return PieceCost(*(a * count for a in self.as_tuple()))
 
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        return (self.forward_flops, self.backward_flops, self.param_bytes, self.activation_bytes)
+    def as_tuple(self) -> tuple[float, float, float, float, float]:
+        return (self.forward_flops, self.backward_flops, self.param_bytes, self.activation_bytes, self.weight_flops)
 
     @property
     def flops(self) -> float:
@@ -41,7 +43,7 @@ class PieceCost:
         return self.param_bytes + self.activation_bytes
 
 
-NOTHING = PieceCost(0.0, 0.0, 0.0, 0.0)
+NOTHING = PieceCost(0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ class PipelinePlan:
     (lowering/pipeline_work.py), counted on first use (and then kept)."""
     count_residual_bytes: Callable[[], int]
     """Bytes of one microbatch's kept residuals on a stage with remat: none, counted on first use."""
+    count_stash_bytes: Callable[[], int]
+    """Bytes of one microbatch's stash from B to W on a stage (a zero-bubble schedule), counted on first use."""
     evaluation: Schedule
     """The eval step's forward-only schedule, over as many microbatches as a train step has in all."""
     eval_slots: SlotProgram
@@ -51,11 +53,16 @@ class PipelinePlan:
 
     def simulated(self) -> Timeline:
         """The schedule replayed with each chunk's forward and backward FLOPs as its durations, in units of
-        the mean chunk forward (1 = one slot of the table when chunks are equal)."""
+        the mean chunk forward (1 = one slot of the table when chunks are equal). A split backward's B is the
+        backward without the recomputed forward and W (remat: none), and W the weight gradients."""
         chunks = self.costs.chunks(self.layout.partition)
         unit = sum(c.forward_flops for c in chunks) / len(chunks) or 1.0
-        return simulate(self.schedule, [c.forward_flops / unit for c in chunks],
-                        [c.backward_flops / unit for c in chunks])
+        forward = [c.forward_flops / unit for c in chunks]
+        if not self.schedule.splits_backward:
+            return simulate(self.schedule, forward, [c.backward_flops / unit for c in chunks])
+        weight = [c.weight_flops / unit for c in chunks]
+        backward = [c.backward_flops / unit - f - w for c, f, w in zip(chunks, forward, weight, strict=True)]
+        return simulate(self.schedule, forward, backward, weight)
 
     def summary(self, remat: RematChoice | str, rows_per_microbatch: int | None = None,
                 count_work: bool = False) -> list[str]:
@@ -71,7 +78,8 @@ class PipelinePlan:
             f"{s.slots} time slots",
             f"partition        {self.partition_source}: {self.layout.describe()}",
             f"balance          {self.balance.describe()}",
-            f"bubble           {s.bubble():.1%} of device time with equal chunks (theory (p-1)/(v*m+p-1) = "
+            f"bubble           {s.bubble():.1%} of device time with equal chunks (theory "
+            f"{'(p-1)/(3m+p-1), F = B = W' if s.splits_backward else '(p-1)/(v*m+p-1)'} = "
             f"{s.theoretical_bubble():.1%}); {simulated.bubble():.1%} with the chunks' XLA FLOPs",
             f"activations      each stage holds at most {slots.activation_buffers} microbatch(es) of stage inputs "
             f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients",
@@ -86,7 +94,10 @@ class PipelinePlan:
                     "the step keeping residuals fits the budget, else full)")
         done = f"; XLA FLOPs per step {self.count_work(remat.remat).ratio:.2f}x the unpipelined model's" \
             if count_work else ""
-        if remat.remat == "none":
+        if remat.remat == "none" and self.slots.splits_backward:
+            what = (f"chunks keep their residuals from F to W (at most {self.slots.residual_buffers} microbatch(es) "
+                    f"of them per stage), and B's stash for W (at most {self.slots.stash_buffers})")
+        elif remat.remat == "none":
             what = (f"chunks keep their residuals from forward to backward (at most {self.slots.residual_buffers} "
                     "microbatch(es) of them per stage)")
         else:
@@ -98,7 +109,7 @@ class PipelinePlan:
         return slot_program(build("gpipe", self.schedule.stages, self.schedule.microbatches)).activation_buffers
 
     def table_text(self) -> str:
-        """The schedule table: a row per time slot, a column per stage; F/B, microbatch, .chunk round."""
+        """The schedule table: a row per time slot, a column per stage; F/B/W, microbatch, .chunk round."""
         s = self.schedule
         header = "slot  " + "".join(f"stage {i:<4}" for i in range(s.stages))
         lines = [header]
@@ -112,10 +123,11 @@ class PipelinePlan:
 
 def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks: int,
                   measure: Callable[[], ModelCosts], count_work: Callable[[Schedule, tuple[int, ...], str], Any],
-                  count_residual_bytes: Callable[[tuple[int, ...]], int], eval_microbatches: int | None = None,
+                  count_residual_bytes: Callable[[tuple[int, ...], bool], int], eval_microbatches: int | None = None,
                   pinned: tuple[int, ...] | None = None) -> PipelinePlan:
     """`count_work(schedule, partition, remat)`: XLA's FLOPs of the step beside the unpipelined model's.
-    `count_residual_bytes(partition)`: one microbatch's kept residuals on a stage (remat: none).
+    `count_residual_bytes(partition, stash)`: one microbatch's kept residuals on a stage (remat: none), or its
+    stash from B to W (stash=True).
     `eval_microbatches`: how many pieces the eval step cuts a replica's rows into (default `microbatches`).
     `pinned`: the partition `auto` chose at the run's first start, kept on resume."""
     virtual = config.chunks_per_stage()
@@ -142,5 +154,6 @@ def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks
         partition, source = tuple(auto_partition(measure(), stages * virtual)), "auto"
     return PipelinePlan(schedule, StageLayout(stages, virtual, partition), slot_program(schedule), source,
                         measure, cache(lambda remat: count_work(schedule, partition, remat)),
-                        cache(lambda: count_residual_bytes(partition)), evaluation,
+                        cache(lambda: count_residual_bytes(partition, False)),
+                        cache(lambda: count_residual_bytes(partition, True)), evaluation,
                         slot_program(evaluation))

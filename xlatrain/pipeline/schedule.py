@@ -1,6 +1,8 @@
 """Pipeline schedules as data: a table of time slot x stage -> action, built, checked and measured.
 
-An action is the forward (F) or backward (B) pass of one microbatch through one virtual stage. With
+An action is the forward (F) or backward (B) pass of one microbatch through one virtual stage; a zero-bubble
+schedule splits the backward into B, the input gradient the previous stage waits for, and W, the weight
+gradients, which wait until they fill what would be a bubble (Zero Bubble, arXiv 2401.10241). With
 `v` virtual stages per device, the model's blocks form p * v chunks; chunk c runs on device c % p
 (Megatron's interleaving), so a microbatch visits every device v times. Each action takes one time
 slot of 1/v of a device's share of the model, so tables of different v are comparable: the bubble is
@@ -13,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["F", "B"]
+Kind = Literal["F", "B", "W"]
 
 
 @dataclass(frozen=True)
@@ -42,21 +44,32 @@ class Schedule:
         """An evaluation pass: forwards and no backward."""
         return all(action is None or action.kind == "F" for row in self.table for action in row)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the backward runs as B and W actions."""
+        return any(action is not None and action.kind == "W" for row in self.table for action in row)
+
     def bubble(self) -> float:
         busy = sum(action is not None for row in self.table for action in row)
         return 1 - busy / (self.slots * self.stages)
 
     def theoretical_bubble(self) -> float:
+        """In slots of one action each: (p - 1) / (v * m + p - 1) for GPipe, 1F1B and interleaved (a slot per
+        F and per B); ZB-H1's idle time is (p - 1)(F + B - W), one slot per device when F = B = W, against
+        3m busy slots."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
+        if self.splits_backward:
+            return (p - 1) / (3 * m + p - 1)
         return (p - 1) / (v * m + p - 1)
 
     def peak_in_flight(self) -> list[int]:
-        """Per device, the most microbatch-chunks whose forward ran and whose backward has not: the
-        activations it must hold at once."""
+        """Per device, the most microbatch-chunks whose forward ran and whose backward has not finished (its
+        W, when split): the activations it must hold at once."""
+        release = "W" if self.splits_backward else "B"
         live, peak = [0] * self.stages, [0] * self.stages
         for row in self.table:
             for stage, action in enumerate(row):
-                if action is not None:
+                if action is not None and action.kind in ("F", release):
                     live[stage] += 1 if action.kind == "F" else -1
                     peak[stage] = max(peak[stage], live[stage])
         return peak
@@ -87,6 +100,31 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
         order += [Action("B", j, s) for j in range(m - warmup, m)]
         orders.append(order)
     return _place("1f1b", p, m, 1, orders)
+
+
+def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with each backward split into B and W, stage s deferring up to s of its W's. The deferred
+    W's fill the cool-down, where 1F1B's stages wait for gradients; a stage never holds more than p
+    microbatches (1F1B's first stage's peak), and the idle time is (p - 1)(F + B - W) per device."""
+    p, m = stages, microbatches
+    orders = []
+    for s in range(p):
+        warmup = min(p - 1 - s, m)
+        order, deferred = [Action("F", j, s) for j in range(warmup)], []
+
+        def backward(j: int) -> None:
+            order.append(Action("B", j, s))
+            deferred.append(j)
+            if len(deferred) > s:
+                order.append(Action("W", deferred.pop(0), s))
+
+        for j in range(m - warmup):
+            order.append(Action("F", warmup + j, s))
+            backward(j)
+        for j in range(m - warmup, m):
+            backward(j)
+        orders.append(order + [Action("W", j, s) for j in deferred])
+    return _place("zb1p", p, m, 1, orders)
 
 
 def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule:
@@ -127,9 +165,9 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
         return interleaved(stages, microbatches, virtual_stages)
     if virtual_stages != 1:
         raise ScheduleError(f"virtual_stages={virtual_stages} applies to the interleaved schedule only, not {name}")
-    builders = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1p": zero_bubble_h1}
     if name not in builders:
-        raise ScheduleError(f"unknown schedule {name!r}: use gpipe, 1f1b or interleaved")
+        raise ScheduleError(f"unknown schedule {name!r}: use gpipe, 1f1b, interleaved or zb1p")
     return builders[name](stages, microbatches)
 
 
@@ -144,7 +182,8 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 def dependency_problems(schedule: Schedule) -> list[str]:
     """Empty when every action runs once, on its chunk's device, after what it needs: F(c, j) after
-    F(c - 1, j); B(c, j) after F(c, j) and B(c + 1, j). A forward-only schedule has no B to run."""
+    F(c - 1, j); B(c, j) after F(c, j) and B(c + 1, j); W(c, j) after B(c, j). A forward-only schedule has no
+    B to run; one that splits the backward runs a W for every B."""
     p, chunks = schedule.stages, schedule.stages * schedule.virtual_stages
     when: dict[Action, int] = {}
     problems = []
@@ -159,7 +198,8 @@ def dependency_problems(schedule: Schedule) -> list[str]:
             when[action] = slot
     for j in range(schedule.microbatches):
         for c in range(chunks):
-            for kind in ("F",) if schedule.forward_only else ("F", "B"):
+            kinds = ("F",) if schedule.forward_only else ("F", "B", "W") if schedule.splits_backward else ("F", "B")
+            for kind in kinds:
                 if Action(kind, j, c) not in when:
                     problems.append(f"{Action(kind, j, c)} never runs")
     for action, slot in when.items():
@@ -213,13 +253,18 @@ class Timeline:
         return 1 - sum(self.busy) / (self.step_time * len(self.busy))
 
 
-def simulate(schedule: Schedule, forward: list[float], backward: list[float]) -> Timeline:
+def simulate(schedule: Schedule, forward: list[float], backward: list[float],
+             weight: list[float] | None = None) -> Timeline:
     """Replay each device's actions in the table's order with per-chunk costs (forward[c], backward[c]
-    for chunk c), each starting when its device is free and its dependencies have finished."""
+    for chunk c, and weight[c] for a W when the schedule splits the backward: then backward[c] is B's
+    part alone), each starting when its device is free and its dependencies have finished."""
     chunks = schedule.stages * schedule.virtual_stages
     if len(forward) != chunks or len(backward) != chunks:
         raise ScheduleError(f"need a forward and a backward cost per chunk ({chunks}); got {len(forward)} and "
                             f"{len(backward)}")
+    if schedule.splits_backward and (weight is None or len(weight) != chunks):
+        raise ScheduleError(f"{schedule.name} splits the backward: it needs a W cost per chunk ({chunks})")
+    costs = {"F": forward, "B": backward, "W": weight}
     orders = [[row[s] for row in schedule.table if row[s] is not None] for s in range(schedule.stages)]
     start: dict[Action, float] = {}
     finish: dict[Action, float] = {}
@@ -233,7 +278,7 @@ def simulate(schedule: Schedule, forward: list[float], backward: list[float]) ->
             needs = _needs(action, chunks)
             if any(need not in finish for need in needs):
                 continue
-            cost = (forward if action.kind == "F" else backward)[action.chunk]
+            cost = costs[action.kind][action.chunk]
             start[action] = max([free[s], *(finish[need] for need in needs)])
             finish[action] = free[s] = start[action] + cost
             busy[s] += cost
@@ -245,6 +290,8 @@ def simulate(schedule: Schedule, forward: list[float], backward: list[float]) ->
 
 
 def _needs(action: Action, chunks: int) -> list[Action]:
+    if action.kind == "W":
+        return [Action("B", action.microbatch, action.chunk)]
     if action.kind == "F":
         return [Action("F", action.microbatch, action.chunk - 1)] if action.chunk else []
     needs = [Action("F", action.microbatch, action.chunk)]

@@ -12,7 +12,9 @@ any stage holds at once (m for GPipe, at most p for 1F1B). The first chunk keeps
 tokens. With `remat: full` the backward recomputes the chunk's forward from its input (GPipe's
 re-materialisation); with `remat: none` the forward slot also keeps the chunk's residuals until its
 backward slot, in `residual_buffers` buffers counted the same way (every chunk, first and last included).
-A forward-only schedule (an evaluation) keeps each activation only until the chunk's forward reads it.
+A schedule that splits the backward keeps the residuals until the W slot, and B's stash (what W reads that B
+computed) from the B slot to the W slot, in `stash_buffers`. A forward-only schedule (an evaluation) keeps
+each activation only until the chunk's forward reads it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Branch(IntEnum):
     BACKWARD = 5
     BACKWARD_LAST = 6
     """Backward of the last chunk: starts from the (scaled) loss; needs no incoming gradient."""
+    WEIGHT_FIRST = 7
+    """The weight gradients of chunk 0 (with a split backward, B of chunk 0 has nothing to compute)."""
+    WEIGHT = 8
+    WEIGHT_LAST = 9
 
 
 @dataclass(frozen=True)
@@ -53,11 +59,17 @@ class SlotProgram:
     cotangent_write: np.ndarray
     residual_read: np.ndarray
     residual_write: np.ndarray
+    stash_read: np.ndarray
+    stash_write: np.ndarray
+    """Where B's stash waits for W, on the stage itself: written by the B slot, read by the W slot."""
     activation_buffers: int
     cotangent_buffers: int
     residual_buffers: int
+    stash_buffers: int
     ring: bool
     """Whether the last stage passes activations on to the first (interleaved: chunk p follows chunk p - 1)."""
+    splits_backward: bool = False
+    """Whether backwards run as B and W slots (a zero-bubble schedule)."""
 
     @property
     def slots(self) -> int:
@@ -66,7 +78,8 @@ class SlotProgram:
     def tables(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name in ("branch", "microbatch", "round", "activation_read",
                                                        "cotangent_read", "activation_write", "cotangent_write",
-                                                       "residual_read", "residual_write")}
+                                                       "residual_read", "residual_write", "stash_read",
+                                                       "stash_write")}
 
 
 def slot_program(schedule: Schedule) -> SlotProgram:
@@ -80,31 +93,40 @@ def slot_program(schedule: Schedule) -> SlotProgram:
         microbatch[slot, stage] = action.microbatch
         round_[slot, stage] = action.chunk // p
 
-    def backward_of(a: Action) -> list[int]:
-        """The slot of F(c, j)'s backward B(c, j); none in a forward-only schedule."""
-        backward = Action("B", a.microbatch, a.chunk)
+    def backward_of(a: Action, kind: str = "B") -> list[int]:
+        """The slot of F(c, j)'s backward B(c, j) (or W(c, j)); none in a forward-only schedule."""
+        backward = Action(kind, a.microbatch, a.chunk)
         return [when[backward]] if backward in when else []
 
-    # An activation for chunk c >= 1 arrives after F(c - 1) and is last read by B(c) (by F(c) when forward
-    # only); a gradient for chunk c < last arrives after B(c + 1) and is read by B(c).
-    activations = [(when[Action("F", a.microbatch, a.chunk - 1)], [when[a], *backward_of(a)], a.chunk % p)
-                   for a in when if a.kind == "F" and a.chunk > 0]
+
+    # An activation for chunk c >= 1 arrives after F(c - 1) and is last read by B(c), or W(c) when split (by
+    # F(c) when forward only); a gradient for chunk c < last arrives after B(c + 1) and is read by B(c).
+    activations = [(when[Action("F", a.microbatch, a.chunk - 1)], [when[a], *backward_of(a), *backward_of(a, "W")],
+                    a.chunk % p) for a in when if a.kind == "F" and a.chunk > 0]
     cotangents = [(when[Action("B", a.microbatch, a.chunk + 1)], [when[a]], a.chunk % p)
                   for a in when if a.kind == "B" and a.chunk < chunks - 1]
-    # A chunk's residuals are kept from the end of its forward slot until its backward slot.
-    residuals = [(when[a], backward_of(a), a.chunk % p) for a in when if a.kind == "F" and backward_of(a)]
+    # A chunk's residuals are kept from the end of its forward slot until its backward slot (its W, when split);
+    # B's stash, from the end of the B slot until the W slot.
+    residuals = [(when[a], [*backward_of(a), *backward_of(a, "W")], a.chunk % p)
+                 for a in when if a.kind == "F" and backward_of(a)]
+    stashes = [(when[a], [when[Action("W", a.microbatch, a.chunk)]], a.chunk % p)
+               for a in when if a.kind == "B" and schedule.splits_backward]
     activation_read, activation_write, activation_buffers = _assign_buffers(activations, shape)
     cotangent_read, cotangent_write, cotangent_buffers = _assign_buffers(cotangents, shape)
     residual_read, residual_write, residual_buffers = _assign_buffers(residuals, shape)
+    stash_read, stash_write, stash_buffers = _assign_buffers(stashes, shape)
     return SlotProgram(branch, microbatch, round_, activation_read, cotangent_read, activation_write,
-                       cotangent_write, residual_read, residual_write, activation_buffers, cotangent_buffers,
-                       residual_buffers, ring=schedule.virtual_stages > 1)
+                       cotangent_write, residual_read, residual_write, stash_read, stash_write, activation_buffers,
+                       cotangent_buffers, residual_buffers, stash_buffers, ring=schedule.virtual_stages > 1,
+                       splits_backward=schedule.splits_backward)
 
 
 def _branch(action: Action, chunks: int) -> Branch:
     first, last = action.chunk == 0, action.chunk == chunks - 1
     if action.kind == "F":
         return Branch.FORWARD_FIRST if first else Branch.FORWARD_LAST if last else Branch.FORWARD
+    if action.kind == "W":
+        return Branch.WEIGHT_FIRST if first else Branch.WEIGHT_LAST if last else Branch.WEIGHT
     return Branch.BACKWARD_FIRST if first else Branch.BACKWARD_LAST if last else Branch.BACKWARD
 
 
