@@ -6,10 +6,12 @@ times on fake CPU devices.
    the blocks are partitioned automatically and the schedule's table is replayed with each chunk's
    forward and backward FLOPs as durations (xlatrain.pipeline.schedule.simulate). The global batch is
    fixed, so a microbatch costs 1/m of the batch. Each schedule is replayed with remat: full (a backward
-   recomputes its forward) and remat: none (it does not); zb1p, whose backward is B and W, with remat: none,
-   its B and W costs measured separately (W: the weight-gradient part of the split backward). Reported per
-   case: the simulated bubble beside theory's, and the efficiency: one device's sequential time (the model's
-   work, without recomputation) / (p x the pipelined step time), 1.0 being a perfect p-fold speedup.
+   recomputes its forward) and remat: none (it does not); zb1p and zbv, whose backward is B and W, with remat:
+   none, their B and W costs measured separately (W: the weight-gradient part of the split backward). Reported
+   per case: the simulated bubble beside theory's, and the efficiency: one device's sequential time (the
+   model's work, without recomputation) / (p x the pipelined step time), 1.0 being a perfect p-fold speedup,
+   both as the schedule runs asynchronously (each action as soon as its inputs are there) and in lockstep
+   (each slot as long as its slowest action: how xlatrain's SPMD step runs a table).
 2. Measurement. The compiled train step on 8 CPU devices, for each schedule (data 2 x stage 4, and data
    4 x stage 2), against plain data parallel over the same 8 devices, interleaved A/B rounds, medians.
    Fake CPU devices share this machine's cores, so these times show the pipeline's *overheads*
@@ -31,16 +33,18 @@ import jax  # noqa: E402
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.pipeline.partition import auto_partition  # noqa: E402
-from xlatrain.pipeline.schedule import build, simulate  # noqa: E402
+from xlatrain.pipeline.schedule import build, lockstep_time, simulate  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
 
 LAYERS = 8
 GPT = [f"model.layers={LAYERS}", "model.width=64", "model.heads=4", "data.seq_len=64", "data.max_bytes=400000",
        "batch.global_size=32", "trainer.progress=false"]
 BATCH_ROWS = 64
+SPLIT = ("zb1p", "zbv")
+"""The schedules whose backward runs as B and W (remat: none only)."""
 SIMULATED = [(name, p, m, v, remat) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p, 8 * p)
-             for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1)) if p * v <= LAYERS
-             for remat in ("full", "none") if name != "zb1p" or remat == "none"]
+             for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2)) if p * v <= LAYERS
+             for remat in ("full", "none") if name not in SPLIT or remat == "none"]
 PIPELINES = {
     "gpipe p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.microbatches=8"],
     "1f1b p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=8"],
@@ -51,7 +55,7 @@ PIPELINES = {
 ZERO_BUBBLE = {f"{name} p={p} m={m}{data}": [f"mesh.stage={p}", f"parallel.pipeline.schedule={name}",
                                              f"parallel.pipeline.microbatches={m}", "parallel.pipeline.remat=none"]
                for p, m, data in ((2, 4, " (x4 data)"), (4, 8, " (x2 data)"), (4, 16, " (x2 data)"), (8, 8, ""))
-               for name in ("1f1b", "zb1p")}
+               for name in ("1f1b", *SPLIT) if 2 * p <= LAYERS or name != "zbv"}
 MEASURED = {"data parallel 8": ["parallel.mode=shard_map"],
             **{f"{name} remat {remat}": [*overrides, f"parallel.pipeline.remat={remat}"]
                for name, overrides in PIPELINES.items() for remat in ("full", "none")},
@@ -74,16 +78,17 @@ def simulated_cases() -> list[dict]:
         forward = [c.forward_flops * scale for c in chunks]
         backward = [c.backward_flops * scale - (f if remat == "none" else 0.0) for c, f in zip(chunks, forward)]
         schedule = build(name, p, m, v)
+        durations = (forward, backward)
         if schedule.splits_backward:
             weight = [c.weight_flops * scale for c in chunks]
-            timeline = simulate(schedule, forward, [b - w for b, w in zip(backward, weight)], weight)
-        else:
-            timeline = simulate(schedule, forward, backward)
+            durations = (forward, [b - w for b, w in zip(backward, weight)], weight)
+        timeline = simulate(schedule, *durations)
         sequential = sum(c.backward_flops for c in chunks) * scale * m  # a forward and a backward, no recompute
         cases.append({"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v, "remat": remat,
                       "partition": list(partition), "simulated_bubble": timeline.bubble(),
                       "theoretical_bubble": schedule.theoretical_bubble(),
-                      "efficiency": sequential / (p * timeline.step_time)})
+                      "efficiency": sequential / (p * timeline.step_time),
+                      "lockstep_efficiency": sequential / (p * lockstep_time(schedule, *durations))})
     return cases
 
 
@@ -105,7 +110,8 @@ def main() -> None:
         print(f"simulated {c['schedule']:<11} p={c['stages']} m={c['microbatches']:<2} v={c['virtual_stages']} "
               f"remat {c['remat']:<4}: "
               f"bubble {c['simulated_bubble']:.1%} (theory {c['theoretical_bubble']:.1%}), "
-              f"efficiency {c['efficiency']:.2f}, partition {c['partition']}")
+              f"efficiency {c['efficiency']:.2f} (lockstep {c['lockstep_efficiency']:.2f}), "
+              f"partition {c['partition']}")
     medians, work = measured_cases()
     reference = medians["data parallel 8"]
     measured = {name: {"median_seconds_per_step": seconds, "ratio_to_data_parallel": seconds / reference,

@@ -1,19 +1,20 @@
 """One data replica's gradients through a pipeline: a schedule's time slots as one SPMD program.
 
 Runs inside `shard_map` over (data, stage). Every stage steps through the slot program
-(xlatrain/pipeline/slots.py) with `lax.scan`; in each slot it runs its own action (`lax.switch` on its
-row of the table: idle, a chunk's forward, or a chunk's backward), then all stages pass their output
-activation to the next stage and their input gradient to the previous one (`ppermute`, XLA's or
-xlatrain's custom call). A stage stores one input activation per microbatch in flight. With `remat: full`
-a chunk's backward recomputes its forward from that activation and differentiates it (`jax.vjp`); with
-`remat: none` the forward slot runs `jax.vjp` once and keeps the pullback's residuals
-(lowering/residuals.py) until the backward slot, which only runs the pullback. Either way the last
-chunk's backward starts from the scaled loss, exactly as the unpipelined step's `grad` does, and every
-chunk is differentiated with respect to its parameters cast to the compute dtype (the cast's transpose
-takes the gradient back to float32).
+(xlatrain/pipeline/slots.py) with `lax.scan`; in each slot it runs its own action (`lax.switch` on its row
+of the table: idle, a chunk's forward, or a chunk's backward), then all stages pass their output activation
+to the next stage and their input gradient to the previous one (`ppermute`, XLA's or xlatrain's custom call;
+in a V (ZB-V) a stage's second chunk sends the other way, so each direction takes two `ppermute`s, and the
+V's tip hands over on the last stage itself). A stage stores one input activation per microbatch in flight.
+With `remat: full` a chunk's backward recomputes its forward from that activation and differentiates it
+(`jax.vjp`); with `remat: none` the forward slot runs `jax.vjp` once and keeps the pullback's residuals
+(lowering/residuals.py) until the backward slot, which only runs the pullback. Either way the last chunk's
+backward starts from the scaled loss, exactly as the unpipelined step's `grad` does, and every chunk is
+differentiated with respect to its parameters cast to the compute dtype (the cast's transpose takes the
+gradient back to float32).
 
-Gradients come out float32, summed over microbatches (and gradient-accumulation rounds): the blocks'
-on their own stage, the rest (embeddings, head) summed over the stages; the loss sums likewise.
+Gradients come out float32, summed over microbatches (and gradient-accumulation rounds): the blocks' on
+their own stage, the rest (embeddings, head) summed over the stages; the loss sums likewise.
 """
 
 from __future__ import annotations
@@ -163,6 +164,35 @@ def next_stage_pairs(slots: SlotProgram, stages: int) -> tuple[tuple[int, int], 
     return tuple((s, (s + 1) % stages) for s in range(stages if slots.ring else stages - 1))
 
 
+def hand_over(link: StageLink, slots: SlotProgram, stage: jax.Array, round_: jax.Array, value: jax.Array,
+              gradient: bool) -> tuple[jax.Array, jax.Array | None]:
+    """What reaches this stage at the end of a slot (from the usual direction, and from the reverse one in a V)
+    when every stage sends `value`: its output activation on to the next chunk, or with `gradient` its input
+    gradient back to the previous chunk. In a loop activations go to the next stage and gradients to the
+    previous one. In a V the first chunk of a stage (round 0) sends that way and the second the reverse way,
+    except at the tip: the last stage's first chunk feeds its second, whose gradient comes back to it."""
+    pairs = next_stage_pairs(slots, link.stages)
+    usual_pairs = tuple((t, s) for s, t in pairs) if gradient else pairs
+    if slots.placement == "loop":
+        return link.ppermute(value, usual_pairs), None
+    zero = jnp.zeros_like(value)
+    first, second = jnp.where(round_ == 0, value, zero), jnp.where(round_ == 0, zero, value)
+    usual = link.ppermute(first, usual_pairs)
+    reverse = link.ppermute(second, tuple((t, s) for s, t in usual_pairs))
+    tip = stage == link.stages - 1
+    if gradient:
+        return jnp.where(tip, second, usual), reverse
+    return usual, jnp.where(tip, first, reverse)
+
+
+def receive(pool: jax.Array, arrivals: tuple[jax.Array, jax.Array | None], write: jax.Array,
+            write_reverse: jax.Array) -> jax.Array:
+    """`pool` with `hand_over`'s arrivals stored where the slot program says (unused ones into its scratch)."""
+    usual, reverse = arrivals
+    pool = pool.at[write].set(usual)
+    return pool if reverse is None else pool.at[write_reverse].set(reverse)
+
+
 def stage_blocks(params: dict) -> tuple[Tree, dict]:
     """This stage's blocks [virtual stages, width, ...] and the other params, from its [v, 1, width, ...] share."""
     staged, rest = split_blocks(params)
@@ -192,15 +222,13 @@ def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgra
     the rows cut into `microbatches` pieces go through a forward-only slot program, each stage running
     only its own chunks (no device holds another stage's blocks); the last chunk's sums are added over the
     stages."""
-    p = layout.stages
-    forward_pairs = next_stage_pairs(slots, p)
-
     def evaluate(params: dict, batch: dict) -> dict:
         blocks, rest = stage_blocks(params)
         micro = split_rows(batch, microbatches)
         x_shape, sums_shape = microbatch_shapes(parts, policy, loss, blocks, rest, micro)
         stage = jax.lax.axis_index(STAGE)
         tables = {name: jnp.asarray(table) for name, table in slots.tables().items()}
+        chunk_table = jnp.asarray(layout.chunk_table)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
         cr = cast_floats(rest, policy.compute)
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
@@ -210,7 +238,7 @@ def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgra
             activations, sums = carry
             at = {name: table[t, stage] for name, table in tables.items()}
             r = at["round"]
-            chunk = r * p + stage
+            chunk = chunk_table[r, stage]
             cb = cast_floats(jax.tree.map(lambda b: b[r], blocks), policy.compute)
             functions = chunk_functions(parts, policy, loss, jax.tree.map(lambda x: x[at["microbatch"]], micro),
                                         None, None if active_blocks is None else active_blocks[chunk], one, one)
@@ -225,8 +253,8 @@ def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgra
                         Branch.FORWARD_LAST: last}
             sums, to_next = jax.lax.switch(
                 at["branch"], [scoped(b.name.lower(), branches[b]) for b in sorted(branches)], sums)
-            received = link.ppermute(to_next, forward_pairs)
-            return (activations.at[at["activation_write"]].set(received), sums), None
+            arrivals = hand_over(link, slots, stage, r, to_next, gradient=False)
+            return (receive(activations, arrivals, at["activation_write"], at["activation_write_reverse"]), sums), None
 
         pool = jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype)
         sums = jax.lax.scan(scoped("pipeline_slot", slot), (pool, zeros_of(sums_shape)), jnp.arange(slots.slots))[0][1]
@@ -243,9 +271,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
     keep_residuals = {"none": True, "full": False}[remat]
     if slots.splits_backward and not keep_residuals:
         raise ValueError("a schedule that splits the backward into B and W keeps the forward's residuals: remat none")
-    p, width = layout.stages, layout.width
-    forward_pairs = next_stage_pairs(slots, p)
-    backward_pairs = tuple((t, s) for s, t in forward_pairs)
+    width = layout.width
 
     def compute(tree: Tree) -> Tree:
         return cast_floats(tree, policy.compute)
@@ -262,6 +288,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         stage = jax.lax.axis_index(STAGE)
         micro = split_rows(batch, microbatches)
         tables = {name: jnp.asarray(table) for name, table in slots.tables().items()}
+        chunk_table = jnp.asarray(layout.chunk_table)
         starts = jnp.asarray(layout.starts)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
         cr = compute(rest)
@@ -286,7 +313,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
             (activations, cotangents, residuals, stashes), totals = carry
             at = {name: table[t, stage] for name, table in tables.items()}
             j, r = at["microbatch"], at["round"]
-            chunk = r * p + stage
+            chunk = chunk_table[r, stage]
             cb = compute(jax.tree.map(lambda b: b[r], blocks))
             keys = chunk_keys(jax.random.fold_in(key, j), starts[chunk])
             functions = chunk_functions(parts, policy, loss, jax.tree.map(lambda x: x[j], micro), keys,
@@ -373,10 +400,10 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                         Branch.WEIGHT_LAST: weight_gradients("last", (cb, cr, x_in)) if splits else idle}
             totals, to_next, to_previous, kept, stashed = jax.lax.switch(
                 at["branch"], [scoped(b.name.lower(), branches[b]) for b in Branch], totals)
-            received = link.ppermute(to_next, forward_pairs)
-            returned = link.ppermute(to_previous, backward_pairs)
-            pools = (activations.at[at["activation_write"]].set(received),
-                     cotangents.at[at["cotangent_write"]].set(returned),
+            received = hand_over(link, slots, stage, r, to_next, gradient=False)
+            returned = hand_over(link, slots, stage, r, to_previous, gradient=True)
+            pools = (receive(activations, received, at["activation_write"], at["activation_write_reverse"]),
+                     receive(cotangents, returned, at["cotangent_write"], at["cotangent_write_reverse"]),
                      {name: pool.at[at["residual_write"]].set(kept[name]) for name, pool in residuals.items()},
                      {name: pool.at[at["stash_write"]].set(stashed[name]) for name, pool in stashes.items()})
             return (pools, totals), None

@@ -243,15 +243,32 @@ def _carry_closure(body: Any, n_consts: int, n_carry: int, wanted: set[int]) -> 
         carries = grown
 
 
+def _scan_operands(step: SplitScan, env: dict) -> tuple[list, list, list]:
+    """The split scan's consts, carries and xs from `env`; those the half being run does not read may be
+    missing (None)."""
+    eqn, params = step.equation, step.equation.params
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    values = [_value(env, v) for v in eqn.invars]
+    return values[:n_consts], values[n_consts:n_consts + n_carry], values[n_consts + n_carry:]
+
+
+def _store_scan_outputs(step: SplitScan, env: dict, carries: list[int], finals: list, ys_at: list[int],
+                        ys: list) -> None:
+    """Bind the scan's outputs that one half computed: its final carries and its stacked ys."""
+    eqn, n_carry = step.equation, step.equation.params["num_carry"]
+    for i, value in zip(carries, finals):
+        env[eqn.outvars[i]] = value
+    for i, value in zip(ys_at, ys):
+        env[eqn.outvars[n_carry + i]] = value
+
+
 def _run_b_step(step: Any, env: dict) -> None:
     if not isinstance(step, SplitScan):
         _bind(step, env)
         return
     eqn, params = step.equation, step.equation.params
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
-    values = [_value(env, v) for v in eqn.invars]  # those B's body does not read may be missing: None
-    consts, carry, xs = values[:n_consts], values[n_consts:n_consts + n_carry], values[n_consts + n_carry:]
-    inits = [_or_zeros(carry[i], eqn.invars[n_consts + i]) for i in step.b_carries]
+    consts, carry, xs = _scan_operands(step, env)
+    inits = [_or_zeros(carry[i], eqn.invars[params["num_consts"] + i]) for i in step.b_carries]
 
     def body(kept, x):
         full = list(carry)  # W's carries: B's body never reads them
@@ -263,10 +280,7 @@ def _run_b_step(step: Any, env: dict) -> None:
 
     finals, (ys, stacks) = jax.lax.scan(body, inits, xs, length=params["length"], reverse=params["reverse"],
                                          unroll=params["unroll"])
-    for i, value in zip(step.b_carries, finals):
-        env[eqn.outvars[i]] = value
-    for i, value in zip(step.b_ys, ys):
-        env[eqn.outvars[n_carry + i]] = value
+    _store_scan_outputs(step, env, step.b_carries, finals, step.b_ys, ys)
     env.update(zip(step.stash_stacks, stacks, strict=True))
 
 
@@ -276,9 +290,8 @@ def _run_w_step(step: Any, env: dict) -> None:
         return
     eqn, params = step.equation, step.equation.params
     n_consts, n_carry = params["num_consts"], params["num_carry"]
-    values = [_value(env, v) for v in eqn.invars]  # those W's body does not read may be missing: None
-    consts, xs = values[:n_consts], values[n_consts + n_carry:]
-    inits = [_or_zeros(values[n_consts + i], eqn.invars[n_consts + i]) for i in step.w_carries]
+    consts, carry, xs = _scan_operands(step, env)
+    inits = [_or_zeros(carry[i], eqn.invars[n_consts + i]) for i in step.w_carries]
     stand_ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars[n_consts:n_consts + n_carry]]
 
     def body(kept, x):
@@ -291,10 +304,7 @@ def _run_w_step(step: Any, env: dict) -> None:
 
     finals, ys = jax.lax.scan(body, inits, (xs, [env[v] for v in step.stash_stacks]), length=params["length"],
                               reverse=params["reverse"], unroll=params["unroll"])
-    for i, value in zip(step.w_carries, finals):
-        env[eqn.outvars[i]] = value
-    for i, value in zip(step.w_ys, ys):
-        env[eqn.outvars[n_carry + i]] = value
+    _store_scan_outputs(step, env, step.w_carries, finals, step.w_ys, ys)
 
 
 def _scan_w_inputs(scan: SplitScan) -> list[Var]:

@@ -23,7 +23,7 @@ from xlatrain.errors import UserError
 from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.partition import ModelCosts, PieceCost, auto_partition
-from xlatrain.pipeline.schedule import build
+from xlatrain.pipeline.schedule import build, chunk_at
 from xlatrain.pipeline.slots import Branch, slot_program
 from xlatrain.program import build_program
 from xlatrain.trainer import train
@@ -89,25 +89,49 @@ def test_pipelined_loss_and_gradients_equal_the_unpipelined_model(overrides, rem
 
 
 ZERO_BUBBLE_CASES = {
-    "p2-m=p": ["mesh.stage=2", "parallel.pipeline.microbatches=2"],
-    "p2-m3-accumulate-uneven": CASES["p2-1f1b-m3-accumulate-uneven"],
-    "p4-m=2p-dp2": ["mesh.stage=4", "model.layers=4", "parallel.pipeline.microbatches=8"],
-    "p4-m5-dp2-auto-uneven": CASES["p4-1f1b-m5-dp2-auto-uneven"],
-    "p4-bf16-dp2": CASES["p4-1f1b-bf16-dp2"],
-    "p2-fp16-scanned-custom-collectives": ["mesh.stage=2", "model.layers=4", "precision.policy=fp16",
-                                           "model.scan_layers=true", "collectives.impl=custom"],
+    ("zb1p", "p2-m=p"): ["mesh.stage=2", "parallel.pipeline.microbatches=2"],
+    ("zb1p", "p2-m3-accumulate-uneven"): CASES["p2-1f1b-m3-accumulate-uneven"],
+    ("zb1p", "p4-m=2p-dp2"): ["mesh.stage=4", "model.layers=4", "parallel.pipeline.microbatches=8"],
+    ("zb1p", "p4-m5-dp2-auto-uneven"): CASES["p4-1f1b-m5-dp2-auto-uneven"],
+    ("zb1p", "p4-bf16-dp2"): CASES["p4-1f1b-bf16-dp2"],
+    ("zb1p", "p2-fp16-scanned-custom-collectives"): ["mesh.stage=2", "model.layers=4", "precision.policy=fp16",
+                                                     "model.scan_layers=true", "collectives.impl=custom"],
+    # a V needs two chunks per stage: 2p blocks or more
+    ("zbv", "p2-m=p"): ["mesh.stage=2", "model.layers=4", "parallel.pipeline.microbatches=2"],
+    ("zbv", "p2-m3-accumulate-uneven"): ["mesh.stage=2", "parallel.pipeline.microbatches=3",
+                                         "batch.global_size=48", "batch.microbatches=2", "model.layers=5",
+                                         "parallel.pipeline.partition=[1,2,1,1]"],
+    ("zbv", "p4-m=2p-dp2"): ["mesh.stage=4", "model.layers=8", "parallel.pipeline.microbatches=8"],
+    ("zbv", "p4-m5-dp2-auto-uneven"): ["mesh.stage=4", "model.layers=9", "parallel.pipeline.microbatches=5",
+                                       "batch.global_size=40"],
+    ("zbv", "p2-fp16-custom-collectives"): ["mesh.stage=2", "model.layers=4", "precision.policy=fp16",
+                                            "collectives.impl=custom"],
 }
 
 
-@pytest.mark.parametrize("overrides", [pytest.param(o, id=name, marks=() if name == "p2-m=p" else pytest.mark.slow)
-                                       for name, o in ZERO_BUBBLE_CASES.items()])
-def test_zero_bubble_loss_and_gradients_equal_the_unpipelined_model(overrides, devices):
-    """zb1p: each backward as B (input gradient) and W (weight gradients) in their own slots."""
-    program = assert_gradients_equal_the_unpipelined_model(overrides, ["parallel.pipeline.schedule=zb1p",
+@pytest.mark.parametrize("schedule,overrides", [
+    pytest.param(schedule, o, id=f"{schedule}-{name}", marks=() if name == "p2-m=p" else pytest.mark.slow)
+    for (schedule, name), o in ZERO_BUBBLE_CASES.items()])
+def test_zero_bubble_loss_and_gradients_equal_the_unpipelined_model(schedule, overrides, devices):
+    """zb1p and zbv: each backward as B (input gradient) and W (weight gradients) in their own slots; zbv's
+    chunks placed in a V, its second arm sending activations back towards stage 0."""
+    program = assert_gradients_equal_the_unpipelined_model(overrides, [f"parallel.pipeline.schedule={schedule}",
                                                                        "parallel.pipeline.remat=none"])
     assert program.pipeline.slots.stash_buffers > 0
     hlo = program.train_step.first.compiled.as_text()
     assert all(f"/{scope}/" in hlo for scope in ("weight", "weight_last", "backward", "backward_last"))
+
+
+@pytest.mark.parametrize("schedule,remat", [
+    pytest.param(s, r, id=f"{s}-{r}", marks=() if s == "zbv" else pytest.mark.slow)
+    for s, r in (("gpipe", "full"), ("1f1b", "full"), ("interleaved", "none"), ("zb1p", "none"), ("zbv", "none"))])
+def test_every_schedule_keeps_the_amp_order(schedule, remat, devices):
+    """fp16 through a pipeline: the compiled step unscales the gradients summed over the stages and replicas,
+    checks them for overflow, then clips and updates (the order the HLO check in lowering/hlo_graph.py reads)."""
+    program = program_for(["mesh.stage=2", "model.layers=4", "precision.policy=fp16",
+                           "parallel.pipeline.microbatches=4", f"parallel.pipeline.schedule={schedule}",
+                           f"parallel.pipeline.remat={remat}"])
+    assert program.amp_order_problems() == []
 
 
 def assert_gradients_equal_the_unpipelined_model(overrides, pipeline_overrides):
@@ -133,15 +157,20 @@ def evaluated(program) -> tuple[dict, object]:
     return jax.device_get(program.eval_step(program.create_state(), batch)), program.eval_step.first.compiled
 
 
+EVAL_CASES = {name: CASES[name] for name in (FAST_CASE, "p4-interleaved-v2-dp2", "p4-1f1b-m5-dp2-auto-uneven",
+                                              "p4-1f1b-bf16-dp2")}
+EVAL_CASES["p2-zbv-m3"] = ["mesh.stage=2", "model.layers=4", "parallel.pipeline.schedule=zbv",
+                           "parallel.pipeline.remat=none", "parallel.pipeline.microbatches=3", "batch.global_size=48"]
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == FAST_CASE else pytest.mark.slow)
-                                  for n in (FAST_CASE, "p4-interleaved-v2-dp2", "p4-1f1b-m5-dp2-auto-uneven",
-                                            "p4-1f1b-bf16-dp2")])
+                                  for n in EVAL_CASES])
 def test_pipelined_evaluation_equals_the_unpipelined_model_and_moves_only_activations(name, devices):
     """Each stage runs its own chunks forward: what crosses devices is one microbatch's activation per slot
     (collective-permute) and the loss sums (all-reduce), never a block's params."""
-    pipelined = program_for(CASES[name])
+    pipelined = program_for(EVAL_CASES[name])
     metrics, compiled = evaluated(pipelined)
-    plain = [o for o in CASES[name] if not o.startswith(("mesh.", "parallel.", "batch.microbatches"))]
+    plain = [o for o in EVAL_CASES[name] if not o.startswith(("mesh.", "parallel.", "batch.microbatches"))]
     expected, _ = evaluated(program_for([*plain, "parallel.mode=jit", "mesh.data=1"], jax.devices()[:1]))
     tolerance = 1e-5 if pipelined.policy.compute == np.float32 else 1e-2
     assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=tolerance)
@@ -155,15 +184,17 @@ def test_pipelined_evaluation_equals_the_unpipelined_model_and_moves_only_activa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,remat", [("1f1b", "full"), ("1f1b", "none"), ("zb1p", "none")])
-def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, schedule, remat, devices):
+@pytest.mark.parametrize("schedule,remat,stages", [("1f1b", "full", 4), ("1f1b", "none", 4), ("zb1p", "none", 4),
+                                                   ("zbv", "none", 2)])
+def test_pipelined_training_tracks_the_unpipelined_run_and_resumes(tmp_path, schedule, remat, stages, devices):
     common = [*TINY_GPT, *PIPELINE, "model.layers=4", "optimizer.schedule=constant", "trainer.eval_every=30",
               "trainer.checkpoint_every=15", "optimizer.weight_decay=0.1"]
     plain = train(load_config(None, [*common, "mesh.data=1", "parallel.mode=jit", "trainer.steps=30",
                                      f"trainer.run_dir={tmp_path / 'plain'}"]),
                   devices=devices[:1], echo=lambda _: None)
-    pipelined = [*common, "mesh.stage=4", "parallel.pipeline.microbatches=4", f"parallel.pipeline.remat={remat}",
-                 f"parallel.pipeline.schedule={schedule}", f"trainer.run_dir={tmp_path / 'pipe'}"]
+    pipelined = [*common, f"mesh.stage={stages}", "parallel.pipeline.microbatches=4",
+                 f"parallel.pipeline.remat={remat}", f"parallel.pipeline.schedule={schedule}",
+                 f"trainer.run_dir={tmp_path / 'pipe'}"]
     first = train(load_config(None, [*pipelined, "trainer.steps=15"]), echo=lambda _: None)
     second = train(load_config(None, [*pipelined, "trainer.steps=30"]), echo=lambda _: None)
     assert second.start_step == 15
@@ -274,11 +305,13 @@ def test_remat_none_does_the_unpipelined_models_work_and_full_recomputes_the_for
 
 @pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 5, 1), ("1f1b", 2, 2, 1),
                                         ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3), ("zb1p", 4, 8, 1),
-                                        ("zb1p", 4, 5, 1), ("zb1p", 2, 2, 1)])
+                                        ("zb1p", 4, 5, 1), ("zb1p", 2, 2, 1), ("zbv", 4, 8, 2), ("zbv", 2, 3, 2),
+                                        ("zbv", 4, 5, 2)])
 def test_slot_program_delivers_every_input_to_its_action(name, p, m, v):
     """Run the slot program symbolically: each buffer holds a tag of what arrived; every action must read
     its own chunk's input activation and incoming gradient; a backward (its W, when split) its forward's
-    residuals, and a W the stash of its B."""
+    residuals, and a W the stash of its B. A V's second chunk sends the other way, and its tip keeps the
+    hand-off on the last stage."""
     schedule, program = build(name, p, m, v), slot_program(build(name, p, m, v))
     chunks = p * v
     activations = [[None] * (program.activation_buffers + 1) for _ in range(p)]
@@ -297,6 +330,7 @@ def test_slot_program_delivers_every_input_to_its_action(name, p, m, v):
             part = "_FIRST" if c == 0 else "_LAST" if c == chunks - 1 else ""
             assert program.branch[slot, stage] == Branch[branches[action.kind] + part]
             assert (program.microbatch[slot, stage], program.round[slot, stage]) == (j, c // p)
+            assert chunk_at(c // p, stage, p, schedule.placement) == c
             if action.kind in ("B", "W"):
                 assert residuals[stage][program.residual_read[slot, stage]] == ("kept", c, j)
             if action.kind == "W":
@@ -316,9 +350,22 @@ def test_slot_program_delivers_every_input_to_its_action(name, p, m, v):
             if action.kind == "B" and c > 0:
                 sent_backward[stage] = ("dy", c - 1, j)
         for stage in range(p):
-            source_forward = sent_forward[stage - 1] if stage > 0 or v > 1 else None
-            activations[stage][program.activation_write[slot, stage]] = source_forward
-            cotangents[stage][program.cotangent_write[slot, stage]] = sent_backward[(stage + 1) % p]
+            if schedule.placement == "v":
+                def sent_by(source, sent, round_):
+                    ok = 0 <= source < p and program.round[slot, source] == round_
+                    return sent[source] if ok and schedule.table[slot][source] is not None else None
+
+                tip = stage == p - 1
+                activations[stage][program.activation_write[slot, stage]] = sent_by(stage - 1, sent_forward, 0)
+                activations[stage][program.activation_write_reverse[slot, stage]] = sent_by(
+                    stage if tip else stage + 1, sent_forward, 0 if tip else 1)
+                cotangents[stage][program.cotangent_write[slot, stage]] = sent_by(
+                    stage if tip else stage + 1, sent_backward, 1 if tip else 0)
+                cotangents[stage][program.cotangent_write_reverse[slot, stage]] = sent_by(stage - 1, sent_backward, 1)
+            else:
+                source_forward = sent_forward[stage - 1] if stage > 0 or v > 1 else None
+                activations[stage][program.activation_write[slot, stage]] = source_forward
+                cotangents[stage][program.cotangent_write[slot, stage]] = sent_backward[(stage + 1) % p]
             residuals[stage][program.residual_write[slot, stage]] = kept[stage]
             stashes[stage][program.stash_write[slot, stage]] = stashed[stage]
 
@@ -397,6 +444,11 @@ ERRORS = {
     "zero-bubble-recomputing": (["mesh.stage=2", "parallel.pipeline.schedule=zb1p", "parallel.pipeline.remat=auto"],
                                 "schedule=zb1p runs each backward as B and W from the forward's residuals: set "
                                 "parallel.pipeline.remat=none (not auto)"),
+    "zbv-three-chunks": (["mesh.stage=2", "model.layers=6", "parallel.pipeline.schedule=zbv",
+                          "parallel.pipeline.remat=none", "parallel.pipeline.virtual_stages=3"],
+                         "schedule=zbv places exactly 2 chunks per stage in a V"),
+    "zbv-too-few-blocks": (["mesh.stage=2", "parallel.pipeline.schedule=zbv", "parallel.pipeline.remat=none"],
+                           "model.layers=2 blocks cannot fill mesh.stage=2 x virtual_stages=2"),
 }
 
 

@@ -267,7 +267,7 @@ DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
                          "heads": "data", "hidden": "data", "channels": "data"}
 
 
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
 
 
 class PipelineConfig(Strict):
@@ -277,11 +277,13 @@ class PipelineConfig(Strict):
     """gpipe: every forward, then every backward. 1f1b: one forward one backward, at most mesh.stage
     microbatches of activations per stage. interleaved: 1f1b over virtual_stages model chunks per stage.
     zb1p: zero-bubble ZB-H1, 1f1b with each backward split into the input gradient (B) and the weight
-    gradients (W), which fill the cool-down bubble; 1f1b's memory (needs remat: none)."""
+    gradients (W), which fill the cool-down bubble; 1f1b's memory (needs remat: none). zbv: zero-bubble ZB-V,
+    two chunks per stage placed in a V (stage i holds chunks i and 2 x mesh.stage - 1 - i, so the first and
+    the last chunk share stage 0), B and W split as in zb1p; 1f1b's memory (needs remat: none)."""
     microbatches: PositiveInt | None = None
     """Pipeline microbatches each gradient-accumulation microbatch is split into; null = 2 x mesh.stage."""
     virtual_stages: PositiveInt | None = None
-    """Model chunks per stage (interleaved only); null = 2 for interleaved, 1 otherwise."""
+    """Model chunks per stage (interleaved: 2 or more, zbv: 2); null = 2 for interleaved and zbv, 1 otherwise."""
     partition: Literal["auto"] | tuple[PositiveInt, ...] = "auto"
     """auto: blocks per chunk chosen from XLA's cost and memory analysis; or a list of block counts, one per
     chunk (mesh.stage x virtual_stages of them), in model order."""
@@ -297,7 +299,11 @@ class PipelineConfig(Strict):
     def chunks_per_stage(self) -> int:
         if self.virtual_stages is not None:
             return self.virtual_stages
-        return 2 if self.schedule == "interleaved" else 1
+        return 2 if self.schedule in ("interleaved", "zbv") else 1
+
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as B and W (a zero-bubble schedule)."""
+        return self.schedule in ("zb1p", "zbv")
 
     def microbatches_for(self, stages: int) -> int:
         return self.microbatches if self.microbatches is not None else 2 * stages
@@ -542,15 +548,18 @@ class Config(Strict):
             raise ValueError("a pipeline updates each stage's blocks on their own, which needs an elementwise "
                              "optimizer (adamw, sgd, lion), not adafactor")
         v, m = pipe.chunks_per_stage(), pipe.microbatches_for(stages)
-        if pipe.schedule != "interleaved" and v != 1:
+        if pipe.schedule == "zbv" and v != 2:
+            raise ValueError(f"parallel.pipeline.schedule=zbv places exactly 2 chunks per stage in a V: set "
+                             f"virtual_stages=2 or leave it null (not {v})")
+        if pipe.schedule not in ("interleaved", "zbv") and v != 1:
             raise ValueError(f"parallel.pipeline.virtual_stages={v} applies to schedule=interleaved only, not "
                              f"{pipe.schedule}")
         if pipe.schedule == "interleaved" and v < 2:
             raise ValueError("parallel.pipeline.schedule=interleaved needs virtual_stages >= 2 (model chunks per "
                              "stage); use schedule=1f1b for one chunk per stage")
-        if pipe.schedule == "zb1p" and pipe.remat != "none":
-            raise ValueError(f"parallel.pipeline.schedule=zb1p runs each backward as B and W from the forward's "
-                             f"residuals: set parallel.pipeline.remat=none (not {pipe.remat})")
+        if pipe.splits_backward() and pipe.remat != "none":
+            raise ValueError(f"parallel.pipeline.schedule={pipe.schedule} runs each backward as B and W from the "
+                             f"forward's residuals: set parallel.pipeline.remat=none (not {pipe.remat})")
         if pipe.memory_budget_bytes is not None and pipe.remat != "auto":
             raise ValueError(f"parallel.pipeline.memory_budget_bytes is read by remat=auto only, and remat="
                              f"{pipe.remat} is fixed: set remat=auto, or drop memory_budget_bytes")

@@ -354,7 +354,7 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
 
     def measure():
         return measure_block_costs(model.blocks, *abstract(), config.model.loss, policy,
-                                   split_backward=config.parallel.pipeline.schedule == "zb1p")
+                                   split_backward=config.parallel.pipeline.splits_backward())
 
     def count_work(schedule, partition, remat):
         return pipeline_work(model.blocks, *abstract(), config.model.loss, policy, schedule, partition, remat)

@@ -22,7 +22,7 @@ def draw(schedule: Schedule, path: Path, timeline: Timeline | None = None, time_
     timeline = timeline or simulate(schedule, ones, ones, ones if schedule.splits_backward else None)
     figure, axes = plt.subplots(figsize=(max(6.0, 0.35 * timeline.step_time + 2), 0.6 * schedule.stages + 1.4))
     for action, begin in timeline.start.items():
-        stage, round_ = action.chunk % schedule.stages, action.chunk // schedule.stages
+        stage, round_ = schedule.stage_of(action.chunk), action.chunk // schedule.stages
         width = timeline.finish[action] - begin
         axes.barh(stage, width, left=begin, color=_COLOURS[action.kind][round_ % 2], edgecolor="white")
         label = f"{action.kind}{action.microbatch}" + (f".{round_}" if schedule.virtual_stages > 1 else "")

@@ -1,8 +1,9 @@
 """Where a pipelined model's parameters live: its stacked blocks cut into chunks, the chunks on stages.
 
 The model's own layout stacks its L blocks on a leading axis: `params["blocks"]` leaves are [L, ...].
-The stage layout is [virtual_stages, stages, width, ...]: chunk c = round * stages + stage holds
-`partition[c]` consecutive blocks, zero-padded to `width` (the largest chunk) so that every stage holds
+The stage layout is [virtual_stages, stages, width, ...]: position (round, stage) holds chunk
+`chunk_at(round, stage)` (round * stages + stage in a loop; in a V the second round runs backwards), whose
+`partition[c]` consecutive blocks are zero-padded to `width` (the largest chunk) so that every stage holds
 arrays of one shape; the stage axis is sharded over the `stage` mesh axis. Padding blocks are never run,
 so their gradients, updates and values stay zero. Everything else (embeddings, head) is replicated.
 """
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlatrain.mesh import STAGE
 from xlatrain.models.blocks import BLOCKS, split_blocks
+from xlatrain.pipeline.schedule import Placement, chunk_at, stage_of
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,9 @@ class StageLayout:
     stages: int
     virtual_stages: int
     partition: tuple[int, ...]
-    """Blocks per chunk, in model order (chunk c runs on stage c % stages)."""
+    """Blocks per chunk, in model order."""
+    placement: Placement = "loop"
+    """How chunks sit on stages (xlatrain/pipeline/schedule.py): chunk c runs on `stage_of(c)`."""
 
     @property
     def chunks(self) -> int:
@@ -50,11 +54,18 @@ class StageLayout:
         return np.concatenate([[0], np.cumsum(self.partition)[:-1]]).astype(np.int32)
 
     @cached_property
+    def chunk_table(self) -> np.ndarray:
+        """[v, p]: the chunk each stage runs in each of its rounds."""
+        return np.array([[chunk_at(r, s, self.stages, self.placement) for s in range(self.stages)]
+                         for r in range(self.virtual_stages)], np.int32)
+
+    @cached_property
     def _layer_of_position(self) -> np.ndarray:
         """[v, p, width]: which block sits at each position of the stage layout (-1: padding)."""
         index = np.full((self.virtual_stages, self.stages, self.width), -1, np.int32)
         for chunk, (start, count) in enumerate(zip(self.starts, self.partition, strict=True)):
-            index[chunk // self.stages, chunk % self.stages, :count] = np.arange(start, start + count)
+            stage = stage_of(chunk, self.stages, self.placement)
+            index[chunk // self.stages, stage, :count] = np.arange(start, start + count)
         return index
 
     def to_stages(self, blocks_Lx: jax.Array) -> jax.Array:
@@ -88,8 +99,7 @@ class StageLayout:
                 + self.layers * sum(int(np.prod(x.shape[3:])) for x in jax.tree.leaves(blocks)))
 
     def describe(self) -> str:
-        per_stage = [[self.partition[r * self.stages + s] for r in range(self.virtual_stages)]
-                     for s in range(self.stages)]
+        per_stage = [[self.partition[c] for c in self.chunk_table[:, s]] for s in range(self.stages)]
         text = ", ".join(f"stage {s}: {'+'.join(map(str, counts))}" for s, counts in enumerate(per_stage))
         padding = self.chunks * self.width - self.layers
         return f"blocks per chunk {list(self.partition)} ({text})" + (

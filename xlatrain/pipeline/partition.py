@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xlatrain.pipeline.schedule import Placement, stage_of
+
 
 @dataclass(frozen=True)
 class PieceCost:
@@ -100,11 +102,11 @@ class Balance:
     stage_bytes: list[float]
 
     @staticmethod
-    def of(costs: ModelCosts, partition: tuple[int, ...], stages: int) -> Balance:
+    def of(costs: ModelCosts, partition: tuple[int, ...], stages: int, placement: Placement = "loop") -> Balance:
         flops, bytes_ = [0.0] * stages, [0.0] * stages
         for index, piece in enumerate(costs.chunks(partition)):
-            flops[index % stages] += piece.flops
-            bytes_[index % stages] += piece.bytes
+            flops[stage_of(index, stages, placement)] += piece.flops
+            bytes_[stage_of(index, stages, placement)] += piece.bytes
         return Balance(flops, bytes_)
 
     @property

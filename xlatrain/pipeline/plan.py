@@ -49,7 +49,7 @@ class PipelinePlan:
 
     @property
     def balance(self) -> Balance:
-        return Balance.of(self.costs, self.layout.partition, self.layout.stages)
+        return Balance.of(self.costs, self.layout.partition, self.layout.stages, self.layout.placement)
 
     def simulated(self) -> Timeline:
         """The schedule replayed with each chunk's forward and backward FLOPs as its durations, in units of
@@ -78,8 +78,7 @@ class PipelinePlan:
             f"{s.slots} time slots",
             f"partition        {self.partition_source}: {self.layout.describe()}",
             f"balance          {self.balance.describe()}",
-            f"bubble           {s.bubble():.1%} of device time with equal chunks (theory "
-            f"{'(p-1)/(3m+p-1), F = B = W' if s.splits_backward else '(p-1)/(v*m+p-1)'} = "
+            f"bubble           {s.bubble():.1%} of device time with equal chunks (theory {_bubble_theory(s)} = "
             f"{s.theoretical_bubble():.1%}); {simulated.bubble():.1%} with the chunks' XLA FLOPs",
             f"activations      each stage holds at most {slots.activation_buffers} microbatch(es) of stage inputs "
             f"(gpipe: {self.gpipe_activation_buffers()}) and {slots.cotangent_buffers} of incoming gradients",
@@ -121,6 +120,12 @@ class PipelinePlan:
         return "\n".join(lines)
 
 
+def _bubble_theory(schedule: Schedule) -> str:
+    if not schedule.splits_backward:
+        return "(p-1)/(v*m+p-1)"
+    return f"(p-1)/({3 * schedule.virtual_stages}m+p-1), F = B = W"
+
+
 def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks: int,
                   measure: Callable[[], ModelCosts], count_work: Callable[[Schedule, tuple[int, ...], str], Any],
                   count_residual_bytes: Callable[[tuple[int, ...], bool], int], eval_microbatches: int | None = None,
@@ -152,7 +157,8 @@ def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks
         partition, source = pinned, "auto (chosen at the run's first start)"
     else:
         partition, source = tuple(auto_partition(measure(), stages * virtual)), "auto"
-    return PipelinePlan(schedule, StageLayout(stages, virtual, partition), slot_program(schedule), source,
+    layout = StageLayout(stages, virtual, partition, schedule.placement)
+    return PipelinePlan(schedule, layout, slot_program(schedule), source,
                         measure, cache(lambda remat: count_work(schedule, partition, remat)),
                         cache(lambda: count_residual_bytes(partition, False)),
                         cache(lambda: count_residual_bytes(partition, True)), evaluation,

@@ -3,11 +3,12 @@
 An action is the forward (F) or backward (B) pass of one microbatch through one virtual stage; a zero-bubble
 schedule splits the backward into B, the input gradient the previous stage waits for, and W, the weight
 gradients, which wait until they fill what would be a bubble (Zero Bubble, arXiv 2401.10241). With
-`v` virtual stages per device, the model's blocks form p * v chunks; chunk c runs on device c % p
-(Megatron's interleaving), so a microbatch visits every device v times. Each action takes one time
-slot of 1/v of a device's share of the model, so tables of different v are comparable: the bubble is
-the fraction of device-slots left idle, which theory puts at (p - 1) / (v * m + p - 1) (v = 1 for
-GPipe and 1F1B).
+`v` virtual stages per device, the model's blocks form p * v chunks. They are placed on the devices in a
+loop (Megatron's interleaving: chunk c runs on device c % p) or, for ZB-V, in a V (two chunks per device:
+device i holds chunks i and 2p - 1 - i, so the first and the last chunk share device 0); either way a
+microbatch visits every device v times. Each action takes one time slot of 1/v of a device's share of the
+model, so tables of different v are comparable: the bubble is the fraction of device-slots left idle,
+which theory puts at (p - 1) / (v * m + p - 1) (v = 1 for GPipe and 1F1B).
 """
 
 from __future__ import annotations
@@ -16,6 +17,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 Kind = Literal["F", "B", "W"]
+Placement = Literal["loop", "v"]
+
+
+def stage_of(chunk: int, stages: int, placement: Placement = "loop") -> int:
+    """The device that runs a chunk."""
+    if placement == "loop":
+        return chunk % stages
+    return chunk if chunk < stages else 2 * stages - 1 - chunk
+
+
+def chunk_at(round_: int, stage: int, stages: int, placement: Placement = "loop") -> int:
+    """The chunk a device runs in its round'th place (the inverse of `stage_of`)."""
+    if placement == "loop" or round_ % 2 == 0:
+        return round_ * stages + stage
+    return (round_ + 1) * stages - 1 - stage
 
 
 @dataclass(frozen=True)
@@ -23,7 +39,7 @@ class Action:
     kind: Kind
     microbatch: int
     chunk: int
-    """The virtual stage (model chunk), 0 .. p * v - 1; it runs on device chunk % p."""
+    """The virtual stage (model chunk), 0 .. p * v - 1; it runs on device `stage_of(chunk)`."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,10 @@ class Schedule:
     virtual_stages: int
     table: tuple[tuple[Action | None, ...], ...]
     """table[slot][stage]: what each device does in each time slot (None: idle)."""
+    placement: Placement = "loop"
+
+    def stage_of(self, chunk: int) -> int:
+        return stage_of(chunk, self.stages, self.placement)
 
     @property
     def slots(self) -> int:
@@ -56,10 +76,11 @@ class Schedule:
     def theoretical_bubble(self) -> float:
         """In slots of one action each: (p - 1) / (v * m + p - 1) for GPipe, 1F1B and interleaved (a slot per
         F and per B); ZB-H1's idle time is (p - 1)(F + B - W), one slot per device when F = B = W, against
-        3m busy slots."""
+        3m busy slots; ZB-V's is (p - 1) slots of half a device's share against 6m (its warm-up sends a
+        microbatch down and back up the V before the first backward)."""
         p, m, v = self.stages, self.microbatches, self.virtual_stages
         if self.splits_backward:
-            return (p - 1) / (3 * m + p - 1)
+            return (p - 1) / (3 * v * m + p - 1)
         return (p - 1) / (v * m + p - 1)
 
     def peak_in_flight(self) -> list[int]:
@@ -127,6 +148,58 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
     return _place("zb1p", p, m, 1, orders)
 
 
+def zero_bubble_v(stages: int, microbatches: int) -> Schedule:
+    """ZB-V: two chunks per device placed in a V, the backward split into B and W. Built slot by slot: a device
+    runs a ready B first (its first chunk's, which ends a microbatch's backward, before its second's), else a
+    ready F while it holds fewer than 2p chunk-activations (its second chunk's first, which takes a
+    microbatch on towards the loss instead of starting a new one), else its oldest deferred W. That keeps
+    1F1B's memory (2p half-size chunks) and leaves (p - 1) half-slots idle per device when F = B = W."""
+    p, m, chunks = stages, microbatches, 2 * stages
+    done: set[Action] = set()
+    next_forward = [0] * chunks
+    """Per chunk, the next microbatch its F takes (microbatches go through every chunk in order)."""
+    next_backward = [0] * chunks
+    pending_w: list[list[Action]] = [[] for _ in range(p)]
+    kept = [0] * p
+    rows: list[tuple[Action | None, ...]] = []
+
+    def ready(action: Action) -> bool:
+        return all(need in done for need in _needs(action, chunks))
+
+    def choose(s: int) -> Action | None:
+        down, up = s, chunks - 1 - s
+        backwards = [Action("B", next_backward[c], c) for c in (down, up) if next_backward[c] < m]
+        forwards = [Action("F", next_forward[c], c) for c in (up, down) if next_forward[c] < m]
+        for action in backwards:
+            if ready(action):
+                return action
+        if kept[s] < 2 * p:
+            for action in forwards:
+                if ready(action):
+                    return action
+        return pending_w[s][0] if pending_w[s] else None
+
+    while len(done) < 3 * m * chunks:
+        row = tuple(choose(s) for s in range(p))
+        if not any(row):
+            raise ScheduleError(f"zbv with p={p}, m={m} cannot make progress")
+        for s, action in enumerate(row):
+            if action is None:
+                continue
+            done.add(action)
+            if action.kind == "F":
+                next_forward[action.chunk] += 1
+                kept[s] += 1
+            elif action.kind == "B":
+                next_backward[action.chunk] += 1
+                pending_w[s].append(Action("W", action.microbatch, action.chunk))
+            else:
+                pending_w[s].pop(0)
+                kept[s] -= 1
+        rows.append(row)
+    return Schedule("zbv", p, m, 2, tuple(rows), placement="v")
+
+
 def interleaved(stages: int, microbatches: int, virtual_stages: int) -> Schedule:
     """Interleaved 1F1B (Megatron): v chunks per device, microbatches in groups of p through each chunk;
     the bubble shrinks by v. Needs m to be a multiple of p."""
@@ -163,11 +236,15 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
         raise ScheduleError(f"a pipeline needs stages >= 1 and microbatches >= 1 (got p={stages}, m={microbatches})")
     if name == "interleaved":
         return interleaved(stages, microbatches, virtual_stages)
+    if name == "zbv":
+        if virtual_stages not in (1, 2):
+            raise ScheduleError(f"zbv places exactly 2 chunks per stage in a V, not virtual_stages={virtual_stages}")
+        return zero_bubble_v(stages, microbatches)
     if virtual_stages != 1:
         raise ScheduleError(f"virtual_stages={virtual_stages} applies to the interleaved schedule only, not {name}")
     builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1p": zero_bubble_h1}
     if name not in builders:
-        raise ScheduleError(f"unknown schedule {name!r}: use gpipe, 1f1b, interleaved or zb1p")
+        raise ScheduleError(f"unknown schedule {name!r}: use gpipe, 1f1b, interleaved, zb1p or zbv")
     return builders[name](stages, microbatches)
 
 
@@ -177,14 +254,14 @@ def forward_only(schedule: Schedule) -> Schedule:
     orders = [[row[s] for row in schedule.table if row[s] is not None and row[s].kind == "F"]
               for s in range(schedule.stages)]
     return _place(f"{schedule.name} (forward only)", schedule.stages, schedule.microbatches,
-                  schedule.virtual_stages, orders)
+                  schedule.virtual_stages, orders, schedule.placement)
 
 
 def dependency_problems(schedule: Schedule) -> list[str]:
     """Empty when every action runs once, on its chunk's device, after what it needs: F(c, j) after
     F(c - 1, j); B(c, j) after F(c, j) and B(c + 1, j); W(c, j) after B(c, j). A forward-only schedule has no
     B to run; one that splits the backward runs a W for every B."""
-    p, chunks = schedule.stages, schedule.stages * schedule.virtual_stages
+    chunks = schedule.stages * schedule.virtual_stages
     when: dict[Action, int] = {}
     problems = []
     for slot, row in enumerate(schedule.table):
@@ -193,8 +270,8 @@ def dependency_problems(schedule: Schedule) -> list[str]:
                 continue
             if action in when:
                 problems.append(f"{action} runs twice")
-            if action.chunk % p != stage:
-                problems.append(f"{action} runs on stage {stage}, not {action.chunk % p}")
+            if schedule.stage_of(action.chunk) != stage:
+                problems.append(f"{action} runs on stage {stage}, not {schedule.stage_of(action.chunk)}")
             when[action] = slot
     for j in range(schedule.microbatches):
         for c in range(chunks):
@@ -209,7 +286,7 @@ def dependency_problems(schedule: Schedule) -> list[str]:
     return problems
 
 
-def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]]) -> Schedule:
+def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]], placement: Placement = "loop") -> Schedule:
     """Run each device's actions in its order, each as early as its dependencies allow (one slot each)."""
     chunks = p * v
     done: dict[Action, int] = {}
@@ -231,7 +308,7 @@ def _place(name: str, p: int, m: int, v: int, orders: list[list[Action]]) -> Sch
                 done[action] = slot
                 position[s] += 1
         rows.append(row)
-    return Schedule(name, p, m, v, tuple(tuple(row) for row in rows))
+    return Schedule(name, p, m, v, tuple(tuple(row) for row in rows), placement)
 
 
 def _ready(action: Action, done: dict[Action, int], chunks: int) -> bool:
@@ -287,6 +364,14 @@ def simulate(schedule: Schedule, forward: list[float], backward: list[float],
         if not progressed:
             raise ScheduleError(f"{schedule.name}: the table's order deadlocks")
     return Timeline(start, finish, max(free), busy)
+
+
+def lockstep_time(schedule: Schedule, forward: list[float], backward: list[float],
+                  weight: list[float] | None = None) -> float:
+    """The step time when every slot lasts as long as its slowest action, as xlatrain's SPMD step runs a table
+    (all stages run a slot, then exchange): the costs as in `simulate`."""
+    costs = {"F": forward, "B": backward, "W": weight}
+    return sum(max((costs[a.kind][a.chunk] for a in row if a is not None), default=0.0) for row in schedule.table)
 
 
 def _needs(action: Action, chunks: int) -> list[Action]:

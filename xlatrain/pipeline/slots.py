@@ -4,7 +4,10 @@ A pipelined step runs the table's slots one after another on every stage at once
 in each slot a stage runs its action, then every stage hands its output activation to the next stage
 and its input gradient to the previous one. This module turns the table into [slots, stages] integer
 tables the compiled step indexes by (slot, stage): which branch runs, on which microbatch and chunk, and
-where incoming activations and gradients wait until they are used.
+where incoming activations and gradients wait until they are used. With the V placement (ZB-V) a stage's
+second chunk sends its activations the other way (to the previous stage) and its gradients to the next,
+so arrivals come from both neighbours and have a write table per direction; at the V's tip (the last stage,
+whose two chunks follow each other) the hand-off stays on the stage and counts as an arrival from stage p.
 
 Each stage keeps its chunks' *input* activations from their arrival until the backward pass of that
 microbatch, so the activations a stage holds are counted in microbatches: `activation_buffers` is the most
@@ -24,7 +27,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from xlatrain.pipeline.schedule import Action, Schedule
+from xlatrain.pipeline.schedule import Action, Placement, Schedule
 
 
 class Branch(IntEnum):
@@ -47,12 +50,13 @@ class Branch(IntEnum):
 @dataclass(frozen=True)
 class SlotProgram:
     """[slots, stages] tables. A *_write entry names the buffer that receives what arrives at the end of
-    that slot; the scratch buffer (index = the buffer count) takes arrivals nobody needs."""
+    that slot (*_write_reverse: what arrives from the other direction, V placement only); the scratch buffer
+    (index = the buffer count) takes arrivals nobody needs."""
 
     branch: np.ndarray
     microbatch: np.ndarray
     round: np.ndarray
-    """Which of the stage's chunks (chunk // stages) the action runs."""
+    """Which of the stage's chunks (chunk // stages) the action runs; its chunk is `chunk_at(round, stage)`."""
     activation_read: np.ndarray
     cotangent_read: np.ndarray
     activation_write: np.ndarray
@@ -68,8 +72,11 @@ class SlotProgram:
     stash_buffers: int
     ring: bool
     """Whether the last stage passes activations on to the first (interleaved: chunk p follows chunk p - 1)."""
+    activation_write_reverse: np.ndarray
+    cotangent_write_reverse: np.ndarray
     splits_backward: bool = False
     """Whether backwards run as B and W slots (a zero-bubble schedule)."""
+    placement: Placement = "loop"
 
     @property
     def slots(self) -> int:
@@ -79,7 +86,8 @@ class SlotProgram:
         return {name: getattr(self, name) for name in ("branch", "microbatch", "round", "activation_read",
                                                        "cotangent_read", "activation_write", "cotangent_write",
                                                        "residual_read", "residual_write", "stash_read",
-                                                       "stash_write")}
+                                                       "stash_write", "activation_write_reverse",
+                                                       "cotangent_write_reverse")}
 
 
 def slot_program(schedule: Schedule) -> SlotProgram:
@@ -88,7 +96,7 @@ def slot_program(schedule: Schedule) -> SlotProgram:
     shape = (schedule.slots, p)
     branch, microbatch, round_ = (np.zeros(shape, np.int32) for _ in range(3))
     for action, slot in when.items():
-        stage = action.chunk % p
+        stage = schedule.stage_of(action.chunk)
         branch[slot, stage] = _branch(action, chunks)
         microbatch[slot, stage] = action.microbatch
         round_[slot, stage] = action.chunk // p
@@ -99,26 +107,35 @@ def slot_program(schedule: Schedule) -> SlotProgram:
         return [when[backward]] if backward in when else []
 
 
+    def stage(a: Action) -> int:
+        return schedule.stage_of(a.chunk)
+
+    def reverse(a: Action) -> bool:
+        """Whether what chunk a receives comes the other way: the V's second arm, the tip included."""
+        return schedule.placement == "v" and a.chunk >= p
+
     # An activation for chunk c >= 1 arrives after F(c - 1) and is last read by B(c), or W(c) when split (by
     # F(c) when forward only); a gradient for chunk c < last arrives after B(c + 1) and is read by B(c).
     activations = [(when[Action("F", a.microbatch, a.chunk - 1)], [when[a], *backward_of(a), *backward_of(a, "W")],
-                    a.chunk % p) for a in when if a.kind == "F" and a.chunk > 0]
-    cotangents = [(when[Action("B", a.microbatch, a.chunk + 1)], [when[a]], a.chunk % p)
+                    stage(a), reverse(a)) for a in when if a.kind == "F" and a.chunk > 0]
+    cotangents = [(when[Action("B", a.microbatch, a.chunk + 1)], [when[a]], stage(a), reverse(a))
                   for a in when if a.kind == "B" and a.chunk < chunks - 1]
     # A chunk's residuals are kept from the end of its forward slot until its backward slot (its W, when split);
     # B's stash, from the end of the B slot until the W slot.
-    residuals = [(when[a], [*backward_of(a), *backward_of(a, "W")], a.chunk % p)
+    residuals = [(when[a], [*backward_of(a), *backward_of(a, "W")], stage(a), False)
                  for a in when if a.kind == "F" and backward_of(a)]
-    stashes = [(when[a], [when[Action("W", a.microbatch, a.chunk)]], a.chunk % p)
+    stashes = [(when[a], [when[Action("W", a.microbatch, a.chunk)]], stage(a), False)
                for a in when if a.kind == "B" and schedule.splits_backward]
     activation_read, activation_write, activation_buffers = _assign_buffers(activations, shape)
     cotangent_read, cotangent_write, cotangent_buffers = _assign_buffers(cotangents, shape)
     residual_read, residual_write, residual_buffers = _assign_buffers(residuals, shape)
     stash_read, stash_write, stash_buffers = _assign_buffers(stashes, shape)
-    return SlotProgram(branch, microbatch, round_, activation_read, cotangent_read, activation_write,
-                       cotangent_write, residual_read, residual_write, stash_read, stash_write, activation_buffers,
-                       cotangent_buffers, residual_buffers, stash_buffers, ring=schedule.virtual_stages > 1,
-                       splits_backward=schedule.splits_backward)
+    return SlotProgram(branch, microbatch, round_, activation_read, cotangent_read, activation_write[0],
+                       cotangent_write[0], residual_read, residual_write[0], stash_read, stash_write[0],
+                       activation_buffers, cotangent_buffers, residual_buffers, stash_buffers,
+                       ring=schedule.placement == "loop" and schedule.virtual_stages > 1,
+                       activation_write_reverse=activation_write[1], cotangent_write_reverse=cotangent_write[1],
+                       splits_backward=schedule.splits_backward, placement=schedule.placement)
 
 
 def _branch(action: Action, chunks: int) -> Branch:
@@ -130,21 +147,22 @@ def _branch(action: Action, chunks: int) -> Branch:
     return Branch.BACKWARD_FIRST if first else Branch.BACKWARD_LAST if last else Branch.BACKWARD
 
 
-def _assign_buffers(items: list[tuple[int, list[int], int]], shape: tuple[int, int],
+def _assign_buffers(items: list[tuple[int, list[int], int, bool]], shape: tuple[int, int],
                     ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Give each (arrival slot, reading slots, stage) item a buffer on its stage, reusing a buffer once its
-    last reader has run (interval colouring, optimal for intervals). A buffer freed by a read in slot t
-    can take an arrival at the end of slot t. Returns the read and write tables and the buffer count."""
-    reads, writes = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
+    """Give each (arrival slot, reading slots, stage, from the reverse direction) item a buffer on its stage,
+    reusing a buffer once its last reader has run (interval colouring, optimal for intervals). A buffer
+    freed by a read in slot t can take an arrival at the end of slot t. Returns the read table, the write
+    tables [usual, reverse] and the buffer count."""
+    reads, writes = np.zeros(shape, np.int32), np.full((2, *shape), -1, np.int32)
     free_from: list[list[int]] = [[] for _ in range(shape[1])]
     """Per stage, per buffer: the first slot at whose end it may take a new arrival."""
-    for arrival, readers, stage in sorted(items):
+    for arrival, readers, stage, reverse in sorted(items):
         buffers = free_from[stage]
         index = next((i for i, free in enumerate(buffers) if free <= arrival), len(buffers))
         if index == len(buffers):
             buffers.append(0)
         buffers[index] = max(readers)
-        writes[arrival, stage] = index
+        writes[int(reverse), arrival, stage] = index
         for slot in readers:
             reads[slot, stage] = index
     count = max((len(b) for b in free_from), default=0)
