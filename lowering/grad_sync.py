@@ -65,6 +65,8 @@ class ExplicitReplicas:
     all_reduce: Callable
     shard_dims: Tree | None = None
     """ZeRO-1: per param, the dimension its optimizer state is split along over `axis` (None: whole)."""
+    params_split: bool = False
+    """FSDP: the params too are stored split along `shard_dims` (`gather` assembles them for compute)."""
     buckets_by_all_reduce: bool = False
     """Sum each bucket with one all-reduce instead of reduce-scatter + all-gather (the two-level custom
     all-reduce across processes, which reduces inside each process first anyway)."""
@@ -105,10 +107,25 @@ class ExplicitReplicas:
         return jax.tree.map(lambda x: mean_of_sum(self.all_reduce(x[0], self.axis), self.participants),
                             model_state_R)
 
+    def gather(self, params: Tree) -> Tree:
+        """FSDP's whole params from this device's blocks; otherwise `params` as they are."""
+        return self._whole(params) if self.params_split else params
+
+    def _whole(self, blocks: Tree) -> Tree:
+        """Each split leaf all-gathered over `axis` along its `shard_dims` dimension."""
+
+        def whole(x, dim):
+            if dim is None:
+                return x
+            return jnp.moveaxis(self.all_gather(jnp.moveaxis(x, dim, 0), self.axis), 0, dim)
+
+        return jax.tree.map(whole, blocks, self.shard_dims)
+
     def apply_update(self, tx: optax.GradientTransformation, grads: Tree, opt_state: Tree,
                      params: Tree) -> tuple[Tree, Tree]:
         """Replicated: every device updates everything. ZeRO-1: each device updates its block of each
-        split param with its block of the optimizer state, then the blocks are all-gathered."""
+        split param with its block of the optimizer state, then the blocks are all-gathered. FSDP: each
+        device updates the block of each param it stores, which stays split."""
         if self.shard_dims is None:
             return update(tx, grads, opt_state, params)
         index = jax.lax.axis_index(self.axis)
@@ -119,14 +136,11 @@ class ExplicitReplicas:
             size = x.shape[dim] // self.participants
             return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
 
-        def gather(x, dim):
-            if dim is None:
-                return x
-            return jnp.moveaxis(self.all_gather(jnp.moveaxis(x, dim, 0), self.axis), 0, dim)
-
-        local, opt_state = update(tx, jax.tree.map(block, grads, self.shard_dims), opt_state,
-                                  jax.tree.map(block, params, self.shard_dims))
-        return jax.tree.map(gather, local, self.shard_dims), opt_state
+        grads = jax.tree.map(block, grads, self.shard_dims)
+        if self.params_split:
+            return update(tx, grads, opt_state, params)
+        local, opt_state = update(tx, grads, opt_state, jax.tree.map(block, params, self.shard_dims))
+        return self._whole(local), opt_state
 
 
 def update(tx: optax.GradientTransformation, grads: Tree, opt_state: Tree, params: Tree) -> tuple[Tree, Tree]:
@@ -136,7 +150,8 @@ def update(tx: optax.GradientTransformation, grads: Tree, opt_state: Tree, param
 
 
 def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str, timeout_s: float,
-                      shard_dims: Tree | None = None, across_processes: bool = False) -> ExplicitReplicas:
+                      shard_dims: Tree | None = None, across_processes: bool = False,
+                      params_split: bool = False) -> ExplicitReplicas:
     if impl == "custom":
         from xlatrain import custom_calls as ops
 
@@ -145,11 +160,11 @@ def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str
             reduce_scatter=lambda x, a: ops.reduce_scatter(x, a, timeout_s=timeout_s),
             all_gather=lambda x, a: ops.all_gather(x, a, tiled=True, timeout_s=timeout_s),
             all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s), shard_dims=shard_dims,
-            buckets_by_all_reduce=across_processes)
+            params_split=params_split, buckets_by_all_reduce=across_processes)
     return ExplicitReplicas(axis, participants, bucket_bytes,
                             reduce_scatter=lambda x, a: jax.lax.psum_scatter(x, a, tiled=True),
                             all_gather=lambda x, a: jax.lax.all_gather(x, a, tiled=True),
-                            all_reduce=jax.lax.psum, shard_dims=shard_dims)
+                            all_reduce=jax.lax.psum, shard_dims=shard_dims, params_split=params_split)
 
 
 def bucket_bounds(total: int, itemsize: int, bucket_bytes: int, participants: int) -> list[tuple[int, int]]:

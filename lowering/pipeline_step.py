@@ -72,9 +72,14 @@ def stage_link(stages: int, impl: str, timeout_s: float) -> StageLink:
 @dataclass(frozen=True)
 class StagedTrees:
     """Parameter-shaped trees whose blocks are split over the stages (the rest is the same on every
-    stage): a norm or finite check adds the stages' parts."""
+    stage): a norm or finite check adds the stages' parts. With FSDP the params are also split over `data`:
+    `gather` assembles a stage's whole share first."""
 
     link: StageLink
+    gather: Callable[[Tree], Tree] = lambda params: params
+
+    def param_norm(self, params: dict) -> jax.Array:
+        return self.norm(self.gather(params))
 
     def norm(self, tree: dict) -> jax.Array:
         blocks, rest = split_blocks(tree)

@@ -76,6 +76,10 @@ class WholeTrees:
         return optax.tree.norm(tree)
 
     @staticmethod
+    def param_norm(params: Tree) -> jax.Array:
+        return optax.tree.norm(params)
+
+    @staticmethod
     def all_finite(tree: Tree) -> jax.Array:
         return all_finite(tree)
 
@@ -120,7 +124,7 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
         return grads, sums, model_state
 
     def pipeline_gradients(params, model_state, batch, key, scale, total_weight):
-        return *gradients(params, batch, key, scale, total_weight), model_state
+        return *gradients(compute_params(params), batch, key, scale, total_weight), model_state
 
     def gradient_step(state: TrainState, batch: dict) -> tuple[Tree, Metrics, Tree]:
         step_key = jax.random.fold_in(state.rng, state.step)
@@ -178,7 +182,7 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                     (state.params, state.opt_state, state.model_state))
         new = state.replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state,
                             loss_scale=next_loss_scale(state.loss_scale, finite, policy.loss_scale))
-        metrics = {**means(sums), "grad_norm": grad_norm, "param_norm": trees.norm(params),
+        metrics = {**means(sums), "grad_norm": grad_norm, "param_norm": trees.param_norm(params),
                    "lr": schedule(state.step), "finite": finite}
         if policy.dynamic_scale:
             metrics["loss_scale"] = scale

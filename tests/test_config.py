@@ -136,8 +136,9 @@ def test_parallel_mode_auto_picks_the_program_the_run_needs(overrides, mode):
 
 
 def test_parallel_mode_auto_names_its_choice_when_the_strategy_cannot_follow():
-    with pytest.raises(UserError, match=r"parallel.mode=shard_map \(chosen by parallel.mode=auto for a pipeline"):
-        load_config(None, ["mesh.stage=2", "parallel.strategy=fsdp"])
+    with pytest.raises(UserError, match=r"parallel.mode=shard_map \(chosen by parallel.mode=auto for "
+                                        r"collectives.impl=custom\) supports parallel.strategy replicated or zero1"):
+        load_config(None, ["collectives.impl=custom", "parallel.strategy=fsdp"])
 
 
 def test_each_parity_side_gets_the_devices_of_its_whole_mesh():

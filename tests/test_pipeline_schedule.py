@@ -75,7 +75,7 @@ def test_zbv_places_chunks_in_a_v_and_holds_what_1f1b_holds(p, m):
     """Stage i runs chunks i and 2p - 1 - i; at most 2p half-size chunk activations (1F1B's p microbatches of a
     whole stage) are kept from F to W, and the slot program needs no more residual buffers than that; the
     stage inputs add at most the two that arrive while the stage's oldest are still being read."""
-    schedule = build("zbv", p, m)
+    schedule = build("zbv", p, m, 2)
     assert schedule.placement == "v"
     assert {stage_of(c, p, "v") for c in (0, 2 * p - 1)} == {0} and stage_of(p - 1, p, "v") == stage_of(p, p, "v")
     program = slot_program(schedule)
@@ -90,9 +90,9 @@ def test_zbv_idles_half_a_slot_per_stage_and_beats_zb1p_in_lockstep(p, m):
     xlatrain runs a table in lockstep (each slot as long as its slowest action): there ZB-V stays ahead of
     ZB-H1 when B and W differ too."""
     half = [0.5] * (2 * p)
-    assert simulate(build("zbv", p, m), half, half, half).step_time == pytest.approx(3 * m + (p - 1) / 2)
+    assert simulate(build("zbv", p, m, 2), half, half, half).step_time == pytest.approx(3 * m + (p - 1) / 2)
     for f, b, w in [(1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.4, 0.7)]:
-        zbv = lockstep_time(build("zbv", p, m), [f / 2] * 2 * p, [b / 2] * 2 * p, [w / 2] * 2 * p)
+        zbv = lockstep_time(build("zbv", p, m, 2), [f / 2] * 2 * p, [b / 2] * 2 * p, [w / 2] * 2 * p)
         assert zbv < lockstep_time(build("zb1p", p, m), [f] * p, [b] * p, [w] * p)
 
 

@@ -511,6 +511,8 @@ class Config(Strict):
             raise ValueError("collectives.impl=custom syncs gradients in a per-device program: set "
                              "parallel.mode=shard_map or pmap (with parallel.mode=jit XLA's partitioner owns the "
                              "collectives)")
+        if self.mesh.stage > 1:  # a pipeline's strategies and optimizers: _pipeline_fits
+            return self
         supported = {"jit": ("replicated", "zero1", "fsdp"), "shard_map": ("replicated", "zero1"),
                      "pmap": ("replicated",)}[mode]
         if self.parallel.strategy not in supported:
@@ -540,10 +542,6 @@ class Config(Strict):
             raise ValueError(f"mesh.stage={stages} runs a pipeline, a per-device program whose stages pass "
                              f"activations to each other: use parallel.mode=auto or shard_map, not "
                              f"{self.parallel.mode}")
-        if self.parallel.strategy != "replicated":
-            raise ValueError(f"a pipeline (mesh.stage={stages}) keeps each stage's blocks on that stage and "
-                             "replicates them over `data`: use parallel.strategy=replicated, not "
-                             f"{self.parallel.strategy}")
         if self.optimizer.name == "adafactor":
             raise ValueError("a pipeline updates each stage's blocks on their own, which needs an elementwise "
                              "optimizer (adamw, sgd, lion), not adafactor")

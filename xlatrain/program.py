@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -195,7 +195,7 @@ class Program:
         return {"gradients": make_pipeline_gradients(self.model.blocks, plan.layout, plan.slots,
                                                      self.derived.pipeline_microbatches, self.config.model.loss,
                                                      self.policy, link, remat),
-                "trees": StagedTrees(link)}
+                "trees": StagedTrees(link, self._gather_params)}
 
     def _pipelined_eval(self) -> Callable[[TrainState, dict], dict]:
         """Each replica's rows through the stages, forward only; the replicas' sums added."""
@@ -206,7 +206,7 @@ class Program:
         replicas = self._replicas()
 
         def eval_step(state: TrainState, batch: dict) -> dict:
-            return eval_metrics(jax.tree.map(replicas.total, evaluate(state.params, batch)))
+            return eval_metrics(jax.tree.map(replicas.total, evaluate(self._gather_params(state.params), batch)))
 
         return eval_step
 
@@ -214,19 +214,25 @@ class Program:
         if self.config.parallel.mode == "jit":
             return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree))
         c = self.config.collectives
+        strategy = self.config.parallel.strategy
         return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s,
-                                 self._zero1_dims() if self.config.parallel.strategy == "zero1" else None,
-                                 across_processes=c.impl == "custom" and self._data_axis_processes() > 1)
+                                 self._split_dims() if strategy in ("zero1", "fsdp") else None,
+                                 across_processes=c.impl == "custom" and self._data_axis_processes() > 1,
+                                 params_split=strategy == "fsdp")
 
     def _data_axis_processes(self) -> int:
         from xlatrain.custom_calls.backend import processes_along
 
         return processes_along(self.mesh, DATA)
 
-    def _zero1_dims(self) -> Any:
-        """Per param, the dimension its optimizer state is split along over `data` (None: not split)."""
-        specs = param_specs(self.abstract_state.params, self.model.logical_axes, True,
-                            self.model.rules(self.config.parallel.logical_rules), self.mesh)
+    def _split_dims(self) -> Any:
+        """Per param, the dimension its optimizer state (and with FSDP the param) is split along over `data`
+        (None: not split)."""
+        if self.pipeline is not None:
+            specs = self.pipeline.layout.split_specs(self.abstract_state.params, self.derived.data_parallel)
+        else:
+            specs = param_specs(self.abstract_state.params, self.model.logical_axes, True,
+                                self.model.rules(self.config.parallel.logical_rules), self.mesh)
         return jax.tree.map(lambda spec: spec.index(DATA) if DATA in spec else None, specs,
                             is_leaf=lambda x: isinstance(x, P))
 
@@ -255,9 +261,12 @@ class Program:
         return step
 
     def _gather_params(self, params: Any) -> Any:
-        """FSDP keeps params sharded at rest and gathers them for compute; other strategies store them whole."""
+        """FSDP keeps params sharded at rest and gathers them for compute; other strategies store them whole.
+        In a pipeline's per-device program the gather is written out (an all-gather over `data`)."""
         if self.config.parallel.strategy != "fsdp":
             return params
+        if self.pipeline is not None:
+            return self._replicas().gather(params)
         return jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: replicated(self.mesh), params))
 
     def _abstract_sharded_state(self) -> TrainState:
@@ -314,8 +323,12 @@ def build_program(config: Config, devices: list | None = None,
     tx = build_optimizer(config.optimizer, schedule, block_axes)
     init = make_init(model, tx, config.seed, policy, arrange=pipeline.layout.stage_params if pipeline else None)
     rules = model.rules(config.parallel.logical_rules)
-    abstract, specs = state_specs(init, model, tx, config.parallel.strategy, rules, mesh,
-                                  fixed_param_specs=pipeline.layout.param_specs if pipeline else None)
+    strategy = config.parallel.strategy
+    split = partial(pipeline.layout.split_specs, data=derived.data_parallel) if pipeline else None
+    abstract, specs = state_specs(init, model, tx, strategy, rules, mesh,
+                                  fixed_param_specs=(split if strategy == "fsdp" else pipeline.layout.param_specs)
+                                  if pipeline else None,
+                                  fixed_optimizer_specs=split if strategy in ("zero1", "fsdp") else None)
     check_state_fits(with_shardings(abstract, specs, mesh), mesh)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
                    CompileBook(config.trainer.compile_budget), pipeline, compile_cache)

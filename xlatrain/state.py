@@ -57,14 +57,16 @@ def make_init(model: ModelDef, tx: optax.GradientTransformation, seed: int, poli
 
 
 def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.GradientTransformation,
-                strategy: str, rules: dict, mesh: Mesh,
-                fixed_param_specs: Callable[[Any], Any] | None = None) -> tuple[TrainState, TrainState]:
+                strategy: str, rules: dict, mesh: Mesh, fixed_param_specs: Callable[[Any], Any] | None = None,
+                fixed_optimizer_specs: Callable[[Any], Any] | None = None) -> tuple[TrainState, TrainState]:
     """(abstract state, PartitionSpecs of the state) for replicated, zero1 or fsdp; or, when given,
-    `fixed_param_specs(abstract params)` with the optimizer state following the params (pipelines)."""
+    `fixed_param_specs(abstract params)` with the optimizer state following the params, or following
+    `fixed_optimizer_specs(abstract params)` when that is given too (pipelines, and their ZeRO-1 and FSDP)."""
     abstract = jax.eval_shape(init)
     if fixed_param_specs is not None:
         params = fixed_param_specs(abstract.params)
-        opt = specs_following_params(tx, abstract.opt_state, abstract.params, params)
+        wanted = (fixed_optimizer_specs or fixed_param_specs)(abstract.params)
+        opt = specs_following_params(tx, abstract.opt_state, abstract.params, wanted)
     else:
         params = param_specs(abstract.params, model.logical_axes, strategy == "fsdp", rules, mesh)
         opt = optimizer_specs(tx, abstract.opt_state, abstract.params, model.logical_axes,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from xlatrain.mesh import STAGE
+from xlatrain.mesh import DATA, STAGE
 from xlatrain.models.blocks import BLOCKS, split_blocks
 from xlatrain.pipeline.schedule import Placement, chunk_at, stage_of
 
@@ -91,6 +91,20 @@ class StageLayout:
         """Blocks split over the stage axis, everything else replicated."""
         specs = jax.tree.map(lambda _: P(), abstract_params)
         return {**specs, BLOCKS: jax.tree.map(lambda _: P(None, STAGE), abstract_params[BLOCKS])}
+
+    def split_specs(self, abstract_params: dict, data: int) -> dict:
+        """`param_specs`, each leaf also split over `data` along its first dimension that `data` divides (past
+        the blocks' [virtual stages, stages]): how ZeRO-1 stores the optimizer state, and FSDP the params too.
+        A leaf that no dimension fits stays whole."""
+
+        def split(spec: P, leaf: jax.ShapeDtypeStruct) -> P:
+            for dim in range(len(spec), leaf.ndim):
+                if leaf.shape[dim] % data == 0:
+                    return P(*spec, *([None] * (dim - len(spec))), DATA)
+            return spec
+
+        return jax.tree.map(split, self.param_specs(abstract_params), abstract_params,
+                            is_leaf=lambda x: isinstance(x, P))
 
     def real_size(self, abstract_params: dict) -> int:
         """Parameters of the model, not counting the padding blocks."""

@@ -237,7 +237,7 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
     if name == "interleaved":
         return interleaved(stages, microbatches, virtual_stages)
     if name == "zbv":
-        if virtual_stages not in (1, 2):
+        if virtual_stages != 2:
             raise ScheduleError(f"zbv places exactly 2 chunks per stage in a V, not virtual_stages={virtual_stages}")
         return zero_bubble_v(stages, microbatches)
     if virtual_stages != 1:

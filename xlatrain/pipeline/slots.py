@@ -106,7 +106,6 @@ def slot_program(schedule: Schedule) -> SlotProgram:
         backward = Action(kind, a.microbatch, a.chunk)
         return [when[backward]] if backward in when else []
 
-
     def stage(a: Action) -> int:
         return schedule.stage_of(a.chunk)
 
