@@ -32,7 +32,7 @@ import jax  # noqa: E402
 
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
-from xlatrain.pipeline.partition import auto_partition  # noqa: E402
+from xlatrain.pipeline.partition import action_flops, auto_partition  # noqa: E402
 from xlatrain.pipeline.schedule import build, lockstep_time, simulate  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
 
@@ -75,13 +75,9 @@ def simulated_cases() -> list[dict]:
         partition = auto_partition(costs, p * v)
         scale = BATCH_ROWS / m
         chunks = costs.chunks(partition)
-        forward = [c.forward_flops * scale for c in chunks]
-        backward = [c.backward_flops * scale - (f if remat == "none" else 0.0) for c, f in zip(chunks, forward)]
         schedule = build(name, p, m, v)
-        durations = (forward, backward)
-        if schedule.splits_backward:
-            weight = [c.weight_flops * scale for c in chunks]
-            durations = (forward, [b - w for b, w in zip(backward, weight)], weight)
+        durations = [[flops * scale for flops in kind]
+                     for kind in action_flops(chunks, recompute=remat == "full", split=schedule.splits_backward)]
         timeline = simulate(schedule, *durations)
         sequential = sum(c.backward_flops for c in chunks) * scale * m  # a forward and a backward, no recompute
         cases.append({"schedule": name, "stages": p, "microbatches": m, "virtual_stages": v, "remat": remat,

@@ -94,6 +94,10 @@ KINDS = ("first", "middle", "last")
 """The kinds of chunk: the first starts from the tokens, the last ends in the loss."""
 
 
+SCALAR = jax.ShapeDtypeStruct((), jnp.float32)
+"""The loss scale and total weight, traced as the step's are."""
+
+
 def chunk_functions(parts: BlockParts, policy: Policy, loss: str, micro_j: dict, keys: jax.Array | None,
                     active: jax.Array | None, scale: jax.Array, total_weight: jax.Array) -> dict[str, Callable]:
     """Each kind of chunk for microbatch j, as a function of what it is differentiated by (`chunk_inputs`):
@@ -130,33 +134,31 @@ def residual_layouts(parts: BlockParts, policy: Policy, loss: str, cb: Tree, cr:
                      keys: Any, active: Any) -> dict[str, ResidualLayout]:
     """What each kind of chunk keeps from its forward slot to its backward slot with remat: none; any argument
     may be abstract (jax.ShapeDtypeStruct)."""
-
-    def pullback_of(kind):
-        def pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
-            functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
-            return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x))[1]
-
-        return pullback
-
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)  # the loss scale and total weight, traced as the step's are
-    return {kind: ResidualLayout.of(pullback_of(kind), (cb, cr, x, micro_j, keys, active, scalar, scalar),
-                                    data=(2, 3, 4, 5)) for kind in KINDS}
+    arguments = (cb, cr, x, micro_j, keys, active, SCALAR, SCALAR)
+    return {kind: ResidualLayout.of(_pullback_of(parts, policy, loss, kind), arguments, data=(2, 3, 4, 5))
+            for kind in KINDS}
 
 
 def backward_splits(parts: BlockParts, policy: Policy, loss: str, cb: Tree, cr: dict, x: Any, micro_j: dict,
                     keys: Any, active: Any) -> dict[str, BackwardSplit]:
     """Each kind of chunk's backward split into B and W (lowering/split_backward.py), from abstract arguments."""
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)  # the loss scale and total weight, traced as the step's are
 
     def split(kind):
-        def pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
-            functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
-            return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x))[1]
-
-        abstract = abstract_value(pullback, cb, cr, x, micro_j, keys, active, scalar, scalar)
-        return split_pullback(abstract, scalar if kind == "last" else x)
+        abstract = abstract_value(_pullback_of(parts, policy, loss, kind), cb, cr, x, micro_j, keys, active, SCALAR,
+                                  SCALAR)
+        return split_pullback(abstract, SCALAR if kind == "last" else x)
 
     return {kind: split(kind) for kind in KINDS}
+
+
+def _pullback_of(parts: BlockParts, policy: Policy, loss: str, kind: str) -> Callable:
+    """(cb, cr, x, micro_j, keys, active, scale, total_weight) -> that kind of chunk's pullback."""
+
+    def pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
+        functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
+        return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x))[1]
+
+    return pullback
 
 
 def split_rows(batch: dict, microbatches: int) -> dict:
@@ -297,13 +299,12 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         starts = jnp.asarray(layout.starts)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
         cr = compute(rest)
-        layouts = residual_layouts(parts, policy, loss, compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
-                                   jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
-                                   None if active_blocks is None else active_blocks[0]) if keep_residuals else {}
+        first_chunk = (parts, policy, loss, compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
+                       jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
+                       None if active_blocks is None else active_blocks[0])
+        layouts = residual_layouts(*first_chunk) if keep_residuals else {}
         kept_counts = buffer_counts(list(layouts.values()))
-        splits = backward_splits(parts, policy, loss, compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
-                                 jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
-                                 None if active_blocks is None else active_blocks[0]) if slots.splits_backward else {}
+        splits = backward_splits(*first_chunk) if slots.splits_backward else {}
         stash_counts = buffer_counts([split.stash_layout for split in splits.values()])
         no_stash = empty_buffers(stash_counts)
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)

@@ -86,21 +86,17 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
             out, pullback = vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x))
             return out, layout.kept_from(pullback)
 
-        def pull(cb, cr, x, micro_j, keys, scales, kept, dy):
+        def pullback(cb, cr, x, micro_j, keys, scales, kept):
+            """The pullback from the kept residuals, as the backward slot runs it."""
             pullback = vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x))[1]
-            return layout.with_kept(pullback, unpack(kept, layout))(dy)
+            return layout.with_kept(pullback, unpack(kept, layout))
 
         if not backward:
             return _flops(forward_keeping, cb, cr, x, micro, keys, scales)
         kept = {name: jax.ShapeDtypeStruct((n,), name) for name, n in layout.counts().items()}
         if not schedule.splits_backward:
-            return _flops(pull, cb, cr, x, micro, keys, scales, kept, cotangent)
+            return _flops(lambda *a: pullback(*a[:-1])(a[-1]), cb, cr, x, micro, keys, scales, kept, cotangent)
         split = backward_splits(unrolled, policy, loss, cb, cr, x, micro, keys, None)[kind]
-
-        def pullback(cb, cr, x, micro_j, keys, scales, kept):
-            pullback = vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x))[1]
-            return layout.with_kept(pullback, unpack(kept, layout))
-
         if action == "B":
             return _flops(lambda *a: split.b(pullback(*a[:-1]), a[-1]), cb, cr, x, micro, keys, scales, kept,
                           cotangent)

@@ -109,7 +109,7 @@ class BackwardSplit:
     def w(self, pullback: Callable, stash: list[jax.Array]) -> tuple:
         """The cotangents of every argument but the last (W never reads the output's cotangent: what it needs
         of it is in the stash)."""
-        cotangent = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in self.split.jaxpr.invars[-self._cotangents:]]
+        cotangent = [_zeros(v.aval) for v in self.split.jaxpr.invars[-self._cotangents:]]
         outputs = self.split.run_w(self._inputs(pullback, cotangent), stash)
         return tuple(jax.tree.unflatten(tree, [outputs.pop(0) for _ in range(tree.num_leaves)])
                      for tree in self.output_tree.children()[:-1])
@@ -232,11 +232,7 @@ def _carry_closure(body: Any, n_consts: int, n_carry: int, wanted: set[int]) -> 
     carries = set(wanted)
     carry_in = body.invars[n_consts:n_consts + n_carry]
     while True:
-        live = {body.outvars[i] for i in carries if _is_var(body.outvars[i])}
-        for eqn in reversed(body.eqns):
-            needed = [v in live for v in eqn.outvars]
-            if any(needed):
-                live.update(_inputs_of(eqn, needed))
+        live = _live_before(body.eqns, {body.outvars[i] for i in carries if _is_var(body.outvars[i])})
         grown = carries | {i for i, v in enumerate(carry_in) if v in live}
         if grown == carries:
             return carries
@@ -292,7 +288,7 @@ def _run_w_step(step: Any, env: dict) -> None:
     n_consts, n_carry = params["num_consts"], params["num_carry"]
     consts, carry, xs = _scan_operands(step, env)
     inits = [_or_zeros(carry[i], eqn.invars[n_consts + i]) for i in step.w_carries]
-    stand_ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars[n_consts:n_consts + n_carry]]
+    stand_ins = [v.aval for v in eqn.invars[n_consts:n_consts + n_carry]]
 
     def body(kept, x):
         x_values, stash = x
@@ -333,12 +329,18 @@ def _inputs_of(eqn: Any, needed: list[bool]) -> list[Var]:
     body, n_consts, n_carry = params["jaxpr"].jaxpr, params["num_consts"], params["num_carry"]
     carries = _carry_closure(body, n_consts, n_carry, {i for i in range(n_carry) if needed[i]})
     live = {body.outvars[i] for i in carries} | {v for v, n in zip(body.outvars[n_carry:], needed[n_carry:]) if n}
-    live = {v for v in live if _is_var(v)}
-    for inner in reversed(body.eqns):
-        inner_needed = [v in live for v in inner.outvars]
-        if any(inner_needed):
-            live.update(_inputs_of(inner, inner_needed))
+    live = _live_before(body.eqns, {v for v in live if _is_var(v)})
     return [outer for outer, inner in zip(eqn.invars, body.invars) if inner in live and _is_var(outer)]
+
+
+def _live_before(eqns: Sequence[Any], live: set) -> set:
+    """`live` (the variables wanted after `eqns`) grown, going back through them, by what each equation reads
+    to compute the wanted values it defines."""
+    for eqn in reversed(eqns):
+        needed = [v in live for v in eqn.outvars]
+        if any(needed):
+            live.update(_inputs_of(eqn, needed))
+    return live
 
 
 def _definition_order(jaxpr: Any) -> list[Var]:
@@ -356,7 +358,7 @@ def _value(env: dict, v: Var) -> Any:
 
 
 def _or_zeros(value: Any, v: Var) -> Any:
-    return value if value is not None else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
+    return value if value is not None else _zeros(v.aval)
 
 
 def _read(env: dict, v: Var) -> Any:
@@ -371,5 +373,6 @@ def _is_scan(eqn: Any) -> bool:
     return eqn.primitive.name == "scan"
 
 
-def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
-    return jax.numpy.zeros(shape.shape, shape.dtype)
+def _zeros(like: Any) -> jax.Array:
+    """Zeros of the shape and dtype of `like` (an abstract value)."""
+    return jnp.zeros(like.shape, like.dtype)

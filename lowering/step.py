@@ -75,9 +75,8 @@ class WholeTrees:
     def norm(tree: Tree) -> jax.Array:
         return optax.tree.norm(tree)
 
-    @staticmethod
-    def param_norm(params: Tree) -> jax.Array:
-        return optax.tree.norm(params)
+    param_norm = norm
+    """The params are whole too."""
 
     @staticmethod
     def all_finite(tree: Tree) -> jax.Array:

@@ -48,6 +48,17 @@ class PieceCost:
 NOTHING = PieceCost(0.0, 0.0, 0.0, 0.0, 0.0)
 
 
+def action_flops(chunks: list[PieceCost], recompute: bool, split: bool) -> tuple[list[float], ...]:
+    """Per chunk, the FLOPs of its F and B actions, and of W when the backward is split (B is then the backward
+    less W): the durations `simulate` replays. `recompute`: B runs the forward again (remat: full)."""
+    forward = [c.forward_flops for c in chunks]
+    backward = [c.backward_flops - (0.0 if recompute else c.forward_flops) for c in chunks]
+    if not split:
+        return forward, backward
+    weight = [c.weight_flops for c in chunks]
+    return forward, [b - w for b, w in zip(backward, weight, strict=True)], weight
+
+
 @dataclass(frozen=True)
 class ModelCosts:
     before: PieceCost

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from xlatrain.config import PipelineConfig, check_block_partition
 from xlatrain.errors import UserError
 from xlatrain.pipeline.layout import StageLayout
-from xlatrain.pipeline.partition import Balance, ModelCosts, auto_partition
+from xlatrain.pipeline.partition import Balance, ModelCosts, action_flops, auto_partition
 from xlatrain.pipeline.remat import RematChoice
 from xlatrain.pipeline.schedule import (
     Schedule,
@@ -57,12 +57,9 @@ class PipelinePlan:
         backward without the recomputed forward and W (remat: none), and W the weight gradients."""
         chunks = self.costs.chunks(self.layout.partition)
         unit = sum(c.forward_flops for c in chunks) / len(chunks) or 1.0
-        forward = [c.forward_flops / unit for c in chunks]
-        if not self.schedule.splits_backward:
-            return simulate(self.schedule, forward, [c.backward_flops / unit for c in chunks])
-        weight = [c.weight_flops / unit for c in chunks]
-        backward = [c.backward_flops / unit - f - w for c, f, w in zip(chunks, forward, weight, strict=True)]
-        return simulate(self.schedule, forward, backward, weight)
+        split = self.schedule.splits_backward
+        durations = action_flops(chunks, recompute=not split, split=split)
+        return simulate(self.schedule, *([flops / unit for flops in kind] for kind in durations))
 
     def summary(self, remat: RematChoice | str, rows_per_microbatch: int | None = None,
                 count_work: bool = False) -> list[str]:

@@ -106,7 +106,8 @@ def slot_program(schedule: Schedule) -> SlotProgram:
         backward = Action(kind, a.microbatch, a.chunk)
         return [when[backward]] if backward in when else []
 
-    def stage(a: Action) -> int:
+    def home(a: Action) -> int:
+        """The stage that runs a's chunk."""
         return schedule.stage_of(a.chunk)
 
     def reverse(a: Action) -> bool:
@@ -116,14 +117,14 @@ def slot_program(schedule: Schedule) -> SlotProgram:
     # An activation for chunk c >= 1 arrives after F(c - 1) and is last read by B(c), or W(c) when split (by
     # F(c) when forward only); a gradient for chunk c < last arrives after B(c + 1) and is read by B(c).
     activations = [(when[Action("F", a.microbatch, a.chunk - 1)], [when[a], *backward_of(a), *backward_of(a, "W")],
-                    stage(a), reverse(a)) for a in when if a.kind == "F" and a.chunk > 0]
-    cotangents = [(when[Action("B", a.microbatch, a.chunk + 1)], [when[a]], stage(a), reverse(a))
+                    home(a), reverse(a)) for a in when if a.kind == "F" and a.chunk > 0]
+    cotangents = [(when[Action("B", a.microbatch, a.chunk + 1)], [when[a]], home(a), reverse(a))
                   for a in when if a.kind == "B" and a.chunk < chunks - 1]
     # A chunk's residuals are kept from the end of its forward slot until its backward slot (its W, when split);
     # B's stash, from the end of the B slot until the W slot.
-    residuals = [(when[a], [*backward_of(a), *backward_of(a, "W")], stage(a), False)
+    residuals = [(when[a], [*backward_of(a), *backward_of(a, "W")], home(a), False)
                  for a in when if a.kind == "F" and backward_of(a)]
-    stashes = [(when[a], [when[Action("W", a.microbatch, a.chunk)]], stage(a), False)
+    stashes = [(when[a], [when[Action("W", a.microbatch, a.chunk)]], home(a), False)
                for a in when if a.kind == "B" and schedule.splits_backward]
     activation_read, activation_write, activation_buffers = _assign_buffers(activations, shape)
     cotangent_read, cotangent_write, cotangent_buffers = _assign_buffers(cotangents, shape)
