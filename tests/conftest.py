@@ -18,6 +18,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,3 +44,15 @@ TINY_GPT = ["model.layers=2", "model.width=32", "model.heads=2", "data.seq_len=3
             "trainer.progress=false", "trainer.eval_every=1000", "trainer.log_every=1"]
 DIGITS_MLP = ["model.name=mlp", "data.source=digits", "model.hidden=[32]", "batch.global_size=32",
               "trainer.progress=false", "trainer.eval_every=1000", "trainer.log_every=1"]
+
+
+def token_batch(program):
+    """The first global batch of `program`'s training data, split into its microbatches and placed as its train
+    step takes it."""
+    from xlatrain.data.loader import make_global, split_microbatches
+    from xlatrain.mesh import train_batch_sharding
+
+    rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
+    batch = {k: np.stack([r[k] for r in rows]) for k in ("inputs", "targets")}
+    return make_global(split_microbatches(batch, program.derived.microbatches), train_batch_sharding(program.mesh),
+                       1, 1)

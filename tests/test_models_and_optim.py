@@ -13,6 +13,7 @@ from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
 from xlatrain.models import model_factory
 from xlatrain.optim import build_optimizer, decay_mask, learning_rate_schedule
+from xlatrain.pipeline.layout import StageLayout
 from xlatrain.trainer import train
 
 TOKENS = DataSpec((16,), np.dtype(np.int32), (16,), np.dtype(np.int32), 256)
@@ -78,6 +79,46 @@ def test_every_optimizer_lowers_the_loss(name, tmp_path):
                                       f"trainer.run_dir={tmp_path}"]), echo=lambda _: None)
     first, last = np.mean([result.losses[s] for s in (1, 2, 3)]), np.mean([result.losses[s] for s in (38, 39, 40)])
     assert last < 0.6 * first
+
+
+def test_adafactor_factors_and_clips_each_layer_of_a_stacked_block_as_its_own_matrix():
+    """Against optax's Adafactor pieces on the same layers as separate params: stacked [layers, ...] (where
+    optax alone would factor this kernel over its layer axis, 12 being one of its two largest dimensions, and
+    clip by the RMS of all layers at once) and in a pipeline's stage layout with padding blocks (which stay zero)."""
+    config = load_config(None, ["optimizer.name=adafactor", "optimizer.min_dim_size_to_factor=8",
+                                "optimizer.weight_decay=0", "optimizer.schedule=constant"])
+    reference = optax.chain(optax.scale_by_factored_rms(decay_rate=0.8, min_dim_size_to_factor=8),
+                            optax.clip_by_block_rms(1.0), optax.scale(-1.0))
+    layers, layout = 12, StageLayout(stages=2, virtual_stages=1, partition=(7, 5))
+    rng = np.random.default_rng(0)
+
+    def draw(scale=1.0):
+        kernel = rng.normal(size=(layers, 8, 24)) * np.geomspace(1e-3, 1e3, layers)[:, None, None]
+        kernel[3, 0, 0] = 1e4  # a spike: this layer's factored update has an RMS above 1 and is clipped
+        return {"blocks": {"kernel": jnp.asarray(kernel * scale, jnp.float32),
+                           "bias": jnp.asarray(rng.normal(size=(layers, 24)), jnp.float32)},
+                "head": {"kernel": jnp.asarray(rng.normal(size=(20, 16)), jnp.float32)}}
+
+    def unstacked(tree):
+        return {**{f"{name}{i}": leaf[i] for name, leaf in tree["blocks"].items() for i in range(layers)},
+                "head": tree["head"]["kernel"]}
+
+    params = draw()
+    stacked = build_optimizer(config.optimizer, optax.constant_schedule(1.0), block_axes=1)
+    staged = build_optimizer(config.optimizer, optax.constant_schedule(1.0), block_axes=3)
+    states = (stacked.init(params), staged.init(layout.stage_params(params)), reference.init(unstacked(params)))
+    for step in range(3):
+        grads = draw(scale=step + 1.0)
+        ours, stacked_state = jax.jit(stacked.update)(grads, states[0], params)
+        staged_updates, staged_state = jax.jit(staged.update)(layout.stage_params(grads), states[1],
+                                                              layout.stage_params(params))
+        expected, reference_state = reference.update(unstacked(grads), states[2], unstacked(params))
+        states = (stacked_state, staged_state, reference_state)
+        for name, value in unstacked(ours).items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-7, err_msg=f"{name}, step {step}")
+        np.testing.assert_allclose(staged_updates["blocks"]["kernel"],
+                                   layout.to_stages(ours["blocks"]["kernel"]), rtol=1e-5, atol=1e-7)
+    assert stacked_state[0][0].v_row["blocks"]["kernel"].shape == (layers, 8)
 
 
 def test_schedule_warms_up_to_the_scaled_rate_then_decays(devices):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DIGITS_MLP, TINY_GPT
+from conftest import DIGITS_MLP, TINY_GPT, token_batch
 from jax.sharding import PartitionSpec as P
 
 from xlatrain.config import load_config
@@ -34,6 +34,29 @@ def test_strategies_place_params_and_optimizer_state(strategy, params_sharded, m
     assert (adam.mu["head"]["kernel"].sharding.spec not in (P(), P(None, None))) == moments_sharded
     assert adam.count.sharding.is_fully_replicated and len(adam.count.sharding.device_set) == 8
     assert state.step.sharding.is_fully_replicated
+
+
+def test_adafactor_factored_moments_follow_their_params_split_and_train_like_replicated(devices):
+    """A factored moment shares its param's leading dimensions up to the split one: [layers, rows] of a
+    [layers, rows, columns] kernel split along its rows is split likewise; one missing the split dimension is
+    replicated. ZeRO-1 and FSDP (parallel.mode=jit) give the replicated run's losses."""
+    losses = {}
+    for strategy in ("replicated", "zero1", "fsdp"):
+        program = build_program(load_config(None, [*TINY_GPT, "optimizer.name=adafactor", "parallel.mode=jit",
+                                                   "optimizer.min_dim_size_to_factor=8",
+                                                   f"parallel.strategy={strategy}"]))
+        moments = program.specs.opt_state[0][0]
+        if strategy == "fsdp":
+            assert program.specs.params["blocks"]["mlp_in"]["kernel"] == P(None, "data", None)
+            assert moments.v_row["blocks"]["mlp_in"]["kernel"] == P(None, "data")
+            assert moments.v_col["blocks"]["mlp_in"]["kernel"] == P()
+        state, batch = program.create_state(), token_batch(program)
+        losses[strategy] = []
+        for _ in range(3):
+            state, metrics = program.train_step(state, batch)
+            losses[strategy].append(float(metrics["loss"]))
+    for strategy in ("zero1", "fsdp"):
+        np.testing.assert_allclose(losses[strategy], losses["replicated"], rtol=1e-6)
 
 
 def test_init_never_builds_the_whole_state_on_one_device(devices):

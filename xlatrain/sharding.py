@@ -33,11 +33,8 @@ def param_specs(abstract_params: Any, logical_axes: Any, sharded: bool, rules: M
 
 def optimizer_specs(tx: optax.GradientTransformation, abstract_opt_state: Any, abstract_params: Any,
                     logical_axes: Any, sharded: bool, rules: Mapping[str, str | None], mesh: Mesh) -> Any:
-    """Param-shaped optimizer leaves (moments) follow the param's logical axes; the rest is replicated.
-
-    Leaves inside a param-shaped subtree whose shape differs from the param (Adafactor's factored
-    moments) are replicated.
-    """
+    """Param-shaped optimizer leaves (moments) follow the param's logical axes (see specs_following_params);
+    the rest is replicated."""
     if not sharded:
         return jax.tree.map(lambda _: P(), abstract_opt_state)
     wanted = param_specs(abstract_params, logical_axes, True, rules, mesh)
@@ -46,10 +43,16 @@ def optimizer_specs(tx: optax.GradientTransformation, abstract_opt_state: Any, a
 
 def specs_following_params(tx: optax.GradientTransformation, abstract_opt_state: Any, abstract_params: Any,
                            wanted: Any) -> Any:
-    """Optimizer leaves shaped like their param take the param's spec `wanted`; the rest is replicated."""
+    """Optimizer leaves shaped like their param take the param's spec `wanted`. A leaf that shares the param's
+    leading dimensions up to the last one the spec splits (Adafactor's factored moments of stacked layers, kept
+    per layer) takes that part of the spec; the rest is replicated."""
 
     def for_leaf(leaf, spec, param):
-        return spec if getattr(leaf, "shape", None) == param.shape else P()
+        shape = getattr(leaf, "shape", None)
+        if shape == param.shape:
+            return spec
+        split = len(spec) - next((i for i, name in enumerate(reversed(spec)) if name is not None), len(spec))
+        return P(*spec[:split]) if shape is not None and tuple(shape[:split]) == param.shape[:split] else P()
 
     return optax.tree_map_params(tx, for_leaf, abstract_opt_state, wanted, abstract_params,
                                  transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
