@@ -87,12 +87,13 @@ def compile_eval_step(eval_step: Callable, abstract_state: Any, state_shardings:
                         replicated)
 
 
-Signature = tuple[tuple[str, tuple[int, ...], str, Any], ...]
+Signature = tuple[tuple[str, tuple[int, ...], Any, Any], ...]
 
 
 def batch_signature(batch: dict) -> Signature:
-    """What decides whether a compiled step accepts a batch: each key's shape, dtype and sharding."""
-    return tuple((key, tuple(value.shape), str(value.dtype), getattr(value, "sharding", None))
+    """What decides whether a compiled step accepts a batch: each key's shape, dtype and sharding. (Taken on
+    every step: the dtype stays an object, as its name would cost more than the rest together.)"""
+    return tuple((key, tuple(value.shape), value.dtype, getattr(value, "sharding", None))
                  for key, value in sorted(batch.items()))
 
 

@@ -125,16 +125,17 @@ def _matching(text: str, open_index: int) -> int:
 
 
 def amp_order_problems(graph: HloGraph, param_outputs: list[int], batch_keys: list[str], *,
-                       skips_nonfinite: bool, clips: bool) -> list[str]:
+                       skips_nonfinite: bool, clips: bool, scales: bool = True) -> list[str]:
     """What, if anything, in the compiled train step breaks the AMP order (empty: the order holds).
 
     `param_outputs` are the indices of the updated parameters in the step's output tuple; the step's
-    phases are found by their `jax.named_scope` (lowering/step.py)."""
+    phases are found by their `jax.named_scope` (lowering/step.py). `scales`: whether the step scales the
+    loss (a dynamic loss scale); without it, there is no scale to apply before the sync or to undo after."""
     outputs = [graph.root.operands[i] for i in param_outputs]
     batch = [p for key in batch_keys for p in graph.parameter(f"batch[{key!r}]")]
     scale = graph.parameter("state.loss_scale.scale")
     reductions = [name for name, i in graph.entry.items() if i.opcode in REDUCTIONS]
-    if not batch or not scale or not outputs:
+    if not batch or (scales and not scale) or not outputs:
         return [f"cannot find the batch {batch_keys}, the loss scale or the parameter outputs in the HLO"]
     if not reductions:
         return ["no cross-replica reduction of the gradients (single device: nothing to order)"]
@@ -152,8 +153,8 @@ def amp_order_problems(graph: HloGraph, param_outputs: list[int], batch_keys: li
             problems.append(f"{what} depends on the batch without passing a cross-replica reduction")
         if gates_update and not set(outputs) <= graph.reachable(nodes):
             problems.append(f"the update does not depend on {what}")
-    if not set(reductions) & graph.reachable(scale):
+    if scales and not set(reductions) & graph.reachable(scale):
         problems.append("the gradients are synchronised before the loss scale is applied")
-    if not set(outputs) <= graph.reachable(scale, blocked=REDUCTIONS):
+    if scales and not set(outputs) <= graph.reachable(scale, blocked=REDUCTIONS):
         problems.append("the update does not unscale the synchronised gradients")
     return problems

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from xlatrain.lowering.residuals import ResidualLayout, buffer_counts, empty_buffers, pack, unpack
 from xlatrain.lowering.split_backward import BackwardSplit, abstract_value, split_pullback
-from xlatrain.lowering.step import all_finite, loss_sums
+from xlatrain.lowering.step import loss_sums
 
 from xlatrain.mesh import STAGE
 from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys, split_blocks
@@ -72,7 +72,7 @@ def stage_link(stages: int, impl: str, timeout_s: float) -> StageLink:
 @dataclass(frozen=True)
 class StagedTrees:
     """Parameter-shaped trees whose blocks are split over the stages (the rest is the same on every
-    stage): a norm or finite check adds the stages' parts. With FSDP the params are also split over `data`:
+    stage): a norm adds the stages' parts. With FSDP the params are also split over `data`:
     `gather` assembles a stage's whole share first."""
 
     link: StageLink
@@ -84,10 +84,6 @@ class StagedTrees:
     def norm(self, tree: dict) -> jax.Array:
         blocks, rest = split_blocks(tree)
         return jnp.sqrt(self.link.sum(optax.tree.norm(blocks, squared=True)) + optax.tree.norm(rest, squared=True))
-
-    def all_finite(self, tree: dict) -> jax.Array:
-        finite_stages = self.link.sum(all_finite(tree).astype(jnp.float32))
-        return finite_stages == self.link.stages
 
 
 KINDS = ("first", "middle", "last")

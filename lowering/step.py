@@ -78,9 +78,11 @@ class WholeTrees:
     param_norm = norm
     """The params are whole too."""
 
-    @staticmethod
-    def all_finite(tree: Tree) -> jax.Array:
-        return all_finite(tree)
+
+def loss_scale(state: TrainState, policy: Policy) -> jax.Array:
+    """The scale the loss is multiplied by: the state's dynamic scale, or a constant 1 when the policy does not
+    scale, which XLA folds away (no scaling and no unscaling pass over the gradients)."""
+    return state.loss_scale.scale if policy.dynamic_scale else jnp.ones((), jnp.float32)
 
 
 def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
@@ -127,7 +129,7 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
 
     def gradient_step(state: TrainState, batch: dict) -> tuple[Tree, Metrics, Tree]:
         step_key = jax.random.fold_in(state.rng, state.step)
-        scale = state.loss_scale.scale
+        scale = loss_scale(state, policy)
         total_weight = replicas.total(jnp.sum(per_position_weights(batch)))
         by_replica = replicas.split(batch)
         keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(replicas.indices())
@@ -154,19 +156,21 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                     ) -> Callable[[TrainState, dict], tuple[TrainState, Metrics]]:
     """`replicas` says where the data replicas live and how their gradients are summed
     (lowering/grad_sync.py): one global program for the partitioner, or a per-device shard_map body.
-    `gradients`: see make_gradient_step. `trees` takes norms and finite checks of trees that may be split
+    `gradients`: see make_gradient_step. `trees` takes norms of trees that may be split
     over devices (WholeTrees, or a pipeline's StagedTrees)."""
     gradient_step = make_gradient_step(model, loss, policy, replicas=replicas, compute_params=compute_params,
                                        gradients=gradients)
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
-        scale = state.loss_scale.scale
+        scale = loss_scale(state, policy)
         grads, sums, model_state = gradient_step(state, batch)
-        # (3) Agree on finiteness, clip by the global norm of the synchronised, unscaled gradients.
-        with jax.named_scope("finite_check"):
-            finite = trees.all_finite(grads) & jnp.isfinite(sums["loss"])
+        # (3) Agree on finiteness, clip by the global norm of the synchronised, unscaled gradients. The norm is
+        # finite exactly when every gradient is (an inf or NaN anywhere carries into it), unless it overflows
+        # float32, and then no update from it is usable either; one pass over the gradients serves both.
         with jax.named_scope("grad_norm"):
             grad_norm = trees.norm(grads)
+        with jax.named_scope("finite_check"):
+            finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums["loss"])
         with jax.named_scope("clip"):
             if clip_norm is not None:
                 grads = clip_to_norm(grads, grad_norm, clip_norm)
@@ -205,10 +209,6 @@ def clip_to_norm(grads: Tree, norm: jax.Array, max_norm: float) -> Tree:
     """optax.clip_by_global_norm with the norm given (it may add parts held on other devices)."""
     keep = norm < max_norm
     return jax.tree.map(lambda g: jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm), grads)
-
-
-def all_finite(tree: Tree) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def make_eval_step(model: ModelDef, loss: str, policy: Policy,

@@ -157,7 +157,8 @@ class Program:
         skips = self.policy.dynamic_scale or self.config.trainer.on_nonfinite == "skip"
         return amp_order_problems(parse_hlo(self.train_step.first.compiled.as_text()), params,
                                   sorted(self.train_batch_shapes()), skips_nonfinite=skips,
-                                  clips=self.config.optimizer.clip_norm is not None)
+                                  clips=self.config.optimizer.clip_norm is not None,
+                                  scales=self.policy.dynamic_scale)
 
     def pipeline_report(self, compiled: Any) -> dict[str, Any]:
         """The pipeline of a compiled train step: schedule, partition, bubble, and the activations a stage
