@@ -234,18 +234,21 @@ def test_zero1_and_fsdp_split_each_stages_state_over_data_and_train_like_replica
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
-def test_adafactor_in_a_pipeline_trains_like_the_unpipelined_model(devices):
+@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
+def test_adafactor_in_a_pipeline_trains_like_the_unpipelined_model(strategy, devices):
     """Adafactor's factored moments and update clipping are per layer (xlatrain/optim.py's `layerwise`), so each
     stage updates its own layers, padding block included, as the unpipelined model does; the factored moments
-    of the blocks are split over the stages. The attention keys' bias is left out of the comparison: its
-    gradient is zero in exact arithmetic, and Adafactor scales that rounding noise up to whole updates (it does
-    not change the loss)."""
-    common = ["model.layers=3", "optimizer.name=adafactor", "optimizer.min_dim_size_to_factor=8",
+    of the blocks are split over the stages. zero1 and fsdp split the blocks over `data` by whole layers (stage 2
+    x data 4, 4 blocks per chunk) and leave the rest whole. The attention keys' bias is left out of the
+    comparison: its gradient is zero in exact arithmetic, and Adafactor scales that rounding noise up to whole
+    updates (it does not change the loss)."""
+    common = ["model.layers=7", "optimizer.name=adafactor", "optimizer.min_dim_size_to_factor=8",
               "optimizer.lr=0.01", "optimizer.schedule=constant", "optimizer.weight_decay=0.1"]
     results = {}
     for name, overrides, on in [("plain", ["parallel.mode=jit", "mesh.data=1"], devices[:1]),
-                                ("pipelined", ["mesh.stage=2", "parallel.pipeline.partition=[2,1]",
-                                               "parallel.pipeline.remat=none"], devices)]:
+                                ("pipelined", ["mesh.stage=2", "parallel.pipeline.partition=[4,3]",
+                                               "parallel.pipeline.remat=none", f"parallel.strategy={strategy}"],
+                                 devices)]:
         program = program_for([*common, *overrides], on)
         state, batch, losses = program.create_state(), token_batch(program), []
         for _ in range(4):
@@ -253,8 +256,10 @@ def test_adafactor_in_a_pipeline_trains_like_the_unpipelined_model(devices):
             losses.append(float(metrics["loss"]))
         params = jax.device_get(state.params)
         results[name] = losses, program.pipeline.layout.layer_params(params) if program.pipeline else params
-    moments = program.specs.opt_state[0][0].v_row
-    assert moments["blocks"]["qkv"]["kernel"] == P(None, "stage") and moments["head"]["kernel"] == P()
+    moments, blocks_split = program.specs.opt_state[0][0].v_row, P(None, "stage", "data")
+    assert moments["blocks"]["qkv"]["kernel"] == (P(None, "stage") if strategy == "replicated" else blocks_split)
+    assert moments["head"]["kernel"] == P() and program.specs.params["head"]["kernel"] == P()
+    assert (program.specs.params["blocks"]["qkv"]["kernel"] == blocks_split) == (strategy == "fsdp")
     assert results["plain"][0][-1] < results["plain"][0][0] - 1.0
     np.testing.assert_allclose(results["pipelined"][0], results["plain"][0], rtol=5e-5)
     errors = relative_errors(results["plain"][1], results["pipelined"][1])
@@ -491,8 +496,6 @@ ERRORS = {
                               "mesh.stage=3 needs a multiple of 3 devices but 8 cpu device(s)"),
     "mesh-too-small": (["mesh.stage=2", "mesh.data=2"], "mesh.data=2 x mesh.stage=2 needs 4 devices but 8"),
     "jit-mode": (["mesh.stage=2", "parallel.mode=jit"], "use parallel.mode=auto or shard_map"),
-    "adafactor-zero1": (["mesh.stage=2", "optimizer.name=adafactor", "parallel.strategy=zero1"],
-                        "needs an elementwise optimizer (adamw, sgd, lion), not adafactor"),
     "pipeline-without-stages": (["parallel.pipeline.schedule=gpipe"], "is set but mesh.stage=1"),
     "budget-without-auto": (["mesh.stage=2", "parallel.pipeline.memory_budget_bytes=1000000"],
                             "memory_budget_bytes is read by remat=auto only, and remat=full is fixed"),

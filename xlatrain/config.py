@@ -542,11 +542,6 @@ class Config(Strict):
             raise ValueError(f"mesh.stage={stages} runs a pipeline, a per-device program whose stages pass "
                              f"activations to each other: use parallel.mode=auto or shard_map, not "
                              f"{self.parallel.mode}")
-        if self.optimizer.name == "adafactor" and self.parallel.strategy != "replicated":
-            raise ValueError(f"parallel.strategy={self.parallel.strategy} inside a pipeline splits each parameter's "
-                             "optimizer state over data and updates each part on its own, which needs an elementwise "
-                             "optimizer (adamw, sgd, lion), not adafactor (its factored moments and update clipping "
-                             "read a whole weight matrix); use parallel.strategy=replicated")
         v, m = pipe.chunks_per_stage(), pipe.microbatches_for(stages)
         if pipe.schedule == "zbv" and v != 2:
             raise ValueError(f"parallel.pipeline.schedule=zbv places exactly 2 chunks per stage in a V: set "

@@ -40,6 +40,7 @@ from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, re
 from xlatrain.models import build_model
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.optim import build_optimizer, learning_rate_schedule
+from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
 from xlatrain.pipeline.remat import RematChoice, choose_remat, configured
 from xlatrain.precision import Policy, resolve_policy
@@ -230,7 +231,8 @@ class Program:
         """Per param, the dimension its optimizer state (and with FSDP the param) is split along over `data`
         (None: not split)."""
         if self.pipeline is not None:
-            specs = self.pipeline.layout.split_specs(self.abstract_state.params, self.derived.data_parallel)
+            specs = pipeline_split(self.config, self.pipeline.layout, self.derived.data_parallel)(
+                self.abstract_state.params)
         else:
             specs = param_specs(self.abstract_state.params, self.model.logical_axes, True,
                                 self.model.rules(self.config.parallel.logical_rules), self.mesh)
@@ -325,7 +327,7 @@ def build_program(config: Config, devices: list | None = None,
     init = make_init(model, tx, config.seed, policy, arrange=pipeline.layout.stage_params if pipeline else None)
     rules = model.rules(config.parallel.logical_rules)
     strategy = config.parallel.strategy
-    split = partial(pipeline.layout.split_specs, data=derived.data_parallel) if pipeline else None
+    split = pipeline_split(config, pipeline.layout, derived.data_parallel) if pipeline else None
     abstract, specs = state_specs(init, model, tx, strategy, rules, mesh,
                                   fixed_param_specs=(split if strategy == "fsdp" else pipeline.layout.param_specs)
                                   if pipeline else None,
@@ -333,6 +335,12 @@ def build_program(config: Config, devices: list | None = None,
     check_state_fits(with_shardings(abstract, specs, mesh), mesh)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
                    CompileBook(config.trainer.compile_budget), pipeline, compile_cache)
+
+
+def pipeline_split(config: Config, layout: StageLayout, data: int) -> Callable[[Any], Any]:
+    """How a pipeline's zero1 and fsdp split each leaf over `data` (StageLayout.split_specs): by whole layers
+    for adafactor, whose update reads each layer's whole matrices."""
+    return partial(layout.split_specs, data=data, whole_layers=config.optimizer.name == "adafactor")
 
 
 def _model_flops(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy) -> float | None:

@@ -92,19 +92,23 @@ class StageLayout:
         specs = jax.tree.map(lambda _: P(), abstract_params)
         return {**specs, BLOCKS: jax.tree.map(lambda _: P(None, STAGE), abstract_params[BLOCKS])}
 
-    def split_specs(self, abstract_params: dict, data: int) -> dict:
+    def split_specs(self, abstract_params: dict, data: int, whole_layers: bool = False) -> dict:
         """`param_specs`, each leaf also split over `data` along its first dimension that `data` divides (past
         the blocks' [virtual stages, stages]): how ZeRO-1 stores the optimizer state, and FSDP the params too.
-        A leaf that no dimension fits stays whole."""
+        A leaf that no dimension fits stays whole. `whole_layers`: split the blocks along their layer axis
+        (`width`) only and keep the rest whole, so that each layer's matrices stay whole on one replica (what
+        an optimizer that reads a whole matrix, adafactor, needs)."""
 
-        def split(spec: P, leaf: jax.ShapeDtypeStruct) -> P:
-            for dim in range(len(spec), leaf.ndim):
+        def split(path: tuple, spec: P, leaf: jax.ShapeDtypeStruct) -> P:
+            block = getattr(path[0], "key", None) == BLOCKS
+            dims = (range(2, 3) if block else range(0)) if whole_layers else range(len(spec), leaf.ndim)
+            for dim in dims:
                 if leaf.shape[dim] % data == 0:
                     return P(*spec, *([None] * (dim - len(spec))), DATA)
             return spec
 
-        return jax.tree.map(split, self.param_specs(abstract_params), abstract_params,
-                            is_leaf=lambda x: isinstance(x, P))
+        return jax.tree_util.tree_map_with_path(split, self.param_specs(abstract_params), abstract_params,
+                                                is_leaf=lambda x: isinstance(x, P))
 
     def real_size(self, abstract_params: dict) -> int:
         """Parameters of the model, not counting the padding blocks."""
