@@ -357,12 +357,13 @@ def test_a_pipeline_with_custom_collectives_whose_stages_span_two_processes_equa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
+@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
 def test_a_pipeline_whose_stages_span_two_processes_equals_one_process_and_resumes_on_fewer_replicas(
         tmp_path, devices, strategy):
     """2 processes x 4 devices with one pipeline stage per process (data 4 x stage 2), then resumed on one process
     with 4 devices (data 2 x stage 2): the losses are those of one process with 8 devices, uninterrupted. With
-    fsdp each stage's params and optimizer state are split over `data` and resharded from 4 to 2 on resume."""
+    zero1 each stage's optimizer state, with fsdp also its params, are split over `data` and resharded from 4 to 2
+    on resume."""
     run_dir, extra = tmp_path / "pipelined", [f"parallel.strategy={strategy}"]
     train_leg(run_dir, 4, 2, 4, extra, base=PIPELINED_GPT)
     train_leg(run_dir, 8, 1, 4, extra, base=PIPELINED_GPT)
