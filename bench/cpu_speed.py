@@ -7,18 +7,27 @@ and the effect of each XLA:CPU compiler option tried (lowering/xla_options.py), 
 Shapes: the built-in default GPT (4 blocks, width 128, 4 heads, sequences of 64, batch 16) and a 4-block
 width-256 GPT on sequences of 128 (batch 16). The PyTorch side is examples/torch_model/tiny_gpt.py, the same
 architecture with the same parameter count. Target: xlatrain / PyTorch eager <= 1.0 on both.
+
+xlatrain runs scanned, unrolled, and unrolled data-parallel over two XLA:CPU devices (the host split in two, one
+device per core, half the batch each): XLA:CPU runs one device's program mostly on one thread, PyTorch's kernels
+use both cores.
 """
 
 from __future__ import annotations
 
-import jax
-import torch
-from xlatrain.lowering.xla_options import CPU_OPTIONS_TRIED, compiler_options
+import os
 
-from bench.common import interleaved_medians, train_runner, write_results
-from bench.torch_bridge import eager_runner
-from xlatrain.config import load_config
-from xlatrain.program import build_program
+# Two XLA:CPU devices, one per core, for the data-parallel candidate; the others run on the first alone.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"])
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+from xlatrain.lowering.xla_options import CPU_OPTIONS_TRIED, compiler_options  # noqa: E402
+
+from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
+from bench.torch_bridge import eager_runner  # noqa: E402
+from xlatrain.config import load_config  # noqa: E402
+from xlatrain.program import build_program  # noqa: E402
 
 SHAPES = {
     "default GPT (4 x 128, seq 64)": {"width": 128, "seq_len": 64},
@@ -39,6 +48,9 @@ def programs(width: int, seq_len: int) -> dict:
         "torch": build_program(load_config("examples/configs/torch_gpt.yaml", torch_gpt), jax.devices()[:1]),
         "scanned": build_program(load_config(None, [*gpt, "model.scan_layers=true"]), jax.devices()[:1]),
         "unrolled": build_program(load_config(None, [*gpt, "model.scan_layers=false"]), jax.devices()[:1]),
+        # the same step data-parallel over two XLA:CPU devices (half the batch each): one thread per device
+        "unrolled_2_devices": build_program(load_config(None, [*gpt, "model.scan_layers=false", "mesh.data=2"]),
+                                            jax.devices()[:2]),
     }
     assert len({p.param_count for p in built.values()}) == 1, {k: p.param_count for k, p in built.items()}
     return built
@@ -48,7 +60,8 @@ def against_pytorch(width: int, seq_len: int) -> dict:
     built = programs(width, seq_len)
     medians = interleaved_medians({"pytorch_eager": eager_runner(built["torch"]),
                                    "xlatrain_scanned": train_runner(built["scanned"]),
-                                   "xlatrain_unrolled": train_runner(built["unrolled"])},
+                                   "xlatrain_unrolled": train_runner(built["unrolled"]),
+                                   "xlatrain_unrolled_2_devices": train_runner(built["unrolled_2_devices"])},
                                   rounds=10, steps_per_round=10, warmup=5)
     eager = medians["pytorch_eager"]
     return {"median_step_seconds": medians, "over_pytorch_eager": {k: v / eager for k, v in medians.items()},
