@@ -13,6 +13,7 @@ import pytest
 from conftest import DIGITS_MLP, REPO, run_cli
 
 from xlatrain.metrics import read_metrics
+from xlatrain.stop import StoppedBeforeFirstStep, StopSignals
 
 STEPS = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=5"]
 
@@ -90,6 +91,22 @@ def _wait_for_line(process, text, timeout=120):
             return
         assert line or process.poll() is None, process.stderr.read()
     raise AssertionError(f"no line with {text!r} within {timeout}s")
+
+
+def test_a_start_up_signal_whose_exception_was_dropped_still_stops_before_the_loop():
+    """Python may run the handler inside a `__del__` or a callback from C++, which print and drop the exception;
+    start-up then goes on, and entering the loop must stop it."""
+    stop = StopSignals()
+
+    class Collected:
+        def __del__(self):
+            stop._handle(signal.SIGTERM, None)
+
+    Collected()  # the handler raises inside __del__; Python prints "Exception ignored" and carries on
+    assert stop.requested
+    with pytest.raises(StoppedBeforeFirstStep, match="SIGTERM"):
+        stop.begin_loop()
+    assert not stop.in_loop
 
 
 def test_sigterm_during_start_up_exits_zero_with_one_line(tmp_path):

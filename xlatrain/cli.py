@@ -220,6 +220,7 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     report = step_report(step.lowered, step.compiled, program.param_count)
     report["model_flops"] = program.derived.model_flops_per_step
     report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None
+    report["loss_scaled"] = program.policy.dynamic_scale
     if program.pipeline is not None:
         report["pipeline"] = program.pipeline_report(step.compiled)
     if args.dump:
@@ -351,13 +352,14 @@ def _format_report(report: dict, devices: int) -> str:
                       else "each chunk's backward recomputes its forward") + f"; {p['remat_reason']}",
                   "  FLOPs            of one time slot: XLA counts the body of the slot loop once"]
     order = report["amp_order"]
+    scaled = ("scaled gradients", "unscale, ") if report["loss_scaled"] else ("gradients (no loss scale)", "")
     if order is None:
         lines.append("AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)")
     elif order == ["no cross-replica reduction of the gradients (single device: nothing to order)"]:
-        lines.append("AMP order          single device: scale -> unscale, finite check, clip -> update")
+        lines.append(f"AMP order          single device: {scaled[0]} -> {scaled[1]}finite check, clip -> update")
     else:
-        lines.append("AMP order          " + ("holds in the optimised HLO: scaled gradients -> all-reduce -> "
-                                              "unscale, finite check, clip -> update" if not order
+        lines.append("AMP order          " + (f"holds in the optimised HLO: {scaled[0]} -> all-reduce -> "
+                                              f"{scaled[1]}finite check, clip -> update" if not order
                                               else "VIOLATED: " + "; ".join(order)))
     return "\n".join(lines)
 

@@ -4,7 +4,7 @@ The trace opens in TensorBoard's profile plugin (`tensorboard --logdir RUN_DIR/p
 Perfetto (`perfetto_trace.json.gz`); processes other than 0 write theirs into RUN_DIR/profile/process-<i>.
 The step's phases carry `jax.named_scope` names (lowering/step.py, lowering/pipeline_step.py), so the device
 ops read as the forward (`jvp(forward)`, as jax names it under differentiation), the backward
-(`transpose(jvp(forward))`), sync, unscale, finite_check, grad_norm, clip, update, and a pipeline's slots
+(`transpose(jvp(forward))`), sync, unscale (fp16), grad_norm, finite_check, clip, update, and a pipeline's slots
 (`pipeline_slot`, then the slot's action: `forward_first`, `backward`, ...).
 """
 

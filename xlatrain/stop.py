@@ -42,7 +42,12 @@ class StopSignals:
         return bool(self.received)
 
     def begin_loop(self) -> None:
-        """From now on a signal only sets the flag that the loop checks at each boundary."""
+        """From now on a signal only sets the flag that the loop checks at each boundary. A signal that came
+        during start-up ends it here if its exception was lost: Python runs a handler at whatever bytecode the
+        main thread is at, which may be a `__del__` or a callback from C++, where an exception is printed and
+        dropped."""
+        if self.received:
+            raise StoppedBeforeFirstStep(signal.Signals(self.received[0]).name)
         self.in_loop = True
 
     def _handle(self, signum: int, _frame) -> None:
