@@ -93,6 +93,7 @@ def _wait_for_line(process, text, timeout=120):
     raise AssertionError(f"no line with {text!r} within {timeout}s")
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped exception, as meant
 def test_a_start_up_signal_whose_exception_was_dropped_still_stops_before_the_loop():
     """Python may run the handler inside a `__del__` or a callback from C++, which print and drop the exception;
     start-up then goes on, and entering the loop must stop it."""
