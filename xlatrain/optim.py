@@ -13,7 +13,7 @@ import jax
 import optax
 
 from xlatrain.config import AdafactorConfig, AdamWConfig, Derived, LionConfig, OptimizerConfig, SGDConfig
-from xlatrain.models.blocks import BLOCKS
+from xlatrain.models.blocks import in_blocks
 
 
 def learning_rate_schedule(config: OptimizerConfig, derived: Derived, total_steps: int) -> optax.Schedule:
@@ -36,7 +36,7 @@ def stacked_axes(params, block_axes: int):
     """Per leaf, how many leading axes stack layers: `block_axes` under "blocks" (a BlockStack's stacked
     layers), 0 elsewhere."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: block_axes if path and getattr(path[0], "key", None) == BLOCKS else 0, params)
+        lambda path, _: block_axes if in_blocks(path) else 0, params)
 
 
 def decay_mask(params, block_axes: int = 0):

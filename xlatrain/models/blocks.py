@@ -44,6 +44,11 @@ class BlockStack(nnx.Module):
         return self.after_blocks(x)
 
 
+def in_blocks(path: tuple) -> bool:
+    """Whether a params leaf at `path` (jax's key path) is one of a BlockStack's stacked layers."""
+    return bool(path) and getattr(path[0], "key", None) == BLOCKS
+
+
 def split_blocks(params: dict) -> tuple[Any, dict]:
     """(the stacked blocks' params, everything else) of a BlockStack's params dict."""
     return params[BLOCKS], {k: v for k, v in params.items() if k != BLOCKS}

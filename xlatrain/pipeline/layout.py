@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from xlatrain.mesh import DATA, STAGE
-from xlatrain.models.blocks import BLOCKS, split_blocks
+from xlatrain.models.blocks import BLOCKS, in_blocks, split_blocks
 from xlatrain.pipeline.schedule import Placement, chunk_at, stage_of
 
 
@@ -99,10 +99,13 @@ class StageLayout:
         (`width`) only and keep the rest whole, so that each layer's matrices stay whole on one replica (what
         an optimizer that reads a whole matrix, adafactor, needs)."""
 
+        def candidates(path: tuple, spec: P, leaf: jax.ShapeDtypeStruct) -> range:
+            if not whole_layers:
+                return range(len(spec), leaf.ndim)
+            return range(2, 3) if in_blocks(path) else range(0)  # the blocks' `width` axis, or nothing
+
         def split(path: tuple, spec: P, leaf: jax.ShapeDtypeStruct) -> P:
-            block = getattr(path[0], "key", None) == BLOCKS
-            dims = (range(2, 3) if block else range(0)) if whole_layers else range(len(spec), leaf.ndim)
-            for dim in dims:
+            for dim in candidates(path, spec, leaf):
                 if leaf.shape[dim] % data == 0:
                     return P(*spec, *([None] * (dim - len(spec))), DATA)
             return spec
