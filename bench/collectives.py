@@ -48,9 +48,11 @@ def measure(mesh, op: str, dtype: str, size: int) -> dict:
     per_device = size // jnp.dtype(dtype).itemsize // (n if op == "all_gather" else 1)
     x = jax.device_put(jnp.ones((n * per_device,), dtype), NamedSharding(mesh, P(AXIS)))
     mine, xla = OPS[op]
-    rounds, steps = (10, 10) if size <= 2**20 else (6, 3)
+    # Fresh output buffers page-fault for a while after start (the allocator's arenas grow), so the large sizes
+    # get more warm-up and enough samples for a stable median.
+    rounds, steps = (10, 10) if size <= 2**20 else (12, 5) if size <= 2**24 else (8, 3)
     seconds = interleaved_medians({"xlatrain": runner(mesh, mine, x), "xla": runner(mesh, xla, x)},
-                                  rounds=rounds, steps_per_round=steps, warmup=2)
+                                  rounds=rounds, steps_per_round=steps, warmup=5)
     row = {"op": op, "dtype": dtype, "bytes": size}
     for name, secs in seconds.items():
         algbw = size / secs / 1e9
