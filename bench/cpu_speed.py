@@ -11,11 +11,18 @@ architecture with the same parameter count. Target: xlatrain / PyTorch eager <= 
 xlatrain runs scanned, unrolled, and unrolled data-parallel over two XLA:CPU devices (the host split in two, one
 device per core, half the batch each): XLA:CPU runs one device's program mostly on one thread, PyTorch's kernels
 use both cores.
+
+The process keeps freed host memory as the `xlatrain` command does (xlatrain/host_memory.py), for both sides;
+`XLATRAIN_HOST_MEMORY=release` in front of the command measures with the system allocator's defaults instead.
 """
 
 from __future__ import annotations
 
 import os
+
+from xlatrain.host_memory import keep_freed_host_memory
+
+HOST_MEMORY = keep_freed_host_memory()  # before JAX or torch start a thread
 
 # Two XLA:CPU devices, one per core, for the data-parallel candidate; the others run on the first alone.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"])
@@ -81,6 +88,7 @@ def option_effects(width: int, seq_len: int) -> dict:
 
 
 def main() -> None:
+    print(f"host memory: {HOST_MEMORY}")
     results = {}
     for label, shape in SHAPES.items():
         results[label] = against_pytorch(**shape)
@@ -92,6 +100,7 @@ def main() -> None:
         print(f"option {name:60s} {ratio:.3f}x the defaults' step time")
     path = write_results("cpu_speed", "PYTHONPATH=examples/torch_model python3 -m bench.cpu_speed",
                          {"target": "xlatrain / PyTorch eager <= 1.0", "torch_threads": torch.get_num_threads(),
+                          "host_memory": HOST_MEMORY,
                           "shapes": results, "xla_cpu_options_alone_over_defaults": effects})
     print(f"wrote {path}")
 

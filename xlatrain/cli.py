@@ -33,6 +33,14 @@ PIPELINE_EXAMPLES = """examples (8 CPU devices: export XLA_FLAGS=--xla_force_hos
 """
 
 
+def run() -> int:
+    """The `xlatrain` command: host memory is set up before anything starts a thread, then main()."""
+    from xlatrain.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -202,11 +210,13 @@ def _config(config_path: str | None, overrides: list[str], _args: argparse.Names
     import jax
     import yaml
 
+    from xlatrain import host_memory
     from xlatrain.config import config_to_yaml, derive, load_config
 
     config = load_config(config_path, overrides)
     derived = derive(config, jax.devices())
     print(config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False), end="")
+    print(f"# host memory: {host_memory.applied or 'as the system allocates (set by the xlatrain command only)'}")
     return 0
 
 
@@ -365,4 +375,4 @@ def _format_report(report: dict, devices: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

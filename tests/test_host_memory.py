@@ -1,0 +1,72 @@
+"""Freed host memory is kept for reuse (xlatrain/host_memory.py): a program whose temporary buffer is larger than
+a glibc arena heap stops page-faulting it in on every run. Each case needs a fresh process, whose allocator
+nothing has touched yet."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, run_cli
+
+from xlatrain.host_memory import allocator_chosen_by_environment
+
+needs_glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's mallopt")
+
+# A dot whose [196608, 128] float32 result (96 MiB) is a temporary, transposed and reduced: each run allocates and
+# frees the temporary, as a train step does its activations.
+RUNS_OF_A_LARGE_TEMPORARY = """
+import resource, sys
+from xlatrain.host_memory import keep_freed_host_memory
+print(keep_freed_host_memory())
+import jax, jax.numpy as jnp
+a, w = jnp.ones((196608, 128), jnp.float32), jnp.ones((128, 128), jnp.float32)
+step = jax.jit(lambda a, w: (a @ w).T.max(axis=1)).lower(a, w).compile()
+print(step.memory_analysis().temp_size_in_bytes)
+for _ in range(12):  # the heap grows a few times first: a run's temporary can be freed after the next one starts
+    step(a, w).block_until_ready()
+faults = []
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step(a, w).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sorted(faults)[5])  # the median run: the heap may still grow once in a while
+"""
+
+
+def page_faults_per_run(env: dict) -> tuple[str, float]:
+    result = subprocess.run([sys.executable, "-c", RUNS_OF_A_LARGE_TEMPORARY], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    status, temp_bytes, faults = result.stdout.split("\n")[:3]
+    assert int(temp_bytes) > 64 * 2**20, "the temporary must be larger than a glibc arena heap to test anything"
+    return status, float(faults)
+
+
+@needs_glibc
+def test_a_large_temporary_is_reused_instead_of_page_faulted_in_on_every_run():
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    status, kept = page_faults_per_run(environ)
+    assert status.startswith("freed memory kept for reuse")
+    assert kept < 500, kept
+    status, released = page_faults_per_run({**environ, "XLATRAIN_HOST_MEMORY": "release"})
+    assert status == "left to the environment (XLATRAIN_HOST_MEMORY)"
+    assert released > 20_000, released  # 96 MiB of fresh 4 KiB pages in every run
+
+
+def test_an_allocator_the_environment_chose_is_left_alone():
+    assert allocator_chosen_by_environment({"PATH": "/usr/bin"}) is None
+    assert allocator_chosen_by_environment({"MALLOC_ARENA_MAX": "4"}) == "MALLOC_ARENA_MAX"
+    assert allocator_chosen_by_environment({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == "LD_PRELOAD"
+    assert allocator_chosen_by_environment({"LD_PRELOAD": "/opt/libprofiler.so"}) is None
+    assert allocator_chosen_by_environment({"XLATRAIN_HOST_MEMORY": "release"}) == "XLATRAIN_HOST_MEMORY"
+    assert allocator_chosen_by_environment({"XLATRAIN_HOST_MEMORY": "keep"}) is None
+
+
+@needs_glibc
+def test_the_xlatrain_command_keeps_freed_memory_and_says_so():
+    assert run_cli("config").stdout.splitlines()[-1] == (
+        "# host memory: freed memory kept for reuse (glibc: one heap, no mmap)")
+    released = run_cli("config", env={"XLATRAIN_HOST_MEMORY": "release"})
+    assert released.stdout.splitlines()[-1] == "# host memory: left to the environment (XLATRAIN_HOST_MEMORY)"
