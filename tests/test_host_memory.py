@@ -10,6 +10,7 @@ import sys
 import pytest
 from conftest import REPO, run_cli
 
+from xlatrain.errors import UserError
 from xlatrain.host_memory import allocator_chosen_by_environment
 
 needs_glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's mallopt")
@@ -62,6 +63,8 @@ def test_an_allocator_the_environment_chose_is_left_alone():
     assert allocator_chosen_by_environment({"LD_PRELOAD": "/opt/libprofiler.so"}) is None
     assert allocator_chosen_by_environment({"XLATRAIN_HOST_MEMORY": "release"}) == "XLATRAIN_HOST_MEMORY"
     assert allocator_chosen_by_environment({"XLATRAIN_HOST_MEMORY": "keep"}) is None
+    with pytest.raises(UserError, match="XLATRAIN_HOST_MEMORY='relase': use keep .* or release"):
+        allocator_chosen_by_environment({"XLATRAIN_HOST_MEMORY": "relase"})
 
 
 @needs_glibc
@@ -70,3 +73,7 @@ def test_the_xlatrain_command_keeps_freed_memory_and_says_so():
         "# host memory: freed memory kept for reuse (glibc: one heap, no mmap)")
     released = run_cli("config", env={"XLATRAIN_HOST_MEMORY": "release"})
     assert released.stdout.splitlines()[-1] == "# host memory: left to the environment (XLATRAIN_HOST_MEMORY)"
+    misspelt = run_cli("config", env={"XLATRAIN_HOST_MEMORY": "no"})
+    assert misspelt.returncode == 2 and misspelt.stderr.splitlines() == [
+        "xlatrain: error: XLATRAIN_HOST_MEMORY='no': use keep (the default: freed host memory is kept for reuse) or "
+        "release (the system allocator's defaults)"]

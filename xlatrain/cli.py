@@ -37,7 +37,11 @@ def run() -> int:
     """The `xlatrain` command: host memory is set up before anything starts a thread, then main()."""
     from xlatrain.host_memory import keep_freed_host_memory
 
-    keep_freed_host_memory()
+    try:
+        keep_freed_host_memory()
+    except UserError as err:
+        print(f"xlatrain: error: {err}", file=sys.stderr)
+        return err.exit_code
     return main()
 
 

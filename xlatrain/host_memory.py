@@ -19,6 +19,8 @@ import ctypes
 import os
 import platform
 
+from xlatrain.errors import UserError
+
 # mallopt's parameter numbers (glibc malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -40,7 +42,11 @@ applied: str | None = None
 
 def allocator_chosen_by_environment(environ: dict[str, str]) -> str | None:
     """The environment variable that already decides how memory is allocated, if any."""
-    if environ.get(OPT_OUT, "").lower() == "release":
+    choice = environ.get(OPT_OUT, "keep")
+    if choice not in ("keep", "release"):
+        raise UserError(f"{OPT_OUT}={choice!r}: use keep (the default: freed host memory is kept for reuse) or "
+                        "release (the system allocator's defaults)")
+    if choice == "release":
         return OPT_OUT
     for name in sorted(environ):
         if name.startswith("MALLOC_") or (name == "LD_PRELOAD" and "alloc" in environ[name]):
@@ -60,8 +66,8 @@ def _apply(environ: dict[str, str]) -> str:
     if chosen is not None:
         return f"left to the environment ({chosen})"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return "the system's (not glibc)"
+        return "as the system allocates (not glibc)"
     mallopt = ctypes.CDLL(None).mallopt
     if not all(mallopt(param, value) == 1 for param, value in SETTINGS.items()):
-        return "the system's (glibc refused mallopt)"
+        return "as the system allocates (glibc refused mallopt)"
     return "freed memory kept for reuse (glibc: one heap, no mmap)"
