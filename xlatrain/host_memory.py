@@ -65,7 +65,7 @@ def _apply(environ: dict[str, str]) -> str:
     chosen = allocator_chosen_by_environment(environ)
     if chosen is not None:
         return f"left to the environment ({chosen})"
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc":
         return "as the system allocates (not glibc)"
     mallopt = ctypes.CDLL(None).mallopt
     if not all(mallopt(param, value) == 1 for param, value in SETTINGS.items()):
