@@ -15,9 +15,11 @@ times on fake CPU devices.
 2. Measurement. The compiled train step on 8 CPU devices, for each schedule (data 2 x stage 4, and data
    4 x stage 2), against plain data parallel over the same 8 devices, interleaved A/B rounds, medians.
    Fake CPU devices share this machine's cores, so these times show the pipeline's *overheads*
-   (with remat: full the recomputed forwards; per-slot switch and ppermute, idle branches), never a
+   (with remat: full the recomputed forwards; per-slot actions and ppermutes, smaller matmuls), never a
    speedup. Each pipelined case runs with remat: full and remat: none, and reports XLA's FLOPs of the
-   step against the unpipelined model's (lowering/pipeline_work.py).
+   step against the unpipelined model's (lowering/pipeline_work.py). The GPT is of width 128; the same three
+   cases (data parallel, 1f1b p=4 m=8 with remat full and none) also run at width 64, where a pipeline
+   microbatch (2 rows of 64 tokens) is so small that XLA:CPU's cost per kernel shows.
 
     python3 -m bench.pipeline                  # writes bench/results/pipeline.json
 """
@@ -25,6 +27,10 @@ times on fake CPU devices.
 from __future__ import annotations
 
 import os
+
+from xlatrain.host_memory import keep_freed_host_memory
+
+HOST_MEMORY = keep_freed_host_memory()  # as the xlatrain command runs; before JAX starts a thread
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
 
@@ -37,8 +43,9 @@ from xlatrain.pipeline.schedule import build, lockstep_time, simulate  # noqa: E
 from xlatrain.program import build_program  # noqa: E402
 
 LAYERS = 8
-GPT = [f"model.layers={LAYERS}", "model.width=64", "model.heads=4", "data.seq_len=64", "data.max_bytes=400000",
-       "batch.global_size=32", "trainer.progress=false"]
+SMALL_GPT = [f"model.layers={LAYERS}", "model.width=64", "model.heads=4", "data.seq_len=64",
+             "data.max_bytes=400000", "batch.global_size=32", "trainer.progress=false"]
+GPT = [*SMALL_GPT, "model.width=128"]
 BATCH_ROWS = 64
 SPLIT = ("zb1p", "zbv")
 """The schedules whose backward runs as B and W (remat: none only)."""
@@ -88,15 +95,24 @@ def simulated_cases() -> list[dict]:
     return cases
 
 
-def measured_cases() -> tuple[dict[str, float], dict[str, float]]:
-    """(median seconds per step, XLA FLOPs of the pipelined step / the unpipelined model's) per case."""
+SMALL_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat full",
+                                                    "1f1b p=4 m=8 (x2 data) remat none")}
+
+
+def measured_cases(model: list[str], cases: dict[str, list[str]]) -> dict[str, dict]:
+    """Per case: median seconds per step, its ratio to data parallel's and, for a pipeline, XLA's FLOPs of the
+    pipelined step / the unpipelined model's."""
     runners, work = {}, {}
-    for name, overrides in MEASURED.items():
-        program = build_program(load_config(None, [*GPT, "parallel.mode=shard_map", *overrides]))
+    for name, overrides in cases.items():
+        program = build_program(load_config(None, [*model, "parallel.mode=shard_map", *overrides]))
         runners[name] = train_runner(program)
         if program.pipeline is not None:
             work[name] = program.pipeline.count_work(program.remat.remat).ratio
-    return interleaved_medians(runners, rounds=4, steps_per_round=5, warmup=2), work
+    medians = interleaved_medians(runners, rounds=4, steps_per_round=5, warmup=2)
+    reference = medians["data parallel 8"]
+    return {name: {"median_seconds_per_step": seconds, "ratio_to_data_parallel": seconds / reference,
+                   **({"xla_flops_ratio_to_unpipelined": work[name]} if name in work else {})}
+            for name, seconds in medians.items()}
 
 
 def main() -> None:
@@ -108,22 +124,22 @@ def main() -> None:
               f"bubble {c['simulated_bubble']:.1%} (theory {c['theoretical_bubble']:.1%}), "
               f"efficiency {c['efficiency']:.2f} (lockstep {c['lockstep_efficiency']:.2f}), "
               f"partition {c['partition']}")
-    medians, work = measured_cases()
-    reference = medians["data parallel 8"]
-    measured = {name: {"median_seconds_per_step": seconds, "ratio_to_data_parallel": seconds / reference,
-                       **({"xla_flops_ratio_to_unpipelined": work[name]} if name in work else {})}
-                for name, seconds in medians.items()}
-    for name, values in measured.items():
-        flops = f", XLA FLOPs x{work[name]:.2f} of the unpipelined model's" if name in work else ""
-        print(f"measured {name:<45} {values['median_seconds_per_step'] * 1e3:8.1f} ms/step  "
-              f"x{values['ratio_to_data_parallel']:.2f} of data parallel{flops}")
+    print(f"host memory: {HOST_MEMORY}")
+    measured = {"width 64": measured_cases(SMALL_GPT, SMALL_MEASURED), "width 128": measured_cases(GPT, MEASURED)}
+    for model, group in measured.items():
+        for name, values in group.items():
+            flops = (f", XLA FLOPs x{values['xla_flops_ratio_to_unpipelined']:.2f} of the unpipelined model's"
+                     if "xla_flops_ratio_to_unpipelined" in values else "")
+            print(f"measured {model}: {name:<40} {values['median_seconds_per_step'] * 1e3:8.1f} ms/step  "
+                  f"x{values['ratio_to_data_parallel']:.2f} of data parallel{flops}")
     path = write_results("pipeline", "python3 -m bench.pipeline", {
-        "model": f"GPT {LAYERS} layers, width 64, seq 64, global batch 32, fp32, adamw",
-        "simulated": cases, "measured_on_fake_cpu_devices": measured,
+        "model": f"GPT {LAYERS} layers, width 128 (measured also at width 64), 4 heads, seq 64, global batch 32, "
+                 "fp32, adamw",
+        "simulated": cases, "measured_on_fake_cpu_devices": measured, "host_memory": HOST_MEMORY,
         "note": "Simulated: XLA FLOPs per chunk replayed through each schedule's table (fixed global batch). "
                 "Measured: 8 fake CPU devices on 2 shared cores, where a step's time is the total work; the "
-                "ratios show pipeline overheads (remat full: recomputed forwards; per-slot switch and ppermute, "
-                "idle branches), not speedups."})
+                "ratios show pipeline overheads (remat full: recomputed forwards; per-slot actions and ppermutes, "
+                "smaller matmuls), not speedups."})
     print(f"wrote {path}")
 
 

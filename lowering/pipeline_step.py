@@ -1,17 +1,18 @@
 """One data replica's gradients through a pipeline: a schedule's time slots as one SPMD program.
 
 Runs inside `shard_map` over (data, stage). Every stage steps through the slot program
-(xlatrain/pipeline/slots.py) with `lax.scan`; in each slot it runs its own action (`lax.switch` on its row
-of the table: idle, a chunk's forward, or a chunk's backward), then all stages pass their output activation
+(xlatrain/pipeline/slots.py) with `lax.scan`; in each slot it runs its own action (the table's row says which:
+a chunk's forward, a chunk's backward, or nothing; each action is a `while_loop` of zero or one trips, see
+`run_when`), then all stages pass their output activation
 to the next stage and their input gradient to the previous one (`ppermute`, XLA's or xlatrain's custom call;
 in a V (ZB-V) a stage's second chunk sends the other way, so each direction takes two `ppermute`s, and the
 V's tip hands over on the last stage itself). A stage stores one input activation per microbatch in flight.
 With `remat: full` a chunk's backward recomputes its forward from that activation and differentiates it
 (`jax.vjp`); with `remat: none` the forward slot runs `jax.vjp` once and keeps the pullback's residuals
-(lowering/residuals.py) until the backward slot, which only runs the pullback. Either way the last chunk's
-backward starts from the scaled loss, exactly as the unpipelined step's `grad` does, and every chunk is
-differentiated with respect to its parameters cast to the compute dtype (the cast's transpose takes the
-gradient back to float32).
+(lowering/residuals.py: the matmuls' results) until the backward slot, which only runs the pullback. Either
+way the last chunk's backward starts from the scaled loss, exactly as the unpipelined step's `grad` does, and
+every chunk is differentiated with respect to its parameters cast to the compute dtype (the cast's transpose
+takes the gradient back to float32).
 
 Gradients come out float32, summed over microbatches (and gradient-accumulation rounds): the blocks' on
 their own stage, the rest (embeddings, head) summed over the stages; the loss sums likewise.
@@ -20,12 +21,12 @@ their own stage, the rest (embeddings, head) summed over the stages; the loss su
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from xlatrain.lowering.residuals import ResidualLayout, buffer_counts, empty_buffers, pack, unpack
+from xlatrain.lowering.residuals import ResidualLayout, buffer_counts, empty_buffers, pack, saving_matmuls, unpack
 from xlatrain.lowering.split_backward import BackwardSplit, abstract_value, split_pullback
 from xlatrain.lowering.step import loss_sums
 
@@ -120,9 +121,10 @@ def chunk_inputs(kind: str, cb: Tree, cr: dict, x: jax.Array) -> tuple:
     return {"first": (cb, cr, x), "middle": (cb, x), "last": (cb, cr, x)}[kind]
 
 
-def vjp_of(kind: str, fn: Callable, inputs: tuple) -> tuple:
-    """(output, pullback); the last kind's output is (scaled loss, loss sums)."""
-    out, pullback, *aux = jax.vjp(fn, *inputs, has_aux=kind == "last")
+def vjp_of(kind: str, fn: Callable, inputs: tuple, keep: bool = False) -> tuple:
+    """(output, pullback); the last kind's output is (scaled loss, loss sums). `keep`: the pullback's residuals
+    are to be kept until a later slot, so they are only what the matmuls computed (`saving_matmuls`)."""
+    out, pullback, *aux = jax.vjp(saving_matmuls(fn) if keep else fn, *inputs, has_aux=kind == "last")
     return ((out, *aux) if aux else out), pullback
 
 
@@ -152,9 +154,51 @@ def _pullback_of(parts: BlockParts, policy: Policy, loss: str, kind: str) -> Cal
 
     def pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
         functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
-        return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x))[1]
+        return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x), keep=True)[1]
 
     return pullback
+
+
+class SlotInputs(NamedTuple):
+    """What a slot's action reads: the chunk's blocks and the other params (in the compute dtype), its input
+    activation and incoming gradient, the microbatch, its dropout keys and active blocks."""
+
+    cb: Tree
+    cr: dict
+    x_in: jax.Array
+    dy: jax.Array
+    micro: dict
+    keys: jax.Array
+    active: jax.Array | None
+
+
+class SlotState(NamedTuple):
+    """What a slot's action may change: the gradient and loss sums, what the stage sends to the next and the
+    previous stage, and its pools of kept residuals and stashes."""
+
+    totals: tuple
+    to_next: jax.Array
+    to_previous: jax.Array
+    residuals: dict[str, jax.Array]
+    stashes: dict[str, jax.Array]
+
+
+def run_when(active: jax.Array, action: Callable[[Tree, Tree], Tree], state: Tree, inputs: Tree) -> Tree:
+    """`action(state, inputs)` if `active`, else `state`, as a `while_loop` of zero or one trips: XLA updates a
+    loop's carry in place, where a `cond`'s branches would return new buffers and the stage's residual pools
+    would be copied around every slot. `inputs` go through an optimization barrier with the trip counter, so
+    that XLA cannot hoist the action's work on them out of the loop (it would then run in every slot)."""
+
+    def once(carry):
+        count, state = carry
+        count, inputs_now = jax.lax.optimization_barrier((count, inputs))
+        return count + 1, action(state, inputs_now)
+
+    return jax.lax.while_loop(lambda carry: carry[0] < active.astype(jnp.int32), once, (jnp.int32(0), state))[1]
+
+
+def write(pools: dict[str, jax.Array], index: jax.Array, values: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {name: pool.at[index].set(values[name]) for name, pool in pools.items()}
 
 
 def split_rows(batch: dict, microbatches: int) -> dict:
@@ -302,10 +346,8 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         kept_counts = buffer_counts(list(layouts.values()))
         splits = backward_splits(*first_chunk) if slots.splits_backward else {}
         stash_counts = buffer_counts([split.stash_layout for split in splits.values()])
-        no_stash = empty_buffers(stash_counts)
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
         one = jnp.ones((), jnp.float32)
-        no_residuals = empty_buffers(kept_counts)
         pools = (jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype),
                  jnp.zeros((slots.cotangent_buffers + 1, *x_shape.shape), x_shape.dtype),
                  empty_buffers(kept_counts, slots.residual_buffers + 1),
@@ -316,13 +358,13 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
             at = {name: table[t, stage] for name, table in tables.items()}
             j, r = at["microbatch"], at["round"]
             chunk = chunk_table[r, stage]
-            cb = compute(jax.tree.map(lambda b: b[r], blocks))
-            keys = chunk_keys(jax.random.fold_in(key, j), starts[chunk])
-            functions = chunk_functions(parts, policy, loss, jax.tree.map(lambda x: x[j], micro), keys,
-                                        None if active_blocks is None else active_blocks[chunk], scale, total_weight)
-            x_in, dy = activations[at["activation_read"]], cotangents[at["cotangent_read"]]
-            kept_in = {name: pool[at["residual_read"]] for name, pool in residuals.items()}
-            stash_in = {name: pool[at["stash_read"]] for name, pool in stashes.items()}
+            inputs = SlotInputs(compute(jax.tree.map(lambda b: b[r], blocks)), cr, activations[at["activation_read"]],
+                                cotangents[at["cotangent_read"]], jax.tree.map(lambda x: x[j], micro),
+                                chunk_keys(jax.random.fold_in(key, j), starts[chunk]),
+                                None if active_blocks is None else active_blocks[chunk])
+
+            def functions(i):
+                return chunk_functions(parts, policy, loss, i.micro, i.keys, i.active, scale, total_weight)
 
             def add(totals, grad_blocks=None, grad_rest=None, sums=None):
                 g_blocks, g_rest, s = totals
@@ -334,81 +376,83 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                     s = jax.tree.map(jnp.add, s, sums)
                 return g_blocks, g_rest, s
 
-            def forward_of(kind, *inputs):
-                """(output, packed residuals): the output, and with remat: none what its backward needs."""
+            def forward_of(kind, state, i, x):
+                """(output, state): the output, and with remat: none the state keeping what its backward needs."""
+                fn, chunk_in = functions(i)[kind], chunk_inputs(kind, i.cb, i.cr, x)
                 if not keep_residuals:
-                    return functions[kind](*inputs), no_residuals
-                out, pullback = vjp_of(kind, functions[kind], inputs)
-                return out, pack(layouts[kind].kept_from(pullback), kept_counts)
+                    return fn(*chunk_in), state
+                out, pullback = vjp_of(kind, fn, chunk_in, keep=True)
+                kept = pack(layouts[kind].kept_from(pullback), kept_counts)
+                return out, state._replace(residuals=write(state.residuals, at["residual_write"], kept))
 
-            def pullback_of(kind, *inputs):
+            def pullback_of(kind, state, i, x):
                 """The chunk's pullback: from its recomputed forward, or from the residuals its forward kept."""
-                pullback = vjp_of(kind, functions[kind], inputs)[1]
+                pullback = vjp_of(kind, functions(i)[kind], chunk_inputs(kind, i.cb, i.cr, x), keep_residuals)[1]
                 if not keep_residuals:
                     return pullback
-                return layouts[kind].with_kept(pullback, unpack(kept_in, layouts[kind]))
+                kept = {name: pool[at["residual_read"]] for name, pool in state.residuals.items()}
+                return layouts[kind].with_kept(pullback, unpack(kept, layouts[kind]))
 
-            def idle(totals):
-                return totals, nothing, nothing, no_residuals, no_stash
+            def forward_first(state, i):
+                y, state = forward_of("first", state, i, nothing)
+                return state._replace(to_next=y)
 
-            def forward_first(totals):
-                y, kept = forward_of("first", cb, cr, nothing)
-                return totals, y, nothing, kept, no_stash
+            def forward(state, i):
+                y, state = forward_of("middle", state, i, i.x_in)
+                return state._replace(to_next=y)
 
-            def forward(totals):
-                y, kept = forward_of("middle", cb, x_in)
-                return totals, y, nothing, kept, no_stash
+            def forward_last(state, i):
+                (_, sums), state = forward_of("last", state, i, i.x_in)
+                return state._replace(totals=add(state.totals, sums=sums))
 
-            def forward_last(totals):
-                (_, sums), kept = forward_of("last", cb, cr, x_in)
-                return add(totals, sums=sums), nothing, nothing, kept, no_stash
+            def backward_first(state, i):
+                grad_blocks, grad_rest, _ = pullback_of("first", state, i, nothing)(i.dy)
+                return state._replace(totals=add(state.totals, grad_blocks, grad_rest))
 
-            def backward_first(totals):
-                grad_blocks, grad_rest, _ = pullback_of("first", cb, cr, nothing)(dy)
-                return add(totals, grad_blocks, grad_rest), nothing, nothing, no_residuals, no_stash
+            def backward(state, i):
+                grad_blocks, dx = pullback_of("middle", state, i, i.x_in)(i.dy)
+                return state._replace(totals=add(state.totals, grad_blocks), to_previous=dx)
 
-            def backward(totals):
-                grad_blocks, dx = pullback_of("middle", cb, x_in)(dy)
-                return add(totals, grad_blocks), nothing, dx, no_residuals, no_stash
+            def backward_last(state, i):
+                grad_blocks, grad_rest, dx = pullback_of("last", state, i, i.x_in)(one)
+                return state._replace(totals=add(state.totals, grad_blocks, grad_rest), to_previous=dx)
 
-            def backward_last(totals):
-                grad_blocks, grad_rest, dx = pullback_of("last", cb, cr, x_in)(one)
-                return add(totals, grad_blocks, grad_rest), nothing, dx, no_residuals, no_stash
-
-            def split_backward(kind, inputs, cotangent, send):
-                def run(totals):
-                    dx, stash = splits[kind].b(pullback_of(kind, *inputs), cotangent)
-                    return totals, nothing, dx if send else nothing, no_residuals, pack(stash, stash_counts)
+            def split_backward(kind):
+                def run(state, i):
+                    pullback = pullback_of(kind, state, i, nothing if kind == "first" else i.x_in)
+                    dx, stash = splits[kind].b(pullback, one if kind == "last" else i.dy)
+                    state = state._replace(stashes=write(state.stashes, at["stash_write"], pack(stash, stash_counts)))
+                    return state if kind == "first" else state._replace(to_previous=dx)
 
                 return run
 
-            def weight_gradients(kind, inputs):
-                def run(totals):
+            def weight_gradients(kind):
+                def run(state, i):
+                    stash_in = {name: pool[at["stash_read"]] for name, pool in state.stashes.items()}
                     stash = unpack(stash_in, splits[kind].stash_layout)
-                    grads = splits[kind].w(pullback_of(kind, *inputs), stash)
-                    return add(totals, *grads), nothing, nothing, no_residuals, no_stash
+                    grads = splits[kind].w(pullback_of(kind, state, i, nothing if kind == "first" else i.x_in), stash)
+                    return state._replace(totals=add(state.totals, *grads))
 
                 return run
 
+            actions = {Branch.FORWARD_FIRST: forward_first, Branch.FORWARD: forward, Branch.FORWARD_LAST: forward_last}
             if slots.splits_backward:
-                backward_first = split_backward("first", (cb, cr, nothing), dy, send=False)
-                backward = split_backward("middle", (cb, x_in), dy, send=True)
-                backward_last = split_backward("last", (cb, cr, x_in), one, send=True)
-            branches = {Branch.IDLE: idle, Branch.FORWARD_FIRST: forward_first, Branch.FORWARD: forward,
-                        Branch.FORWARD_LAST: forward_last, Branch.BACKWARD_FIRST: backward_first,
-                        Branch.BACKWARD: backward, Branch.BACKWARD_LAST: backward_last,
-                        Branch.WEIGHT_FIRST: weight_gradients("first", (cb, cr, nothing)) if splits else idle,
-                        Branch.WEIGHT: weight_gradients("middle", (cb, x_in)) if splits else idle,
-                        Branch.WEIGHT_LAST: weight_gradients("last", (cb, cr, x_in)) if splits else idle}
-            totals, to_next, to_previous, kept, stashed = jax.lax.switch(
-                at["branch"], [scoped(b.name.lower(), branches[b]) for b in Branch], totals)
-            received = hand_over(link, slots, stage, r, to_next, gradient=False)
-            returned = hand_over(link, slots, stage, r, to_previous, gradient=True)
+                actions |= {Branch.BACKWARD_FIRST: split_backward("first"), Branch.BACKWARD: split_backward("middle"),
+                            Branch.BACKWARD_LAST: split_backward("last"),
+                            Branch.WEIGHT_FIRST: weight_gradients("first"), Branch.WEIGHT: weight_gradients("middle"),
+                            Branch.WEIGHT_LAST: weight_gradients("last")}
+            else:
+                actions |= {Branch.BACKWARD_FIRST: backward_first, Branch.BACKWARD: backward,
+                            Branch.BACKWARD_LAST: backward_last}
+            state = SlotState(totals, nothing, nothing, residuals, stashes)
+            for branch, action in actions.items():
+                state = run_when(at["branch"] == branch, scoped(branch.name.lower(), action), state, inputs)
+            received = hand_over(link, slots, stage, r, state.to_next, gradient=False)
+            returned = hand_over(link, slots, stage, r, state.to_previous, gradient=True)
             pools = (receive(activations, received, at["activation_write"], at["activation_write_reverse"]),
                      receive(cotangents, returned, at["cotangent_write"], at["cotangent_write_reverse"]),
-                     {name: pool.at[at["residual_write"]].set(kept[name]) for name, pool in residuals.items()},
-                     {name: pool.at[at["stash_write"]].set(stashed[name]) for name, pool in stashes.items()})
-            return (pools, totals), None
+                     state.residuals, state.stashes)
+            return (pools, state.totals), None
 
         return jax.lax.scan(scoped("pipeline_slot", slot), (pools, totals), jnp.arange(slots.slots))[0][1]
 
