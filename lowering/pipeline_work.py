@@ -1,11 +1,11 @@
 """How much work a pipelined step does, counted by XLA, beside the unpipelined model's.
 
-XLA's cost analysis counts the body of a loop once and a conditional as its dearest branch, so the pipelined
-step's own program (a loop over time slots, a switch per slot) cannot be counted whole. Instead every action of
-the schedule (one chunk's forward or backward on one microbatch) is compiled on its own from abstract shapes,
-exactly as the step's slot runs it (lowering/pipeline_step.py: with `remat: full` the backward recomputes the
-forward, with `remat: none` it starts from the kept residuals; a split backward's B and W run their parts of
-the pullback), and its FLOPs are summed over the table. The
+XLA's cost analysis counts the body of a loop once, so the pipelined step's own program (a loop over time slots,
+and in each slot a loop of zero or one trips per kind of action) cannot be counted whole. Instead every action
+of the schedule (one chunk's forward or backward on one microbatch) is compiled on its own from abstract
+shapes, exactly as the step's slot runs it (lowering/pipeline_step.py: with `remat: full` the backward
+recomputes the forward, with `remat: none` it starts from the kept residuals; a split backward's B and W run
+their parts of the pullback), and its FLOPs are summed over the table. The
 reference is the gradient of the whole model on one microbatch, times the microbatches. Blocks run unrolled
 here, for the same reason.
 """
