@@ -417,9 +417,13 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                 grad_blocks, grad_rest, dx = pullback_of("last", state, i, i.x_in)(one)
                 return state._replace(totals=add(state.totals, grad_blocks, grad_rest), to_previous=dx)
 
+            def input_of(kind, i):
+                """The activation entering the chunk: the first chunk's is zeros added to its embedding."""
+                return nothing if kind == "first" else i.x_in
+
             def split_backward(kind):
                 def run(state, i):
-                    pullback = pullback_of(kind, state, i, nothing if kind == "first" else i.x_in)
+                    pullback = pullback_of(kind, state, i, input_of(kind, i))
                     dx, stash = splits[kind].b(pullback, one if kind == "last" else i.dy)
                     state = state._replace(stashes=write(state.stashes, at["stash_write"], pack(stash, stash_counts)))
                     return state if kind == "first" else state._replace(to_previous=dx)
@@ -430,7 +434,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                 def run(state, i):
                     stash_in = {name: pool[at["stash_read"]] for name, pool in state.stashes.items()}
                     stash = unpack(stash_in, splits[kind].stash_layout)
-                    grads = splits[kind].w(pullback_of(kind, state, i, nothing if kind == "first" else i.x_in), stash)
+                    grads = splits[kind].w(pullback_of(kind, state, i, input_of(kind, i)), stash)
                     return state._replace(totals=add(state.totals, *grads))
 
                 return run
