@@ -73,8 +73,11 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
         def forward(cb, cr, x, micro_j, keys, scales):
             return functions(micro_j, keys, scales)[kind](*chunk_inputs(kind, cb, cr, x))
 
+        def vjp(cb, cr, x, micro_j, keys, scales, keep):
+            return vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x), keep)
+
         def recompute_and_pull(cb, cr, x, micro_j, keys, scales, dy):
-            return vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x))[1](dy)
+            return vjp(cb, cr, x, micro_j, keys, scales, keep=False)[1](dy)
 
         if remat == "full":
             if backward:
@@ -83,12 +86,12 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
         layout = residual_layouts(unrolled, policy, loss, cb, cr, x, micro, keys, None)[kind]
 
         def forward_keeping(cb, cr, x, micro_j, keys, scales):
-            out, pullback = vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x), True)
+            out, pullback = vjp(cb, cr, x, micro_j, keys, scales, keep=True)
             return out, layout.kept_from(pullback)
 
         def pullback(cb, cr, x, micro_j, keys, scales, kept):
             """The pullback from the kept residuals, as the backward slot runs it."""
-            pullback = vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x), True)[1]
+            pullback = vjp(cb, cr, x, micro_j, keys, scales, keep=True)[1]
             return layout.with_kept(pullback, unpack(kept, layout))
 
         if not backward:

@@ -372,10 +372,9 @@ def test_remat_none_does_the_unpipelined_models_work_and_full_recomputes_the_for
     matmuls in the backward, ~1/3 of a forward's FLOPs at width 16 (the ratio is 1.09 there)."""
     ratios = {}
     for schedule, remat in (("1f1b", "none"), ("1f1b", "full"), ("zb1p", "none")):
-        program = build_program(load_config(None, [*TINY_GPT, "parallel.mode=shard_map", "batch.global_size=32",
-                                                   "mesh.stage=2", "model.layers=3", "parallel.pipeline.microbatches=2",
-                                                   f"parallel.pipeline.remat={remat}",
-                                                   f"parallel.pipeline.schedule={schedule}"]))
+        program = program_for(["model.width=32", "data.seq_len=32", "mesh.stage=2", "model.layers=3",
+                               "parallel.pipeline.microbatches=2", f"parallel.pipeline.remat={remat}",
+                               f"parallel.pipeline.schedule={schedule}"])
         ratios[schedule, remat] = program.pipeline.count_work(remat).ratio
     assert ratios["1f1b", "none"] == pytest.approx(1.0, abs=0.05), ratios
     assert ratios["zb1p", "none"] == pytest.approx(1.0, abs=0.05), ratios  # B and W: one backward's work
