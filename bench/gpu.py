@@ -17,9 +17,12 @@ import json
 import statistics
 import sys
 import tempfile
+import time
+from functools import partial
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import yaml
 
 from bench.common import time_to_first_step, write_results
@@ -68,17 +71,65 @@ def measure(shape: list[str], work: Path, measured_from: int) -> dict:
     }
 
 
+def median_ms(fn, *args, calls: int = 20) -> float:
+    """Median milliseconds of a jitted call (after two to compile and warm up)."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - began)
+    return round(1e3 * statistics.median(times), 3)
+
+
+def parts(smoke: bool) -> dict:
+    """Milliseconds of the two parts of the step whose formulation xlatrain chooses on GPUs, at the GPT's shapes:
+    the token embedding's gradient (a scatter-add of bf16 rows, jnp.take's own gradient under the bf16 policy,
+    against xlatrain's float32 sums, unsorted and sorted by token), for byte tokens and for tokens drawn
+    uniformly from the vocabulary; and causal attention forward and backward, XLA's against cuDNN's."""
+    from xlatrain.models.embedding import scatter_rows, sorted_rows
+
+    batch, length, heads, head_dim, vocab = (8, 64, 2, 32, 512) if smoke else (16, 1024, 12, 64, 50304)
+    width, tokens = heads * head_dim, batch * length
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    grads = jax.random.normal(keys[0], (tokens, width), jnp.bfloat16)
+    table = jnp.zeros((vocab, width), jnp.bfloat16)
+    result = {}
+    for name, high in (("byte tokens", 256), ("uniform tokens", vocab)):
+        ids = jax.random.randint(keys[1], (tokens,), 0, high)
+        take_grad = jax.jit(jax.grad(lambda t, i, g: jnp.vdot(jnp.take(t, i, axis=0), g).astype(jnp.float32)))
+        result[f"embedding gradient, {name}"] = {
+            "bf16 scatter (jnp.take's gradient)": median_ms(take_grad, table, ids, grads),
+            "float32 scatter": median_ms(jax.jit(partial(scatter_rows, rows=vocab)), grads, ids),
+            "float32 sorted sum (xlatrain on GPUs)": median_ms(jax.jit(partial(sorted_rows, rows=vocab)), grads, ids)}
+    q, k, v = (jax.random.normal(key, (batch, length, heads, head_dim), jnp.bfloat16) for key in keys[2:])
+    implementations = ("xla", "cudnn") if jax.default_backend() == "gpu" else ("xla",)
+    result["causal attention forward and backward"] = {
+        name: median_ms(jax.jit(jax.grad(lambda q, k, v, name=name: jnp.sum(jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=name).astype(jnp.float32)), argnums=(0, 1, 2))), q, k, v)
+        for name in implementations}
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT on any device; writes no results")
+    parser.add_argument("--work", type=Path, metavar="DIR", help="keep the runs (metrics, profile trace) in this "
+                        "new directory instead of a temporary one")
     args = parser.parse_args()
     if jax.default_backend() != "gpu" and not args.smoke:
         print(f"bench.gpu: no GPU here (jax's backend is {jax.default_backend()}); run it where there is one, or "
               "with --smoke to check the script", file=sys.stderr)
         return 2
     shape = SMOKE if args.smoke else GPT2_SMALL
-    with tempfile.TemporaryDirectory() as work:
-        result = measure(shape, Path(work), MEASURED_FROM_STEP[args.smoke])
+    if args.work is not None:
+        args.work.mkdir(parents=True)
+        result = measure(shape, args.work, MEASURED_FROM_STEP[args.smoke])
+    else:
+        with tempfile.TemporaryDirectory() as work:
+            result = measure(shape, Path(work), MEASURED_FROM_STEP[args.smoke])
+    result["parts_ms"] = parts(args.smoke)
     device = jax.devices()[0].device_kind
     mfu = "unknown peak" if result["mfu"] is None else f"MFU {result['mfu']:.1%}"
     print(f"{device}: {'smoke GPT' if args.smoke else 'GPT-2 small'} bf16 step {result['step_ms']:.1f} ms, "
@@ -86,6 +137,8 @@ def main() -> int:
     print(f"time to first step: {result['time_to_first_step_s']['first_start']}s, a second start with the cache "
           f"{result['time_to_first_step_s']['second_start']}s ({result['loaded_from_cache_at_second_start']} "
           f"executables loaded); profile trace {result['profile_trace']} ({result['profile_trace_bytes']:,} bytes)")
+    for part, timings in result["parts_ms"].items():
+        print(f"{part}: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in timings.items()))
     print(json.dumps(result))
     if not args.smoke:
         met = result["mfu"] is not None and result["mfu"] >= MFU_GOAL

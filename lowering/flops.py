@@ -4,8 +4,11 @@ counts the body of a loop once (scanned layers, accumulation microbatches and pi
 What is counted is what MFU conventionally counts: the multiply-adds of the matrix multiplications and
 convolutions (2 FLOPs each) of one forward and backward over the global batch, each loop's body times its
 trip count. Attention counts as it runs: the dense attention of XLA's implementation computes every
-query-key product and masks the future, so a causal attention costs as much as a full one. Elementwise work
-(norms, activations, the optimizer) is left out, as in the 6 x params x tokens rule of thumb.
+query-key product and masks the future, so a causal attention costs as much as a full one; cuDNN's fused
+attention (xlatrain's on GPUs in bf16/f16) skips the masked products, so there a causal attention counts its
+unmasked query-key pairs only, with two products over them forward and four backward (the forward that its
+backward recomputes is not model work). Elementwise work (norms, activations, the optimizer) is left out, as in
+the 6 x params x tokens rule of thumb.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 
 
@@ -39,7 +43,34 @@ def conv_flops(eqn: Any) -> float:
     return 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output
 
 
-COUNTED: dict[str, Callable[[Any], float]] = {"dot_general": dot_general_flops, "conv_general_dilated": conv_flops}
+def attended_pairs(queries: int, keys: int, causal: bool, window: int | None) -> int:
+    """Query-key pairs a fused attention computes: all of them, or under a causal mask those of each query with
+    itself and the keys before it (the last `window` of them when a sliding window is set)."""
+    if not causal:
+        return queries * keys
+    reach = np.minimum(np.arange(1, queries + 1), keys)
+    return int(np.minimum(reach, window).sum() if window else reach.sum())
+
+
+def fused_attention_flops(eqn: Any, products: int) -> float:
+    """cuDNN's fused attention (jax's dot_product_attention_fwd/_bwd): `products` matrix products over the
+    attended pairs, each as deep as the head dimension of its operands (query-key: the key's; with values:
+    the value's)."""
+    query, key, value = (v.aval.shape for v in eqn.invars[:3])
+    heads_first = eqn.params["layout"] == 1  # jax's AttentionLayout.BNTH; BTNH (0) otherwise
+    batch, heads = (query[0], query[1]) if heads_first else (query[0], query[2])
+    queries, keys = (query[2], key[2]) if heads_first else (query[1], key[1])
+    mask = eqn.params["mask_type"]
+    causal = "CAUSAL" in getattr(mask, "name", str(mask))
+    pairs = attended_pairs(queries, keys, causal, eqn.params.get("sliding_window_length"))
+    depth = (key[-1] + value[-1]) * products / 2  # half the products pair query and key, half go with values
+    return 2.0 * batch * heads * pairs * depth
+
+
+COUNTED: dict[str, Callable[[Any], float]] = {
+    "dot_general": dot_general_flops, "conv_general_dilated": conv_flops,
+    "dot_product_attention_fwd": lambda eqn: fused_attention_flops(eqn, products=2),
+    "dot_product_attention_bwd": lambda eqn: fused_attention_flops(eqn, products=4)}
 
 
 def jaxpr_flops(jaxpr: Any) -> float:

@@ -8,7 +8,9 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+# XLATRAIN_TEST_GPU=1 makes the GPU jax's default backend, for the tests that need one (e.g. `-k nccl`); the
+# rest of the suite expects the 8 CPU devices.
+os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("XLATRAIN_TEST_GPU") == "1" else "cpu"
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="xlatrain-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)

@@ -2,12 +2,13 @@
 counted by their trip counts, and the rates in metrics.jsonl."""
 
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import DIGITS_MLP, TINY_GPT
-from xlatrain.lowering.flops import UncountedLoop, step_flops
+from xlatrain.lowering.flops import COUNTED, UncountedLoop, attended_pairs, step_flops
 
 from xlatrain.config import load_config
 from xlatrain.peaks import known_peak
@@ -54,6 +55,29 @@ def test_a_scan_counts_its_body_times_its_length_and_a_while_loop_is_refused():
         step_flops(lambda n, x: jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ c[1]),
                                                    (0, x))[1], jax.ShapeDtypeStruct((), jnp.int32),
                    jax.ShapeDtypeStruct((8, 8), jnp.float32))
+
+
+def test_fused_attention_counts_the_unmasked_pairs_with_the_dense_attentions_products():
+    """cuDNN's attention is traced on GPUs only, so its equations are built here: the layout, mask and operand
+    shapes that jax's dot_product_attention_fwd/_bwd carry."""
+    batch, length, heads, head_dim = 2, 128, 4, 32
+    q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.float32)
+    dense = step_flops(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"), q, q, q)
+    assert dense == 2 * 2 * batch * heads * length * length * head_dim
+
+    def fused(kind, mask, layout=0, window=None):
+        shape = q.shape if layout == 0 else (batch, heads, length, head_dim)
+        eqn = SimpleNamespace(invars=[SimpleNamespace(aval=jax.ShapeDtypeStruct(shape, jnp.bfloat16))] * 3,
+                              params={"layout": layout, "mask_type": mask, "sliding_window_length": window})
+        return COUNTED[f"dot_product_attention_{kind}"](eqn)
+
+    causal = SimpleNamespace(name="CAUSAL")
+    assert fused("fwd", SimpleNamespace(name="NO_MASK")) == dense
+    assert fused("fwd", causal) == fused("fwd", causal, layout=1) == dense * (length + 1) / (2 * length)
+    assert fused("bwd", causal) == 2 * fused("fwd", causal)
+    assert fused("fwd", causal, window=16) == dense / length**2 * (16 * 17 / 2 + (length - 16) * 16)
+    assert attended_pairs(4, 6, causal=True, window=None) == 1 + 2 + 3 + 4
+    assert attended_pairs(6, 4, causal=True, window=None) == 1 + 2 + 3 + 4 + 4 + 4
 
 
 def test_known_devices_have_datasheet_peaks():

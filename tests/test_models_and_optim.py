@@ -12,6 +12,7 @@ from xlatrain.config import derive, load_config
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
 from xlatrain.models import model_factory
+from xlatrain.models.embedding import lookup, scatter_rows, sorted_rows
 from xlatrain.optim import build_optimizer, decay_mask, learning_rate_schedule
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.trainer import train
@@ -42,6 +43,26 @@ def test_gpt_is_causal_and_scan_matches_loop():
     changed = tokens.at[:, 10].set(7)
     np.testing.assert_array_equal(scanned(tokens)[:, :10], scanned(changed)[:, :10])
     assert not np.allclose(scanned(tokens)[:, 10:], scanned(changed)[:, 10:])
+
+
+def test_the_token_embeddings_gradient_sums_in_float32_and_sorting_changes_no_bit():
+    table = jax.random.normal(jax.random.PRNGKey(0), (300, 16))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (4, 50), 0, 256)  # byte-like: many repeats
+    weights = jax.random.normal(jax.random.PRNGKey(2), (4, 50, 16))
+
+    def loss(lookup_rows, dtype):
+        return jax.grad(lambda t: jnp.sum(lookup_rows(t, dtype).astype(jnp.float32) * weights))(table)
+
+    ours = {dtype: loss(lambda t, d: lookup(t, ids, d), dtype) for dtype in (jnp.float32, jnp.bfloat16)}
+    takes = {dtype: loss(lambda t, d: jnp.take(t.astype(d), ids, axis=0), dtype)
+             for dtype in (jnp.float32, jnp.bfloat16)}
+    np.testing.assert_array_equal(ours[jnp.float32], takes[jnp.float32])
+    # bf16: the same rows rounded to bf16 once each, against jnp.take's bf16 sum rounded at every token
+    rows_f32 = jnp.zeros((300, 16)).at[ids].add(weights.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(ours[jnp.bfloat16], rows_f32)
+    assert not np.array_equal(takes[jnp.bfloat16], rows_f32)
+    grads, flat = jax.random.normal(jax.random.PRNGKey(3), (200, 16)), ids.reshape(-1)
+    np.testing.assert_array_equal(sorted_rows(grads, flat, 300), scatter_rows(grads, flat, 300))
 
 
 def test_dropout_only_with_a_key():

@@ -146,11 +146,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
               ) -> jax.Array:
     """jax.nn.dot_product_attention on [batch, length, heads, head dim]. XLA:CPU has no float16 x float16 ->
     float32 dot (the precision jax asks for with f16 inputs), so there f16 attention runs in float32 and
-    casts back."""
+    casts back. On a GPU, bf16/f16 attention runs as cuDNN's fused (flash) attention where cuDNN takes the
+    shapes: jax's default is XLA's, which writes the [length, length] scores and their mask to memory (GPT-2
+    small's attention on an H200, forward and backward: 3.35 ms per layer, cuDNN's 0.67 ms; bench.gpu)."""
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal,
                                            scale=scale)
         return out.astype(q.dtype)
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn")
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # a shape, GPU or cuDNN version that cuDNN's kernel does not take: XLA's below
     return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
@@ -270,9 +277,14 @@ def lowering_mesh(ctx: Any) -> jax.sharding.Mesh | None:
     return mesh if isinstance(mesh, jax.sharding.Mesh) else None
 
 
+# XLA's names of the platforms that jax lowers for. jaxlib maps "cpu" (to "Host") but not "cuda": a target
+# registered for "cuda" waits for a "cuda" plugin that never comes, and the GPU compile finds no handler.
+_XLA_PLATFORM = {"cpu": "cpu", "cuda": "CUDA"}
+
+
 def register_ffi_targets(handlers: dict[str, Any], prefix: str, platform: str) -> None:
     for op, capsule in handlers.items():
-        jax.ffi.register_ffi_target(f"{prefix}{op}", capsule, platform=platform)
+        jax.ffi.register_ffi_target(f"{prefix}{op}", capsule, platform=_XLA_PLATFORM[platform])
 
 
 def distributed_client():

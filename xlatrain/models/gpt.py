@@ -9,6 +9,7 @@ from flax import nnx
 from xlatrain import compat
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import BlockStack, stack_blocks
+from xlatrain.models.embedding import TokenEmbed
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ class GPT(BlockStack):
     def __init__(self, shape: GPTShape, *, rngs: nnx.Rngs):
         self.shape = shape
         # nnx.Embed computes in its `dtype` (float32 unless told), not in the dtype of its table.
-        self.embed = nnx.Embed(shape.vocab, shape.width, dtype=shape.dtype, embedding_metadata=axes("vocab", "embed"),
-                               rngs=rngs)
+        self.embed = TokenEmbed(shape.vocab, shape.width, dtype=shape.dtype,
+                                embedding_metadata=axes("vocab", "embed"), rngs=rngs)
         self.position = nnx.Embed(shape.max_len, shape.width, dtype=shape.dtype,
                                   embedding_metadata=axes(None, "embed"), rngs=rngs)
         self.blocks = stack_blocks(lambda layer_rngs: Block(shape, rngs=layer_rngs), shape.layers, rngs)
