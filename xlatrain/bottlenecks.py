@@ -4,7 +4,7 @@ that fired them and the setting that fixes them, in the spirit of SageMaker Debu
 Each rule is a pure function returning its message, or None when it does not fire. `BottleneckRules` runs them
 over windows of at least MIN_WINDOW_STEPS steps and MIN_WINDOW_SECONDS (logged intervals joined until they are
 that long, so that one noisy step decides nothing), skipping the session's first interval (it holds the
-warm-up), and lets each rule speak once.
+warm-up) and those the profiler traced, and lets each rule speak once.
 """
 
 from __future__ import annotations
@@ -140,9 +140,11 @@ class BottleneckRules:
     def check_partition(self, balance: Balance, partition_source: str) -> None:
         self._fire("stage-imbalance", 0, stage_imbalance(balance, partition_source))
 
-    def check(self, interval: Interval) -> None:
-        if not self._warm:
-            self._warm = True
+    def check(self, interval: Interval, traced: bool = False) -> None:
+        """Judge the window this interval completes. A `traced` interval (the profiler ran in it, and slowed it)
+        is judged by no rule, nor joined to the next."""
+        if not self._warm or traced:
+            self._warm, self._window = True, None
             return
         window = interval if self._window is None else self._window.then(interval)
         self._window = None if window.long_enough else window

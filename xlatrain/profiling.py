@@ -32,6 +32,10 @@ class ProfileWindow:
         self.tracing = False
         self.done = False
 
+    def touches(self, first: int, last: int) -> bool:
+        """Whether steps `first`..`last` overlap the traced steps."""
+        return self.steps is not None and first <= self.steps[1] and last >= self.steps[0]
+
     def before_dispatch(self, first: int, last: int) -> None:
         """`first`..`last`: the steps of the executable about to be dispatched."""
         if self.steps is None or self.tracing or self.done:

@@ -193,7 +193,8 @@ class _Run:
                         self.closures.run()
                         self._save(step, state, loader)
                     if self._crossed(self.trainer.log_every, first, step) or step == self.trainer.steps or stopping:
-                        self._time_interval(step, metrics_writer, clock)
+                        self._time_interval(step, metrics_writer, clock,
+                                            traced=profile.touches(self._interval_first_step, step))
                 self.closures.run()
                 result.interrupted = stopping
         finally:
@@ -325,13 +326,14 @@ class _Run:
         if step % self.trainer.log_every == 0 or step == self.trainer.steps:
             writer.write({"step": step, **values, **clock.rates(numeric=True), "skipped": not finite})
 
-    def _time_interval(self, step: int, writer: MetricsWriter | DiscardedMetrics, clock: _Throughput) -> None:
+    def _time_interval(self, step: int, writer: MetricsWriter | DiscardedMetrics, clock: _Throughput,
+                       traced: bool) -> None:
         """End a logged interval in the loop itself, after its evaluation and checkpoint: its own line in
-        metrics.jsonl, and the bottleneck rules."""
+        metrics.jsonl, and the bottleneck rules (`traced`: the profiler ran in it)."""
         spent = self.breakdown.cut()
         writer.write({"step": step, **fractions(spent), "interval_seconds": round(sum(spent.values()), 4)})
         self.rules.check(Interval(self._interval_first_step, step, spent, clock.last.get("mfu"),
-                                  self._recompilations()))
+                                  self._recompilations()), traced)
         self._interval_first_step = step + 1
 
     def _recompilations(self) -> list[tuple[str, str]]:
