@@ -13,6 +13,7 @@ START_UP_GRACE_S of the first (nothing is written before the first step but whol
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -50,10 +51,22 @@ class StopSignals:
             raise StoppedBeforeFirstStep(signal.Signals(self.received[0]).name)
         self.in_loop = True
 
-    def _handle(self, signum: int, _frame) -> None:
+    def _handle(self, signum: int, frame) -> None:
         self.received.append(signum)
-        if not self.in_loop and len(self.received) == 1:
+        if not self.in_loop and len(self.received) == 1 and not _drops_exceptions(frame):
             raise StoppedBeforeFirstStep(signal.Signals(signum).name)
+
+
+def _drops_exceptions(frame) -> bool:
+    """Whether the main thread was inside a `__del__` or a garbage-collector callback (jax has one), where Python
+    would print the handler's exception as "Exception ignored" with its traceback and drop it: begin_loop (or
+    the start-up deadline) stops start-up instead."""
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code.co_name == "__del__" or frame.f_code in callbacks:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _current: StopSignals | None = None
