@@ -111,15 +111,17 @@ def parts(smoke: bool) -> dict:
     width, tokens = heads * head_dim, batch * length
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
     grads = jax.random.normal(keys[0], (tokens, width), jnp.bfloat16)
-    table = jnp.zeros((vocab, width), jnp.bfloat16)
+    embedding_gradients = {
+        "bf16 scatter (jnp.take's gradient)": jax.jit(
+            lambda g, i: jax.grad(lambda t: jnp.vdot(jnp.take(t, i, axis=0), g).astype(jnp.float32))(
+                jnp.zeros((vocab, width), jnp.bfloat16))),
+        "float32 scatter": jax.jit(partial(scatter_rows, rows=vocab)),
+        "float32 sorted sum (xlatrain on GPUs)": jax.jit(partial(sorted_rows, rows=vocab))}
     result = {}
     for name, high in (("byte tokens", 256), ("uniform tokens", vocab)):
         ids = jax.random.randint(keys[1], (tokens,), 0, high)
-        take_grad = jax.jit(jax.grad(lambda t, i, g: jnp.vdot(jnp.take(t, i, axis=0), g).astype(jnp.float32)))
-        result[f"embedding gradient, {name}"] = {
-            "bf16 scatter (jnp.take's gradient)": median_ms(take_grad, table, ids, grads),
-            "float32 scatter": median_ms(jax.jit(partial(scatter_rows, rows=vocab)), grads, ids),
-            "float32 sorted sum (xlatrain on GPUs)": median_ms(jax.jit(partial(sorted_rows, rows=vocab)), grads, ids)}
+        result[f"embedding gradient, {name}"] = {variant: median_ms(fn, grads, ids)
+                                                 for variant, fn in embedding_gradients.items()}
     q, k, v = (jax.random.normal(key, (batch, length, heads, head_dim), jnp.bfloat16) for key in keys[2:])
     implementations = ("xla", "cudnn") if jax.default_backend() == "gpu" else ("xla",)
     result["causal attention forward and backward"] = {

@@ -20,7 +20,7 @@ from flax import nnx
 
 def scatter_rows(grads_NxD: jax.Array, ids_N: jax.Array, rows: int) -> jax.Array:
     """[rows, D] float32: the sum of the gradients of each id, added in the order they come."""
-    return jnp.zeros((rows, grads_NxD.shape[-1]), jnp.float32).at[ids_N].add(grads_NxD.astype(jnp.float32))
+    return jax.ops.segment_sum(grads_NxD.astype(jnp.float32), ids_N, rows)
 
 
 def sorted_rows(grads_NxD: jax.Array, ids_N: jax.Array, rows: int) -> jax.Array:
