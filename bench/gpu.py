@@ -45,9 +45,9 @@ MEASURED_FROM_STEP = {False: 20, True: 12}
 
 def steady_step_seconds(records: list[dict], measured_from: int) -> float:
     """Median wall seconds per step over the logged intervals that start at `measured_from` or later and hold no
-    evaluation or checkpoint: in a steady run an interval lasts exactly its steps. (The rates the trainer logs
-    count each window from its first step's dispatch, so a step still queued on the device then makes them read
-    low: on the H200, 54.5 ms per step against 45.5 ms by the intervals.)"""
+    evaluation or checkpoint: in a steady run an interval lasts exactly its steps. (The rates the trainer logged
+    until stop 27 counted each window from its first step's dispatch, while the step before still ran on the
+    device, and so read low: on the H200, 54.5 ms per step against 45.5 ms by the intervals.)"""
     intervals = [r for r in records if "interval_seconds" in r]
     return statistics.median(this["interval_seconds"] / (this["step"] - previous["step"])
                              for previous, this in zip(intervals, intervals[1:])

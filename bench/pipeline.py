@@ -20,17 +20,27 @@ times on fake CPU devices.
    step against the unpipelined model's (lowering/pipeline_work.py). The GPT is of width 128; the same three
    cases (data parallel, 1f1b p=4 m=8 with remat full and none) also run at width 64, where a pipeline
    microbatch (2 rows of 64 tokens) is so small that XLA:CPU's cost per kernel shows.
+3. One core. Data parallel and 1f1b p=4 m=8 (width 128) once more in a child process confined to one core
+   (`sched_setaffinity` before JAX starts its threads): there a step's time is exactly its total work, where
+   on two cores it is also how well the kernel spreads eight device threads of unequal work over them.
 
     python3 -m bench.pipeline                  # writes bench/results/pipeline.json
+    python3 -m bench.pipeline --one-core       # only part 3, printed as JSON (what the full run calls)
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 from xlatrain.host_memory import keep_freed_host_memory
 
 HOST_MEMORY = keep_freed_host_memory()  # as the xlatrain command runs; before JAX starts a thread
+ONE_CORE = sys.argv[1:] == ["--one-core"]
+if ONE_CORE:  # before JAX starts a thread too: every thread it starts inherits the affinity
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
 
@@ -97,6 +107,14 @@ def simulated_cases() -> list[dict]:
 
 SMALL_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat full",
                                                     "1f1b p=4 m=8 (x2 data) remat none")}
+ONE_CORE_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat none")}
+
+
+def measured_on_one_core() -> dict[str, dict]:
+    """ONE_CORE_MEASURED in a child process that, like all the threads it starts, runs on one core."""
+    child = subprocess.run([sys.executable, "-m", "bench.pipeline", "--one-core"], capture_output=True, text=True,
+                           check=True)
+    return json.loads(child.stdout.splitlines()[-1])
 
 
 def measured_cases(model: list[str], cases: dict[str, list[str]]) -> dict[str, dict]:
@@ -125,7 +143,8 @@ def main() -> None:
               f"efficiency {c['efficiency']:.2f} (lockstep {c['lockstep_efficiency']:.2f}), "
               f"partition {c['partition']}")
     print(f"host memory: {HOST_MEMORY}")
-    measured = {"width 64": measured_cases(SMALL_GPT, SMALL_MEASURED), "width 128": measured_cases(GPT, MEASURED)}
+    measured = {"width 64": measured_cases(SMALL_GPT, SMALL_MEASURED), "width 128": measured_cases(GPT, MEASURED),
+                "width 128, one core": measured_on_one_core()}
     for model, group in measured.items():
         for name, values in group.items():
             flops = (f", XLA FLOPs x{values['xla_flops_ratio_to_unpipelined']:.2f} of the unpipelined model's"
@@ -137,11 +156,15 @@ def main() -> None:
                  "fp32, adamw",
         "simulated": cases, "measured_on_fake_cpu_devices": measured, "host_memory": HOST_MEMORY,
         "note": "Simulated: XLA FLOPs per chunk replayed through each schedule's table (fixed global batch). "
-                "Measured: 8 fake CPU devices on 2 shared cores, where a step's time is the total work; the "
-                "ratios show pipeline overheads (remat full: recomputed forwards; per-slot actions and ppermutes, "
-                "smaller matmuls), not speedups."})
+                "Measured: 8 fake CPU devices on 2 shared cores; the ratios show pipeline overheads (remat full: "
+                "recomputed forwards; per-slot actions and ppermutes, smaller matmuls; on two cores also the time "
+                "a core idles while the other finishes a slot), not speedups. 'one core': the same devices confined "
+                "to one core, where a step's time is exactly its total work."})
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    main()
+    if ONE_CORE:
+        print(json.dumps(measured_cases(GPT, ONE_CORE_MEASURED)))
+    else:
+        main()

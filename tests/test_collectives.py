@@ -172,6 +172,22 @@ def test_vmap_inside_and_outside_shard_map(mesh):
     np.testing.assert_allclose(outside[1], 2 * outside[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("participants", [8, 5, 4])
+def test_a_float32_sum_adds_the_participants_in_rank_order_bit_for_bit(participants):
+    """Several inputs per pass over the accumulator (and wide vectors) must not change a bit of the result:
+    sizes over one block of 4096 elements with a tail, values of mixed magnitudes so that order shows."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:participants]), ("d",))
+    rng = np.random.default_rng(1)
+    shards = (rng.normal(size=(participants, 4096 * 2 + 37)) * 10.0 ** rng.integers(-4, 5, (participants, 1)))
+    shards = shards.astype(np.float32)
+    got = per_device(lambda v: all_reduce.all_reduce(v, "d"), mesh)(shards.reshape(-1)).reshape(participants, -1)
+    in_rank_order = shards[0].copy()
+    for shard in shards[1:]:
+        in_rank_order += shard
+    assert not np.array_equal(in_rank_order, shards[::-1].sum(0, dtype=np.float32))  # the order shows
+    np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(in_rank_order, got.shape))
+
+
 def test_each_row_of_a_2d_mesh_meets_on_its_own():
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("rows", "cols"))
     x = jnp.arange(8.0).reshape(2, 4)

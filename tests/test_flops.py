@@ -102,3 +102,46 @@ def test_metrics_carry_tflops_per_device_and_mfu(tmp_path, devices):
         steps_per_sec = r["samples_per_sec"] / 32
         assert r["tflops_per_sec_per_device"] == pytest.approx(flops * steps_per_sec / 8 / 1e12, rel=1e-2)
         assert 0 < r["mfu"] < 1
+
+
+def _throughput_clock(now: list[float]):
+    from xlatrain.trainer import _Throughput
+
+    spec = SimpleNamespace(input_shape=(64,), input_dtype=jnp.dtype("int32"))
+    derived = SimpleNamespace(global_batch=8, model_flops_per_step=2e9, devices=1)
+    return _Throughput(SimpleNamespace(dataset=SimpleNamespace(spec=spec), derived=derived), 1e12,
+                       clock=lambda: now[0])
+
+
+def test_rates_on_an_asynchronous_device_count_each_step_once():
+    """A device runs each 10 ms step while the host dispatches the next and then waits for the one before (as
+    on a GPU): a window starts where that wait ended, not at its first step's dispatch, which came while the
+    device was still busy with the step before."""
+    now = [0.0]
+    clock = _throughput_clock(now)
+    clock.dispatching(1)
+    rates = []
+    for step in range(1, 21):
+        now[0] = (step - 1) * 0.010 + 0.001
+        clock.dispatching(step + 1)  # queued behind `step`
+        now[0] = step * 0.010  # the host waited for `step` until it finished
+        clock.boundary_done(step, 1, seen_finishing=now[0])
+        rates.append(dict(clock.last))
+    assert [r["samples_per_sec"] for r in rates] == pytest.approx([800.0] * 20)
+    assert rates[-1]["tokens_per_sec"] == pytest.approx(800 * 64)
+    assert rates[-1]["mfu"] == pytest.approx(2e9 / 0.010 / 1e12)
+
+
+def test_rates_are_not_overstated_when_the_results_were_ready_before_the_host_read_them():
+    """The host spends 30 ms per step (a hook, data) and finds each 10 ms step long finished: the steps of a
+    window ran no earlier than its first dispatch, so the rate is the host's pace, 8 samples per 30 ms."""
+    now = [0.0]
+    clock = _throughput_clock(now)
+    rates = []
+    for step in range(1, 21):
+        now[0] = (step - 1) * 0.030
+        clock.dispatching(step)
+        now[0] += 0.030 - 1e-6  # just before the next dispatch: `step` finished long ago
+        clock.boundary_done(step, 1, seen_finishing=None)
+        rates.append(clock.last["samples_per_sec"])
+    assert rates[5:] == pytest.approx([8 / 0.030] * 15, rel=1e-3)

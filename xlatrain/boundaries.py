@@ -33,6 +33,9 @@ class StepClosures:
         self.must_run_before_dispatch = False
         self.device_to_host_bytes = 0
         self.wait_seconds = 0.0
+        self.seen_finishing: tuple[int, float] | None = None
+        """(step, when) of the last fetch that had to wait for the executable ending at `step`: it finished on
+        the device at about that moment. None when the values fetched last were ready before the fetch."""
 
     def add(self, step: int, fn: Callable, args: tuple) -> None:
         self._queue.append((step, fn, args))
@@ -53,9 +56,12 @@ class StepClosures:
             self.must_run_before_dispatch = False
         with compat.allow_transfers():  # a boundary: the fetch, and closures are host code
             start = time.perf_counter()
+            waits = not all(leaf.is_ready() for leaf in jax.tree.leaves(ready[-1][2]) if isinstance(leaf, jax.Array))
             with self._waiting():
                 values = jax.device_get([args for _, _, args in ready])
-            self.wait_seconds += time.perf_counter() - start
+            end = time.perf_counter()
+            self.wait_seconds += end - start
+            self.seen_finishing = (ready[-1][0], end) if waits else None
             self.device_to_host_bytes += sum(np.asarray(v).nbytes for v in jax.tree.leaves(values))
             for (_, fn, _), host_args in zip(ready, values, strict=True):
                 fn(*host_args)

@@ -310,7 +310,10 @@ class _Run:
                 writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:
         """Step closure: the host values of the metrics of steps first_step.. (one boundary)."""
         fused = self.trainer.steps_per_sync > 1
-        clock.boundary_done(first_step, self.trainer.steps_per_sync)
+        last_step = first_step + self.trainer.steps_per_sync - 1
+        seen = self.closures.seen_finishing
+        clock.boundary_done(first_step, self.trainer.steps_per_sync,
+                            seen[1] if seen is not None and seen[0] == last_step else None)
         for offset in range(self.trainer.steps_per_sync):
             values = {k: float(v[offset] if fused else v) for k, v in metrics.items()}
             self._record_step(first_step + offset, values, result, writer, bar, clock)
@@ -383,32 +386,40 @@ def _knobs(program: Program) -> Knobs:
 
 
 class _Throughput:
-    """Samples (and tokens) per second of wall time over windows of at least 5 steps: from the dispatch of the
-    window's first boundary to the moment its last boundary's results reached the host. The steps cannot run
-    outside that window, so a rate is never overstated however the reads bunch up (fused steps, the final
-    flush); every step of a fused group (trainer.steps_per_sync) reports its window's rate."""
+    """Samples (and tokens) per second of wall time over windows of at least 5 steps. A window ends when its
+    last boundary's results reach the host. It begins at its first boundary's dispatch or, when the host was
+    seen waiting for the boundary before it to finish (an asynchronous device runs one step while the host
+    dispatches the next), at the end of that wait: a queued step cannot start before the step before it has
+    finished. A rate is thus overstated by at most the time a boundary's metrics take to reach the host,
+    however the reads bunch up (fused steps, the final flush); every step of a fused group
+    (trainer.steps_per_sync) reports its window's rate."""
 
-    def __init__(self, program: Program, peak_flops: float | None):
+    def __init__(self, program: Program, peak_flops: float | None, clock: Callable[[], float] = time.perf_counter):
         spec = program.dataset.spec
         self.samples = program.derived.global_batch
         self.tokens = self.samples * spec.input_shape[0] if spec.input_dtype.kind in "iu" else 0
         self.flops_per_device = (program.derived.model_flops_per_step or 0.0) / program.derived.devices
         self.peak_flops = peak_flops
+        self.clock = clock
         self.dispatched: dict[int, float] = {}
         self.window: tuple[float, int] | None = None
+        self.previous_finished = float("-inf")
         self.last: dict[str, float] = {}
 
     def dispatching(self, first_step: int) -> None:
-        self.dispatched[first_step] = time.perf_counter()
+        self.dispatched[first_step] = self.clock()
 
-    def boundary_done(self, first_step: int, steps: int) -> None:
-        began, counted = self.window or (self.dispatched[first_step], 0)
+    def boundary_done(self, first_step: int, steps: int, seen_finishing: float | None = None) -> None:
+        """The results of steps first_step.. reached the host; `seen_finishing`: when the host, waiting for
+        them, saw their executable finish (None if they were ready before it waited)."""
+        began, counted = self.window or (max(self.dispatched[first_step], self.previous_finished), 0)
         del self.dispatched[first_step]
         counted += steps
+        self.previous_finished = float("-inf") if seen_finishing is None else seen_finishing
         if counted < 5 and self.last:
             self.window = (began, counted)
             return
-        seconds = max(time.perf_counter() - began, 1e-9)
+        seconds = max(self.clock() - began, 1e-9)
         self.last = {"samples_per_sec": self.samples * counted / seconds}
         if self.tokens:
             self.last["tokens_per_sec"] = self.tokens * counted / seconds
