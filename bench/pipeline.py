@@ -20,12 +20,17 @@ times on fake CPU devices.
    step against the unpipelined model's (lowering/pipeline_work.py). The GPT is of width 128; the same three
    cases (data parallel, 1f1b p=4 m=8 with remat full and none) also run at width 64, where a pipeline
    microbatch (2 rows of 64 tokens) is so small that XLA:CPU's cost per kernel shows.
-3. One core. Data parallel and 1f1b p=4 m=8 (width 128) once more in a child process confined to one core
-   (`sched_setaffinity` before JAX starts its threads): there a step's time is exactly its total work, where
-   on two cores it is also how well the kernel spreads eight device threads of unequal work over them.
+3. How the cores are shared. Data parallel and 1f1b p=4 m=8 (width 128) once more in two child processes
+   that set, before JAX starts its threads, what the threads inherit: confined to one core
+   (`sched_setaffinity`), where a step's time is exactly its total work; and on both cores under the
+   real-time round-robin scheduler (SCHED_RR, which needs root or CAP_SYS_NICE; without it the case is
+   reported as not measured), which moves a runnable thread to an idle core at once where the default
+   scheduler balances the cores by their number of threads. On two cores with the default scheduler a
+   pipeline's time is also how well eight device threads of unequal work per slot are spread over them.
 
     python3 -m bench.pipeline                  # writes bench/results/pipeline.json
-    python3 -m bench.pipeline --one-core       # only part 3, printed as JSON (what the full run calls)
+    python3 -m bench.pipeline --one-core       # one case of part 3, printed as JSON (what the full run calls)
+    python3 -m bench.pipeline --realtime       # the other
 """
 
 from __future__ import annotations
@@ -38,9 +43,17 @@ import sys
 from xlatrain.host_memory import keep_freed_host_memory
 
 HOST_MEMORY = keep_freed_host_memory()  # as the xlatrain command runs; before JAX starts a thread
-ONE_CORE = sys.argv[1:] == ["--one-core"]
-if ONE_CORE:  # before JAX starts a thread too: every thread it starts inherits the affinity
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+CORES_SHARED = {"--one-core": "one core", "--realtime": "two cores, real-time scheduler (SCHED_RR)"}
+"""Part 3's child processes: the flag each runs with, and the group its results join."""
+CHILD = sys.argv[1] if sys.argv[1:] and sys.argv[1] in CORES_SHARED else None
+NOT_PERMITTED = None
+try:  # before JAX starts a thread too: every thread it starts inherits these
+    if CHILD == "--one-core":
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    elif CHILD == "--realtime":
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+except PermissionError as error:
+    NOT_PERMITTED = f"not measured: {error}"
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
 
@@ -107,12 +120,12 @@ def simulated_cases() -> list[dict]:
 
 SMALL_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat full",
                                                     "1f1b p=4 m=8 (x2 data) remat none")}
-ONE_CORE_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat none")}
+CORES_SHARED_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat none")}
 
 
-def measured_on_one_core() -> dict[str, dict]:
-    """ONE_CORE_MEASURED in a child process that, like all the threads it starts, runs on one core."""
-    child = subprocess.run([sys.executable, "-m", "bench.pipeline", "--one-core"], capture_output=True, text=True,
+def measured_in_child(flag: str) -> dict[str, dict] | str:
+    """CORES_SHARED_MEASURED in a child process that runs, with all the threads it starts, as `flag` says."""
+    child = subprocess.run([sys.executable, "-m", "bench.pipeline", flag], capture_output=True, text=True,
                            check=True)
     return json.loads(child.stdout.splitlines()[-1])
 
@@ -144,8 +157,11 @@ def main() -> None:
               f"partition {c['partition']}")
     print(f"host memory: {HOST_MEMORY}")
     measured = {"width 64": measured_cases(SMALL_GPT, SMALL_MEASURED), "width 128": measured_cases(GPT, MEASURED),
-                "width 128, one core": measured_on_one_core()}
+                **{f"width 128, {group}": measured_in_child(flag) for flag, group in CORES_SHARED.items()}}
     for model, group in measured.items():
+        if isinstance(group, str):
+            print(f"measured {model}: {group}")
+            continue
         for name, values in group.items():
             flops = (f", XLA FLOPs x{values['xla_flops_ratio_to_unpipelined']:.2f} of the unpipelined model's"
                      if "xla_flops_ratio_to_unpipelined" in values else "")
@@ -159,12 +175,13 @@ def main() -> None:
                 "Measured: 8 fake CPU devices on 2 shared cores; the ratios show pipeline overheads (remat full: "
                 "recomputed forwards; per-slot actions and ppermutes, smaller matmuls; on two cores also the time "
                 "a core idles while the other finishes a slot), not speedups. 'one core': the same devices confined "
-                "to one core, where a step's time is exactly its total work."})
+                "to one core, where a step's time is exactly its total work. 'real-time scheduler': both cores, "
+                "SCHED_RR, which moves a runnable thread to an idle core at once."})
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    if ONE_CORE:
-        print(json.dumps(measured_cases(GPT, ONE_CORE_MEASURED)))
+    if CHILD:
+        print(json.dumps(NOT_PERMITTED or measured_cases(GPT, CORES_SHARED_MEASURED)))
     else:
         main()
