@@ -33,9 +33,7 @@ class StepClosures:
         self.must_run_before_dispatch = False
         self.device_to_host_bytes = 0
         self.wait_seconds = 0.0
-        self.seen_finishing: tuple[int, float] | None = None
-        """(step, when) of the last fetch that had to wait for the executable ending at `step`: it finished on
-        the device at about that moment. None when the values fetched last were ready before the fetch."""
+        self._seen_finishing: tuple[int, float] | None = None
 
     def add(self, step: int, fn: Callable, args: tuple) -> None:
         self._queue.append((step, fn, args))
@@ -45,6 +43,11 @@ class StepClosures:
     def will_donate(self, tree: Any) -> None:
         """The arrays the next dispatch will donate (the new state): closures holding them run before it."""
         self._donated = {id(leaf) for leaf in jax.tree.leaves(tree)}
+
+    def seen_finishing(self, step: int) -> float | None:
+        """When the last fetch, which had to wait for the executable ending at `step`, saw it finish on the
+        device; None when that fetch was for another step or its values were ready before it."""
+        return self._seen_finishing[1] if self._seen_finishing and self._seen_finishing[0] == step else None
 
     def run(self, through_step: int | None = None) -> None:
         """Fetch and run the closures registered at boundaries up to `through_step` (all when None)."""
@@ -61,7 +64,7 @@ class StepClosures:
                 values = jax.device_get([args for _, _, args in ready])
             end = time.perf_counter()
             self.wait_seconds += end - start
-            self.seen_finishing = (ready[-1][0], end) if waits else None
+            self._seen_finishing = (ready[-1][0], end) if waits else None
             self.device_to_host_bytes += sum(np.asarray(v).nbytes for v in jax.tree.leaves(values))
             for (_, fn, _), host_args in zip(ready, values, strict=True):
                 fn(*host_args)

@@ -310,10 +310,8 @@ class _Run:
                 writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:
         """Step closure: the host values of the metrics of steps first_step.. (one boundary)."""
         fused = self.trainer.steps_per_sync > 1
-        last_step = first_step + self.trainer.steps_per_sync - 1
-        seen = self.closures.seen_finishing
         clock.boundary_done(first_step, self.trainer.steps_per_sync,
-                            seen[1] if seen is not None and seen[0] == last_step else None)
+                            self.closures.seen_finishing(first_step + self.trainer.steps_per_sync - 1))
         for offset in range(self.trainer.steps_per_sync):
             values = {k: float(v[offset] if fused else v) for k, v in metrics.items()}
             self._record_step(first_step + offset, values, result, writer, bar, clock)

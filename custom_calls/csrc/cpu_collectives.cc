@@ -361,7 +361,6 @@ void CombineBlock(const std::vector<Participant>& parts, int64_t start, int64_t 
       auto in = [&](size_t q) { return static_cast<const float*>(parts[q].in) + start; };
       std::copy(in(0), in(0) + len, acc);
       for (p = 1; p + 3 <= parts.size(); p += 3) SumThree(acc, in(p), in(p + 1), in(p + 2), len);
-      if (p == parts.size()) return;
     }
   }
   for (; p < parts.size(); ++p) {
