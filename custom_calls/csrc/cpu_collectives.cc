@@ -344,11 +344,28 @@ void WithTypes(ffi::DataType type, F&& f) {
 
 constexpr int64_t kBlock = 4096;  // elements reduced at a time, so each participant's slice stays in cache
 
-// acc = ((acc + a) + b) + c, elementwise: three inputs per pass over acc, in the order one at a time would add
-// them, so the result is bit for bit the same. Compiled also for AVX2 and AVX-512, picked at load time.
+enum class Block { kAcc, kWidened, kNarrowed };
+
+// One of this thread's blocks of kBlock values, kept across calls: allocating them for every share took the
+// allocator's lock, which the single heap the `xlatrain` command keeps (host_memory.py) shares with XLA's threads.
+template <typename V>
+V* ThreadBlock(Block which) {
+  thread_local std::vector<char> blocks[3];
+  std::vector<char>& block = blocks[static_cast<int>(which)];
+  block.resize(kBlock * sizeof(double));  // the widest value type; a no-op after the thread's first call
+  return reinterpret_cast<V*>(block.data());
+}
+
+// out = ((a + b) + c) + d, elementwise: three additions per pass over memory, in the order adding one input at a
+// time gives, so the result is bit for bit the same. Compiled also for AVX2 and AVX-512, picked at load time.
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void SumThree(float* acc, const float* a, const float* b, const float* c, int64_t len) {
-  for (int64_t i = 0; i < len; ++i) acc[i] = ((acc[i] + a[i]) + b[i]) + c[i];
+void SumFour(float* out, const float* a, const float* b, const float* c, const float* d, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) out[i] = ((a[i] + b[i]) + c[i]) + d[i];
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void SumTwo(float* out, const float* a, const float* b, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) out[i] = a[i] + b[i];
 }
 
 // acc[0, len) = elements [start, start + len) of every participant's input combined (summed for a mean), in Acc.
@@ -357,10 +374,11 @@ void CombineBlock(const std::vector<Participant>& parts, int64_t start, int64_t 
                   Acc* widened, ffi::DataType type) {
   size_t p = 0;
   if constexpr (std::is_same_v<T, float> && std::is_same_v<Acc, float>) {
-    if (r == Reduction::kSum || r == Reduction::kMean) {  // memory-bound at scale: fewer passes over acc
+    if ((r == Reduction::kSum || r == Reduction::kMean) && parts.size() >= 4) {  // memory-bound: fewer passes
       auto in = [&](size_t q) { return static_cast<const float*>(parts[q].in) + start; };
-      std::copy(in(0), in(0) + len, acc);
-      for (p = 1; p + 3 <= parts.size(); p += 3) SumThree(acc, in(p), in(p + 1), in(p + 2), len);
+      SumFour(acc, in(0), in(1), in(2), in(3), len);
+      for (p = 4; p + 3 <= parts.size(); p += 3) SumFour(acc, acc, in(p), in(p + 1), in(p + 2), len);
+      for (; p < parts.size(); ++p) SumTwo(acc, acc, in(p), len);
     }
   }
   for (; p < parts.size(); ++p) {
@@ -395,14 +413,12 @@ void ReduceShare(ffi::DataType type, const std::vector<Participant>& parts, int6
   WithTypes(type, [&](auto t, auto a) {
     using T = decltype(t);
     using Acc = decltype(a);
-    constexpr int64_t kWiden = std::is_same_v<T, Acc> ? 0 : kBlock;
-    std::vector<Acc> acc(kBlock), widened(kWiden);
-    std::vector<T> narrowed(kWiden);
+    Acc *acc = ThreadBlock<Acc>(Block::kAcc), *widened = ThreadBlock<Acc>(Block::kWidened);
+    T* narrowed = ThreadBlock<T>(Block::kNarrowed);
     for (int64_t start = begin; start < end; start += kBlock) {
       const int64_t len = std::min(kBlock, end - start);
-      CombineBlock<T, Acc>(parts, start, len, r, acc.data(), widened.data(), type);
-      WriteBlock<T, Acc>(acc.data(), len, r, static_cast<int64_t>(parts.size()), outs, start - shift, narrowed.data(),
-                         type);
+      CombineBlock<T, Acc>(parts, start, len, r, acc, widened, type);
+      WriteBlock<T, Acc>(acc, len, r, static_cast<int64_t>(parts.size()), outs, start - shift, narrowed, type);
     }
   });
 }
@@ -421,10 +437,10 @@ void AccumulateShare(ffi::DataType type, const std::vector<Participant>& parts, 
                      Reduction r, void* scratch) {
   WithTypes(type, [&](auto t, auto a) {
     using Acc = decltype(a);
-    std::vector<Acc> widened(std::is_same_v<decltype(t), Acc> ? 0 : kBlock);
+    Acc* widened = ThreadBlock<Acc>(Block::kWidened);
     for (int64_t start = begin; start < end; start += kBlock) {
       CombineBlock<decltype(t), Acc>(parts, start, std::min(kBlock, end - start), r, static_cast<Acc*>(scratch) + start,
-                                     widened.data(), type);
+                                     widened, type);
     }
   });
 }
@@ -436,10 +452,10 @@ void WriteFromScratch(ffi::DataType type, Reduction r, int64_t participants, voi
   WithTypes(type, [&](auto t, auto a) {
     using T = decltype(t);
     using Acc = decltype(a);
-    std::vector<T> narrowed(std::is_same_v<T, Acc> ? 0 : kBlock);
+    T* narrowed = ThreadBlock<T>(Block::kNarrowed);
     for (int64_t start = begin; start < end; start += kBlock) {
       WriteBlock<T, Acc>(static_cast<Acc*>(scratch) + start, std::min(kBlock, end - start), r, participants, outs,
-                         start - begin, narrowed.data(), type);
+                         start - begin, narrowed, type);
     }
   });
 }
