@@ -31,9 +31,14 @@ def test_train_writes_metrics_tensorboard_config_and_checkpoints(tmp_path):
 
     again = run_cli(*args)
     assert again.returncode == 0 and "already at step 30" in again.stdout
+    for log, torn in (("metrics.jsonl", '{"step": 31, "lo'), ("summary.jsonl", '{"executions": 4')):
+        with open(run_dir / log, "a") as handle:  # as a run killed while writing them would leave them
+            handle.write(torn)
     longer = run_cli(*args[:-2], "trainer.steps=35", f"trainer.run_dir={run_dir}")
-    assert longer.returncode == 0 and "resuming from checkpoint at step 30" in longer.stdout
-    assert max(r["step"] for r in read_metrics(run_dir / "metrics.jsonl")) == 35
+    assert longer.returncode == 0 and "resuming from checkpoint at step 30" in longer.stdout, longer.stderr
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r][-2:] == [30, 35]
+    report = run_cli("report", str(run_dir))
+    assert report.returncode == 0 and report.stdout.count("\nsession ") == 1, report.stderr  # two sessions trained
 
 
 def test_lower_json_is_one_object():

@@ -38,3 +38,16 @@ def test_a_missing_or_corrupt_metrics_file_is_one_line(tmp_path, capsys):
     assert "metrics.jsonl:2 is not a JSON record" in capsys.readouterr().err
     assert main(["plot", str(broken), "--out", str(tmp_path / "no" / "x.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_figure_path_is_a_file_matplotlib_can_write(tmp_path, capsys):
+    run = write_run(tmp_path / "run", steps(3))
+    assert main(["plot", str(run), "--out", str(tmp_path)]) == 2
+    assert f"--out '{tmp_path}' is a directory; give a file name" in capsys.readouterr().err
+    assert main(["plot", str(run), "--out", str(tmp_path / "curves.xyz")]) == 2
+    assert "matplotlib cannot write '.xyz' files; end the name with one of" in capsys.readouterr().err
+    assert main(["plot", str(run), "--out", str(tmp_path / "curves")]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'curves.png'} (")
+    assert (tmp_path / "curves.png").is_file()
+    assert main(["plot", str(run), "--out", str(tmp_path / "curves.svg")]) == 0
+    assert (tmp_path / "curves.svg").read_text().lstrip().startswith("<?xml")

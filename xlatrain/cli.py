@@ -259,8 +259,10 @@ def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Name
         if args.plot:
             raise UserError("parity --plot draws two xlatrain runs; with --against, side B is not one: drop --plot")
         return _parity_against_torch(args)
-    if args.plot and not args.plot.parent.is_dir():
-        raise UserError(f"parity: --plot {str(args.plot)!r}: directory {str(args.plot.parent)!r} does not exist")
+    if args.plot:
+        from xlatrain.plot import figure_path
+
+        args.plot = figure_path("parity", "--plot", args.plot)
     paths = (args.configs or [None]) * (2 if len(args.configs) < 2 else 1)
     config_a, config_b = load_config(paths[0], args.a), load_config(paths[1], args.b)
     report = run_parity(config_a, config_b, args.steps, args.rtol, args.plot)
@@ -325,12 +327,11 @@ def _profile(config_path: str | None, overrides: list[str], args: argparse.Names
 
 
 def _plot(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.plot import plot_runs
+    from xlatrain.plot import figure_path, plot_runs
 
-    if not args.out.parent.is_dir():
-        raise UserError(f"plot: --out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
-    panels = plot_runs(args.run_dirs, args.out)
-    print(f"wrote {args.out} ({', '.join(panels)} against step, {len(args.run_dirs)} run(s))")
+    out = figure_path("plot", "--out", args.out)
+    panels = plot_runs(args.run_dirs, out)
+    print(f"wrote {out} ({', '.join(panels)} against step, {len(args.run_dirs)} run(s))")
     return 0
 
 

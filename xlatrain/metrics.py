@@ -8,6 +8,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
+from xlatrain.jsonl import open_for_append, read_records, write_records
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, resume_step: int | None):
@@ -15,7 +17,7 @@ class MetricsWriter:
         if resume_step is not None:
             _drop_records_after(self.path, resume_step)
         purge = None if resume_step is None else resume_step + 1
-        self._file = self.path.open("a")
+        self._file = open_for_append(self.path)
         self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -41,10 +43,9 @@ class DiscardedMetrics:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_records(path) if path.exists() else []
 
 
 def _drop_records_after(path: Path, step: int) -> None:
     """On resume, records past the checkpoint are about to be produced again: keep the log consistent."""
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    write_records(path, [r for r in read_metrics(path) if r.get("step", 0) <= step])

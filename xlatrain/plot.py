@@ -2,31 +2,43 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from xlatrain.errors import UserError
+from xlatrain.metrics import read_metrics
 
 PANELS = (("loss", ("loss", "eval_loss")), ("learning rate", ("lr",)), ("loss scale", ("loss_scale",)),
           ("samples / s", ("samples_per_sec",)), ("MFU", ("mfu",)))
 """Each panel's title and the metrics it draws against step; a panel no run has is left out."""
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """The records of RUN_DIR/metrics.jsonl. A torn last line (the run was killed while writing it) is
-    dropped; any other unreadable line is an error naming the file and line."""
+def read_run_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"plot: {path} does not exist; give run directories written by `xlatrain train`")
-    lines = path.read_text().splitlines()
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines):
-                raise UserError(f"plot: {path}:{number} is not a JSON record; repair or remove that line") from None
-    return records
+    try:
+        return read_metrics(path)
+    except UserError as err:
+        raise UserError(f"plot: {err}") from None
+
+
+def figure_path(command: str, flag: str, path: Path) -> Path:
+    """Where a figure given as `flag` is written: a file in an existing directory, in a format matplotlib
+    writes (no suffix: PNG, as matplotlib itself would add)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if path.is_dir():
+        raise UserError(f"{command}: {flag} {str(path)!r} is a directory; give a file name, e.g. "
+                        f"{path / 'metrics.png'}")
+    if not path.parent.is_dir():
+        raise UserError(f"{command}: {flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    if not path.suffix:
+        return path.with_suffix(".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise UserError(f"{command}: {flag} {str(path)!r}: matplotlib cannot write {path.suffix!r} files; end the "
+                        f"name with one of {', '.join('.' + f for f in sorted(formats))}")
+    return path
 
 
 def run_names(run_dirs: list[Path]) -> list[str]:
@@ -36,8 +48,8 @@ def run_names(run_dirs: list[Path]) -> list[str]:
 
 
 def curves(records: list[dict], metric: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[metric]) for r in records if isinstance(r.get(metric), (int, float))
-              and not isinstance(r.get(metric), bool)]
+    points = [(r["step"], r[metric]) for r in records if isinstance(r.get("step"), int)
+              and isinstance(r.get(metric), (int, float)) and not isinstance(r.get(metric), bool)]
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -48,7 +60,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {name: read_metrics(d) for name, d in zip(run_names(run_dirs), run_dirs, strict=True)}
+    runs = {name: read_run_metrics(d) for name, d in zip(run_names(run_dirs), run_dirs, strict=True)}
     panels = [(title, metrics) for title, metrics in PANELS
               if any(curves(records, m)[0] for records in runs.values() for m in metrics)]
     if not panels:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from xlatrain.bottlenecks import Finding
 from xlatrain.errors import UserError
+from xlatrain.jsonl import open_for_append, read_records
 from xlatrain.time_breakdown import describe
 
 SUMMARY_FILE = "summary.jsonl"
@@ -68,7 +69,7 @@ class RunSummary:
         return lines
 
     def append_to(self, run_dir: Path) -> None:
-        with open(run_dir / SUMMARY_FILE, "a") as handle:
+        with open_for_append(run_dir / SUMMARY_FILE) as handle:
             handle.write(json.dumps(asdict(self)) + "\n")
 
 
@@ -78,8 +79,10 @@ def read_summaries(run_dir: Path) -> list[RunSummary]:
         raise UserError(f"report: {path} not found; give the run directory of a finished or stopped "
                         "`xlatrain train` (trainer.run_dir)")
     try:
-        return [RunSummary(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
-    except (json.JSONDecodeError, TypeError) as err:
+        return [RunSummary(**record) for record in read_records(path)]
+    except UserError as err:
+        raise UserError(f"report: {err}") from None
+    except TypeError as err:
         raise UserError(f"report: {path} is not a summary written by xlatrain ({err})") from None
 
 

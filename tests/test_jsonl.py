@@ -1,0 +1,33 @@
+"""JSON-lines logs after a writer was killed mid-line: the fragment is dropped, never glued to the next record."""
+
+import json
+
+import pytest
+
+from xlatrain.errors import UserError
+from xlatrain.jsonl import open_for_append, read_records, write_records
+
+
+def test_a_torn_last_line_is_dropped_and_cut_before_the_next_record(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3, "lo')
+    assert read_records(log) == [{"step": 1}, {"step": 2}]
+    with open_for_append(log) as handle:
+        handle.write(json.dumps({"step": 3}) + "\n")
+    assert log.read_text() == '{"step": 1}\n\n{"step": 2}\n{"step": 3}\n'
+    assert read_records(log) == [{"step": 1}, {"step": 2}, {"step": 3}]
+
+
+@pytest.mark.parametrize("line", ["not json", "[1, 2]", "7"])
+def test_a_bad_line_before_the_last_names_the_file_and_line(tmp_path, line):
+    log = tmp_path / "log.jsonl"
+    log.write_text(f'{{"step": 1}}\n{line}\n{{"step": 2}}\n')
+    with pytest.raises(UserError, match=f"{log}:2 is not a JSON record written by xlatrain; repair or remove"):
+        read_records(log)
+
+
+def test_rewriting_replaces_the_log_whole(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n')
+    write_records(log, [{"step": 1}])
+    assert log.read_text() == '{"step": 1}\n' and [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]

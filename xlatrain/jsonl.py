@@ -1,0 +1,47 @@
+"""JSON-lines logs (metrics.jsonl, summary.jsonl) that survive a writer killed in the middle of a line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Any
+
+from xlatrain.errors import UserError
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of `path`, one per line. A torn last line (its writer was killed or the disk filled) is
+    dropped; any other line that is not a JSON object is an error naming the file and line."""
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            record = None
+        if not isinstance(record, dict):
+            raise UserError(f"{path}:{number} is not a JSON record written by xlatrain; repair or remove that line")
+        records.append(record)
+    return records
+
+
+def open_for_append(path: Path) -> IO[str]:
+    """`path` opened to append lines, after cutting a torn last line (one without its newline), so that the next
+    record starts a line of its own instead of being glued to the fragment."""
+    if path.exists():
+        with path.open("rb+") as handle:
+            data = handle.read()
+            if data and not data.endswith(b"\n"):
+                handle.truncate(data.rfind(b"\n") + 1)
+    return path.open("a")
+
+
+def write_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace `path` with `records`: written beside it and renamed over it, so a kill midway loses nothing."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(r) + "\n" for r in records))
+    partial.replace(path)
