@@ -71,6 +71,13 @@ def test_out_of_range(capsys):
     assert "optimizer.lr" in err and "greater than 0" in err
 
 
+@pytest.mark.parametrize("partition", ["[0,4,2,2]", "abc", "[1.5,2]", "[true,1]"])
+def test_a_malformed_partition_is_one_message(capsys, partition):
+    err = cli_error(capsys, "config", "mesh.stage=2", f"parallel.pipeline.partition={partition}")
+    assert err.count("\n") == 1 and ("parallel.pipeline.partition: must be auto or a list of block counts, each at "
+                                     "least 1, one per pipeline chunk (got ") in err, err
+
+
 def test_unknown_choice(capsys):
     err = cli_error(capsys, "config", "optimizer.name=adam9")
     assert "optimizer" in err and "'adamw'" in err

@@ -28,8 +28,11 @@ def test_xlatrain_profile_traces_the_steps_in_a_fresh_run_directory(tmp_path):
     assert json.loads(gzip.decompress(perfetto.read_bytes()))
 
 
-@pytest.mark.parametrize("window,message", [("[3,2]", "must be a first and a last step with 3 <= 2"),
-                                            ("[2,9]", "2 <= 9 <= trainer.steps=5")])
+@pytest.mark.parametrize("window,message", [
+    ("[3,2]", r"profile_steps=\[3, 2\] must be \[first, last\] with first <= last <= trainer.steps=5"),
+    ("[2,9]", r"profile_steps=\[2, 9\] must be \[first, last\] with first <= last <= trainer.steps=5"),
+    ("[3]", r"profile_steps: must be \[first, last\]: two step numbers from 1 .* \(got \[3\]\)"),
+    ("[0,2]", r"profile_steps: must be \[first, last\]: two step numbers from 1 .* \(got \[0, 2\]\)")])
 def test_a_window_outside_the_run_is_a_config_error(window, message):
     with pytest.raises(UserError, match=message):
         load_config(None, [*DIGITS_MLP, "trainer.steps=5", f"trainer.profile_steps={window}"])

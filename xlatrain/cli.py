@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     pipeline.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
                           help="optional YAML file, then dotted overrides such as mesh.stage=4")
     pipeline.add_argument("--out", type=Path, default=Path("pipeline_schedule.png"), metavar="PATH",
-                          help="where to write the PNG chart (default: pipeline_schedule.png)")
+                          help="where to write the chart; its suffix picks the format (default: pipeline_schedule.png)")
     pipeline.set_defaults(command=_pipeline)
     profile = commands.add_parser("profile", help="train the first steps of a config into a fresh run directory "
                                   "and write a jax.profiler trace of steps A..B (RUN_DIR/profile)")
@@ -297,20 +297,20 @@ def _export(_config_path: str | None, _overrides: list[str], args: argparse.Name
 def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.config import load_config
     from xlatrain.pipeline.gantt import draw
+    from xlatrain.plot import figure_path
     from xlatrain.program import build_program
 
     config = load_config(config_path, overrides)
     if config.mesh.stage == 1:
         raise UserError("pipeline: this config runs no pipeline (mesh.stage=1); set mesh.stage to the number of "
                         "stages, e.g. mesh.stage=4 parallel.mode=shard_map")
-    if not args.out.parent.is_dir():
-        raise UserError(f"pipeline: --out {str(args.out)!r}: directory {str(args.out.parent)!r} does not exist")
+    out = figure_path("pipeline", "--out", args.out)
     program = build_program(config)
     plan = program.pipeline
     print("\n".join(plan.summary(program.remat, program.derived.pipeline_microbatch_size, count_work=True)))
     print(plan.table_text())
-    draw(plan.schedule, args.out, plan.simulated(), "time (mean chunk forward = 1), from XLA's FLOPs per chunk")
-    print(f"wrote {args.out}")
+    draw(plan.schedule, out, plan.simulated(), "time (mean chunk forward = 1), from XLA's FLOPs per chunk")
+    print(f"wrote {out}")
     return 0
 
 

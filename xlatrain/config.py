@@ -296,6 +296,15 @@ class PipelineConfig(Strict):
     """What one device may use (remat: auto only); null = the device's memory (a CPU device: its share of the
     host's RAM)."""
 
+    @field_validator("partition", mode="before")
+    @classmethod
+    def _partition_is_auto_or_block_counts(cls, value: Any) -> Any:
+        counts = isinstance(value, (list, tuple)) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)
+        if value != "auto" and not counts:
+            raise ValueError("must be auto or a list of block counts, each at least 1, one per pipeline chunk")
+        return value
+
     def chunks_per_stage(self) -> int:
         if self.virtual_stages is not None:
             return self.virtual_stages
@@ -409,6 +418,15 @@ class TrainerConfig(Strict):
             return "off"
         return "auto" if value is True else value
 
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _profile_steps_are_two_steps(cls, value: Any) -> Any:
+        steps = isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)
+        if value is not None and not steps:
+            raise ValueError("must be [first, last]: two step numbers from 1 (e.g. [3, 5]), or null for no trace")
+        return value
+
     @model_validator(mode="after")
     def _steps_fill_boundaries(self) -> TrainerConfig:
         if self.steps % self.steps_per_sync:
@@ -417,8 +435,8 @@ class TrainerConfig(Strict):
         if self.profile_steps is not None:
             a, b = self.profile_steps
             if not a <= b <= self.steps:
-                raise ValueError(f"trainer.profile_steps=[{a}, {b}] must be a first and a last step with "
-                                 f"{a} <= {b} <= trainer.steps={self.steps}")
+                raise ValueError(f"trainer.profile_steps=[{a}, {b}] must be [first, last] with first <= last <= "
+                                 f"trainer.steps={self.steps}")
         return self
 
 

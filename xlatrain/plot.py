@@ -29,7 +29,7 @@ def figure_path(command: str, flag: str, path: Path) -> Path:
 
     if path.is_dir():
         raise UserError(f"{command}: {flag} {str(path)!r} is a directory; give a file name, e.g. "
-                        f"{path / 'metrics.png'}")
+                        f"{path / 'figure.png'}")
     if not path.parent.is_dir():
         raise UserError(f"{command}: {flag} {str(path)!r}: directory {str(path.parent)!r} does not exist")
     if not path.suffix:
