@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,12 +33,19 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 def open_for_append(path: Path) -> IO[str]:
     """`path` opened to append lines, after cutting a torn last line (one without its newline), so that the next
     record starts a line of its own instead of being glued to the fragment."""
-    if path.exists():
+    if path.exists() and _ends_torn(path):
         with path.open("rb+") as handle:
-            data = handle.read()
-            if data and not data.endswith(b"\n"):
-                handle.truncate(data.rfind(b"\n") + 1)
+            handle.truncate(handle.read().rfind(b"\n") + 1)
     return path.open("a")
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether the last byte is not a newline: a writer was killed in the middle of a line."""
+    with path.open("rb") as handle:
+        if handle.seek(0, os.SEEK_END) == 0:
+            return False
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) != b"\n"
 
 
 def write_records(path: Path, records: list[dict[str, Any]]) -> None:
