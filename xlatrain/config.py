@@ -267,6 +267,12 @@ DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
                          "heads": "data", "hidden": "data", "channels": "data"}
 
 
+def _positive_ints(value: Any) -> bool:
+    """Whether a raw config value is a list of integers >= 1 (YAML's true is not one)."""
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)
+
+
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
 
 
@@ -299,9 +305,7 @@ class PipelineConfig(Strict):
     @field_validator("partition", mode="before")
     @classmethod
     def _partition_is_auto_or_block_counts(cls, value: Any) -> Any:
-        counts = isinstance(value, (list, tuple)) and all(
-            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)
-        if value != "auto" and not counts:
+        if value != "auto" and not _positive_ints(value):
             raise ValueError("must be auto or a list of block counts, each at least 1, one per pipeline chunk")
         return value
 
@@ -421,9 +425,7 @@ class TrainerConfig(Strict):
     @field_validator("profile_steps", mode="before")
     @classmethod
     def _profile_steps_are_two_steps(cls, value: Any) -> Any:
-        steps = isinstance(value, (list, tuple)) and len(value) == 2 and all(
-            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)
-        if value is not None and not steps:
+        if value is not None and not (_positive_ints(value) and len(value) == 2):
             raise ValueError("must be [first, last]: two step numbers from 1 (e.g. [3, 5]), or null for no trace")
         return value
 
