@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from xlatrain.atomic import replace_file
 from xlatrain.checkpoint import Checkpoints, CorruptCheckpoint
 from xlatrain.config import TorchModelConfig
 from xlatrain.errors import UserError
@@ -47,7 +48,5 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
     params = state.params if program.pipeline is None else program.pipeline.layout.layer_params(state.params)
     host = jax.tree.map(np.asarray, (params, state.model_state))
     state_dict = program.model.torch.state_dict(*host)
-    partial = out.with_name(out.name + ".partial")
-    torch.save(state_dict, partial)
-    partial.replace(out)
+    replace_file(out, lambda partial: torch.save(state_dict, partial))
     return out, step

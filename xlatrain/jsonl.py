@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
+from xlatrain.atomic import replace_file
 from xlatrain.errors import UserError
 
 
@@ -49,7 +50,5 @@ def _ends_torn(path: Path) -> bool:
 
 
 def write_records(path: Path, records: list[dict[str, Any]]) -> None:
-    """Replace `path` with `records`: written beside it and renamed over it, so a kill midway loses nothing."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(json.dumps(r) + "\n" for r in records))
-    partial.replace(path)
+    """Replace `path` with `records`, whole (a kill midway loses nothing)."""
+    replace_file(path, lambda partial: partial.write_text("".join(json.dumps(r) + "\n" for r in records)))

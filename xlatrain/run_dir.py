@@ -10,6 +10,7 @@ from typing import Callable
 import yaml
 
 from xlatrain import compat
+from xlatrain.atomic import replace_file
 from xlatrain.config import Config, Derived, config_to_yaml, flatten, parse_yaml, validate_config
 from xlatrain.distributed import is_primary
 from xlatrain.errors import UserError, first_line
@@ -55,9 +56,7 @@ def save_run_config(config: Config, derived: Derived) -> None:
     if is_primary():
         saved_path = config.run_dir() / CONFIG_FILE
         text = config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False)
-        partial = saved_path.with_suffix(".yaml.partial")
-        partial.write_text(text)
-        partial.replace(saved_path)
+        replace_file(saved_path, lambda partial: partial.write_text(text))
     compat.barrier("xlatrain-run-dir-ready")
 
 
