@@ -341,8 +341,9 @@ def test_remat_auto_keeps_residuals_only_when_xlas_memory_analysis_of_the_step_f
     needed = peak_memory_bytes(roomy.train_step.first.compiled)
     tight = program_for([*auto, f"parallel.pipeline.memory_budget_bytes={needed - 1}"])
     assert tight.remat.remat == "full", tight.remat
-    assert (f"needs {needed / 2**20:.1f} MiB per device by XLA's memory analysis of the step, more than "
-            "parallel.pipeline.memory_budget_bytes") in tight.remat.reason
+    assert (f"needs {needed / 2**20:.1f} MiB = {needed:,} bytes per device by XLA's memory analysis of the step, "
+            f"more than parallel.pipeline.memory_budget_bytes ({(needed - 1) / 2**20:.1f} MiB = {needed - 1:,} bytes)"
+            ) in tight.remat.reason
     assert len(tight.compile_book.records) == 1  # the measurement; the train step is not compiled yet
     assert peak_memory_bytes(tight.train_step.first.compiled) < needed and len(tight.compile_book.records) == 2
     report = tight.pipeline_report(tight.train_step.first.compiled)

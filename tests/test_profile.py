@@ -7,6 +7,7 @@ import json
 import pytest
 from conftest import DIGITS_MLP, run_cli
 
+from xlatrain.cli import claim_profile_dir
 from xlatrain.config import load_config
 from xlatrain.errors import UserError
 
@@ -26,6 +27,13 @@ def test_xlatrain_profile_traces_the_steps_in_a_fresh_run_directory(tmp_path):
         assert scope in trace, scope
     [perfetto] = xplane.parent.glob("perfetto_trace.json.gz")
     assert json.loads(gzip.decompress(perfetto.read_bytes()))
+
+
+def test_profiles_started_in_the_same_second_get_their_own_directories(tmp_path):
+    run_dir = tmp_path / "runs" / "gpt"
+    first, second = (claim_profile_dir(run_dir, "20261126-105624") for _ in range(2))
+    assert (first.name, second.name) == ("gpt-profile-20261126-105624", "gpt-profile-20261126-105624-2")
+    assert first.is_dir() and second.is_dir() and not run_dir.exists()
 
 
 @pytest.mark.parametrize("window,message", [

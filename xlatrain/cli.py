@@ -4,6 +4,7 @@ stderr, exit 2."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -321,9 +322,24 @@ def _profile(config_path: str | None, overrides: list[str], args: argparse.Names
     config = load_config(config_path, overrides)
     first, last = args.steps
     k = config.trainer.steps_per_sync
-    run_dir = f"{config.run_dir()}-profile-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = claim_profile_dir(config.run_dir(), time.strftime('%Y%m%d-%H%M%S'))
     return _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
                                 f"trainer.profile_steps=[{first},{last}]", f"trainer.run_dir={run_dir}"], args)
+
+
+def claim_profile_dir(run_dir: Path, stamp: str) -> Path:
+    """Creates RUN_DIR-profile-STAMP, or -STAMP-2, -3...: two profiles started in the same second would otherwise
+    share a directory, and the second would resume the first's finished run instead of tracing."""
+    for n in itertools.count(1):
+        candidate = run_dir.with_name(f"{run_dir.name}-profile-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            candidate.parent.mkdir(parents=True, exist_ok=True)
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        except OSError:
+            pass  # train's check of trainer.run_dir says what is wrong with the place
+        return candidate
 
 
 def _plot(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:

@@ -34,5 +34,10 @@ def choose_remat(measure_with_residuals: Callable[[], int], budget: int | None, 
     needed = measure_with_residuals()
     verdict = "within" if needed <= budget else "more than"
     return RematChoice("none" if needed <= budget else "full",
-                       f"auto: keeping residuals needs {needed / 2**20:.1f} MiB per device by XLA's memory analysis "
-                       f"of the step, {verdict} {budget_source} ({budget / 2**20:.1f} MiB)")
+                       f"auto: keeping residuals needs {_size(needed)} per device by XLA's memory analysis "
+                       f"of the step, {verdict} {budget_source} ({_size(budget)})")
+
+
+def _size(n: int) -> str:
+    """Exact bytes as well: a budget a few bytes short of the need reads the same in MiB."""
+    return f"{n / 2**20:.1f} MiB = {n:,} bytes"
