@@ -38,6 +38,9 @@ def test_a_missing_or_corrupt_metrics_file_is_one_line(tmp_path, capsys):
     assert "metrics.jsonl:2 is not a JSON record" in capsys.readouterr().err
     assert main(["plot", str(broken), "--out", str(tmp_path / "no" / "x.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    run = write_run(tmp_path / "run", steps(2))
+    assert main(["plot", str(run), str(tmp_path / "broken" / ".." / "run"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "are the same run; give each run directory once" in capsys.readouterr().err
 
 
 def test_the_figure_path_is_a_file_matplotlib_can_write(tmp_path, capsys):

@@ -43,6 +43,10 @@ def figure_path(command: str, flag: str, path: Path) -> Path:
 
 def run_names(run_dirs: list[Path]) -> list[str]:
     """Each run's directory name, or the path as given where two names would be the same."""
+    resolved = [d.resolve() for d in run_dirs]
+    repeated = [str(d) for d, r in zip(run_dirs, resolved, strict=True) if resolved.count(r) > 1]
+    if repeated:
+        raise UserError(f"plot: {' and '.join(repeated)} are the same run; give each run directory once")
     names = [d.name or str(d) for d in run_dirs]
     return [name if names.count(name) == 1 else str(d) for name, d in zip(names, run_dirs, strict=True)]
 
