@@ -331,7 +331,7 @@ def claim_profile_dir(run_dir: Path, stamp: str) -> Path:
     """Creates RUN_DIR-profile-STAMP, or -STAMP-2, -3...: two profiles started in the same second would otherwise
     share a directory, and the second would resume the first's finished run instead of tracing."""
     for n in itertools.count(1):
-        candidate = run_dir.with_name(f"{run_dir.name}-profile-{stamp}" + (f"-{n}" if n > 1 else ""))
+        candidate = Path(f"{run_dir}-profile-{stamp}" + (f"-{n}" if n > 1 else ""))
         try:
             candidate.parent.mkdir(parents=True, exist_ok=True)
             candidate.mkdir()
