@@ -51,3 +51,26 @@ def test_a_second_start_loads_the_steps_from_the_cache_and_off_writes_nothing(tm
     entries = sorted(cache.iterdir())
     off = start("off", "off")
     assert "compile cache off" in off.stdout and _loaded_from_cache(off) == 0 and sorted(cache.iterdir()) == entries
+
+
+def test_an_entry_cut_short_is_replaced_instead_of_failing_every_later_start(tmp_path):
+    """JAX writes an entry in place, so a kill or a full disk during the write leaves it short; JAX alone would
+    warn and compile at every later start, and never write that entry again."""
+    cache = tmp_path / "cache"
+    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+    def start(name):
+        return run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / name}",
+                       f"trainer.compile_cache={cache}", env=env)
+
+    assert _loaded_from_cache(start("first")) == 0
+    [entry] = cache.glob("jit_train_step-*-cache")
+    entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    cut = start("second")
+    assert _loaded_from_cache(cut) >= 2  # every entry but the cut one
+    [warning] = [line for line in cut.stderr.splitlines() if "compile cache" in line]
+    assert warning.startswith(f"xlatrain: warning: compile cache entry {entry} could not be read (")
+    assert warning.endswith("); removed it, so this compilation is written there again")
+    assert "UserWarning" not in cut.stderr and entry.stat().st_size > 0
+    third = start("third")
+    assert _loaded_from_cache(third) == _loaded_from_cache(cut) + 1 and "compile cache" not in third.stderr

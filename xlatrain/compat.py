@@ -6,13 +6,15 @@ import contextlib
 import re
 import threading
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from xlatrain.errors import first_line
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 """Recorded by jax (jax/_src/dispatch.py) once per XLA backend compilation, with a `fun_name`."""
@@ -62,6 +64,38 @@ def set_persistent_compile_cache(path: Path | None) -> None:
     if jax.config.jax_compilation_cache_dir != wanted:
         compilation_cache.reset_cache()
         jax.config.update("jax_compilation_cache_dir", wanted)
+
+
+CACHE_ENTRY_SUFFIX = "-cache"
+"""jax/_src/lru_cache.py stores a persistent-cache entry as KEY-cache in the cache directory."""
+
+
+def drop_unreadable_cache_entries(report: Callable[[str], None]) -> None:
+    """JAX writes a cache entry in place, so a kill or a full disk during the write leaves it cut short. JAX then
+    warns and compiles at every later start, and never writes that entry again, since one exists. Around JAX's
+    read, an entry that cannot be read is deleted and reported instead, so the compilation that follows writes
+    a good one. Installed once per process; jax_raise_persistent_cache_errors still raises."""
+    from jax._src import compilation_cache
+
+    read = compilation_cache.get_executable_and_time
+    if getattr(read, "drops_unreadable_entries", False):
+        return
+
+    @wraps(read)
+    def read_or_drop(cache_key: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        try:
+            return read(cache_key, *args, **kwargs)
+        except Exception as err:
+            if jax.config.jax_raise_persistent_cache_errors or not jax.config.jax_compilation_cache_dir:
+                raise
+            entry = Path(jax.config.jax_compilation_cache_dir) / f"{cache_key}{CACHE_ENTRY_SUFFIX}"
+            entry.unlink(missing_ok=True)
+            report(f"compile cache entry {entry} could not be read ({type(err).__name__}: {first_line(err)}); "
+                   "removed it, so this compilation is written there again")
+            return None, None
+
+    read_or_drop.drops_unreadable_entries = True  # type: ignore[attr-defined]
+    compilation_cache.get_executable_and_time = read_or_drop
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from xlatrain import compat
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, warn
 
 
 def cache_dir(setting: str) -> Path | None:
@@ -39,4 +39,5 @@ def use_compile_cache(setting: str) -> Path | None:
             raise UserError(f"trainer.compile_cache={setting!r}: {path} is not writable; name a directory you can "
                             "write, or set trainer.compile_cache=off")
     compat.set_persistent_compile_cache(path)
+    compat.drop_unreadable_cache_entries(warn)
     return path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -28,6 +27,7 @@ from xlatrain.data.loader import (
     train_iterator,
 )
 from xlatrain.distributed import StopAgreement, check_processes_agree, host_name, is_primary
+from xlatrain.errors import warn
 from xlatrain.lowering.compile import FIRST_COMPILATION, CompileLog
 from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
@@ -80,10 +80,6 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
 
 def _silent(_: str) -> None:
     pass
-
-
-def _warn(message: str) -> None:
-    print(f"xlatrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _describe(program: Program, echo: Callable[[str], None]) -> None:
@@ -271,7 +267,7 @@ class _Run:
 
     def _initial_state(self) -> tuple[Any, dict | None, int]:
         abstract = with_shardings(self.program.abstract_state, self.program.specs, self.program.mesh)
-        restored = self.checkpoints.restore_newest_verified(abstract, warn=_warn)
+        restored = self.checkpoints.restore_newest_verified(abstract, warn=warn)
         if restored is None:
             return self.program.create_state(), None, 0
         state, data_state, step = restored
