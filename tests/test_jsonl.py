@@ -1,9 +1,12 @@
-"""JSON-lines logs after a writer was killed mid-line: the fragment is dropped, never glued to the next record."""
+"""JSON-lines logs after a writer was killed mid-line: the fragment is dropped, never glued to the next record;
+and the files xlatrain rewrites are replaced whole (xlatrain/atomic.py)."""
 
+import errno
 import json
 
 import pytest
 
+from xlatrain.atomic import replace_file
 from xlatrain.errors import UserError
 from xlatrain.jsonl import open_for_append, read_records, write_records
 
@@ -31,3 +34,16 @@ def test_rewriting_replaces_the_log_whole(tmp_path):
     log.write_text('{"step": 1}\n{"step": 2}\n')
     write_records(log, [{"step": 1}])
     assert log.read_text() == '{"step": 1}\n' and [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]
+
+
+def test_a_write_that_fails_midway_keeps_the_old_file_and_leaves_no_partial(tmp_path):
+    target = tmp_path / "config.yaml"
+    target.write_text("old")
+
+    def half_then_disk_full(partial):
+        partial.write_text("ne")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        replace_file(target, half_then_disk_full)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.yaml"]

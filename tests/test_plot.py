@@ -1,6 +1,8 @@
 """`xlatrain plot`: runs' curves from metrics.jsonl, overlaid; a killed run's torn last line is tolerated."""
 
+import errno
 import json
+from pathlib import Path
 
 from PIL import Image
 
@@ -54,3 +56,21 @@ def test_the_figure_path_is_a_file_matplotlib_can_write(tmp_path, capsys):
     assert (tmp_path / "curves.png").is_file()
     assert main(["plot", str(run), "--out", str(tmp_path / "curves.svg")]) == 0
     assert (tmp_path / "curves.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_a_figure_that_cannot_be_written_keeps_the_old_one(tmp_path, capsys, monkeypatch):
+    import matplotlib.figure
+
+    run = write_run(tmp_path / "run", steps(3))
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(run), "--out", str(out)]) == 0
+    before = out.read_bytes()
+
+    def disk_full(figure, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", disk_full)
+    assert main(["plot", str(run), "--out", str(out)]) == 2
+    assert f"xlatrain: error: cannot write {out}: No space left on device" in capsys.readouterr().err
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "run"]

@@ -9,5 +9,9 @@ from typing import Callable
 def replace_file(path: Path, write: Callable[[Path], object]) -> None:
     """`write(partial)` writes the new content beside `path`, which it then replaces by a rename."""
     partial = path.with_name(path.name + ".partial")
-    write(partial)
-    partial.replace(path)
+    try:
+        write(partial)
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from xlatrain.atomic import replace_file
 from xlatrain.errors import UserError
 from xlatrain.metrics import read_metrics
 
@@ -39,6 +40,15 @@ def figure_path(command: str, flag: str, path: Path) -> Path:
         raise UserError(f"{command}: {flag} {str(path)!r}: matplotlib cannot write {path.suffix!r} files; end the "
                         f"name with one of {', '.join('.' + f for f in sorted(formats))}")
     return path
+
+
+def save_figure(figure, path: Path) -> None:
+    """Writes beside `path` and renames it over: a kill or a full disk midway keeps the figure that was there."""
+    file_format = path.suffix[1:].lower() or "png"
+    try:
+        replace_file(path, lambda partial: figure.savefig(partial, format=file_format, dpi=110))
+    except OSError as err:
+        raise UserError(f"cannot write {path}: {err.strerror}") from None
 
 
 def run_names(run_dirs: list[Path]) -> list[str]:
@@ -86,6 +96,6 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[str]:
         ax.legend(fontsize=7, loc="best")
     axes[-1, 0].set_xlabel("step")
     figure.tight_layout()
-    figure.savefig(out, dpi=110)
+    save_figure(figure, out)
     plt.close(figure)
     return [title for title, _ in panels]

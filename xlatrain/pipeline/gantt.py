@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from xlatrain.pipeline.schedule import Schedule, Timeline, simulate
+from xlatrain.plot import save_figure
 
 _COLOURS = {"F": ("#4c78a8", "#9ecae9"), "B": ("#e45756", "#ff9d98"), "W": ("#54a24b", "#88d27a")}
 """Per kind, the colours of even and odd virtual-stage rounds."""
@@ -35,6 +36,6 @@ def draw(schedule: Schedule, path: Path, timeline: Timeline | None = None, time_
                    f"{timeline.bubble():.1%} (theory {schedule.theoretical_bubble():.1%})")
     figure.tight_layout()
     path = Path(path)
-    figure.savefig(path, dpi=110)
+    save_figure(figure, path)
     plt.close(figure)
     return path
