@@ -507,7 +507,8 @@ ERRORS = {
     "partition-count": (["mesh.stage=2", "parallel.pipeline.partition=[1,1,2]"], "must give 2 block counts"),
     "partition-sum": (["mesh.stage=2", "parallel.pipeline.partition=[1,2]"], "add up to model.layers=2"),
     "too-few-blocks": (["mesh.stage=4", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.microbatches=4"],
-                       "model.layers=2 blocks cannot fill mesh.stage=4 x virtual_stages=2"),
+                       "model.layers=2 blocks cannot fill mesh.stage=4 x virtual_stages=2 = 8 pipeline chunks (one "
+                       "block or more each); use fewer stages or virtual stages, or more blocks"),
     "too-few-microbatches": (["mesh.stage=2", "parallel.pipeline.microbatches=1"], "fewer than mesh.stage=2"),
     "interleaved-groups": (["mesh.stage=2", "model.layers=4", "parallel.pipeline.schedule=interleaved",
                             "parallel.pipeline.microbatches=3"], "must be a multiple of 2"),
@@ -529,7 +530,8 @@ ERRORS = {
                           "parallel.pipeline.remat=none", "parallel.pipeline.virtual_stages=3"],
                          "schedule=zbv places exactly 2 chunks per stage in a V"),
     "zbv-too-few-blocks": (["mesh.stage=2", "parallel.pipeline.schedule=zbv", "parallel.pipeline.remat=none"],
-                           "model.layers=2 blocks cannot fill mesh.stage=2 x virtual_stages=2"),
+                           "model.layers=2 blocks cannot fill mesh.stage=2 x 2 chunks per stage (schedule=zbv) = 4 "
+                           "pipeline chunks (one block or more each); use fewer stages, or more blocks"),
 }
 
 
