@@ -596,17 +596,16 @@ class Config(Strict):
 def check_block_partition(pipe: PipelineConfig, stages: int, blocks: int, counted_by: str) -> None:
     """The model's blocks must fill mesh.stage x virtual_stages chunks, one block or more each."""
     chunks = stages * pipe.chunks_per_stage()
+    virtual = pipe.chunks_per_stage() > 1 and pipe.schedule != "zbv"
+    times = (" x 2 chunks per stage (schedule=zbv)" if pipe.schedule == "zbv"
+             else f" x virtual_stages={pipe.chunks_per_stage()}" if virtual else "")
     if blocks < chunks:
-        virtual = pipe.chunks_per_stage() > 1 and pipe.schedule != "zbv"
-        times = (" x 2 chunks per stage (schedule=zbv)" if pipe.schedule == "zbv"
-                 else f" x virtual_stages={pipe.chunks_per_stage()}" if virtual else "")
         raise ValueError(f"{counted_by}={blocks} blocks cannot fill mesh.stage={stages}{times} = {chunks} pipeline "
                          f"chunks (one block or more each); use fewer stages{' or virtual stages' if virtual else ''}, "
                          "or more blocks")
     if pipe.partition != "auto" and (len(pipe.partition) != chunks or sum(pipe.partition) != blocks):
         raise ValueError(f"parallel.pipeline.partition={list(pipe.partition)} must give {chunks} block counts "
-                         f"(mesh.stage={stages} x virtual_stages={pipe.chunks_per_stage()}) that add up to "
-                         f"{counted_by}={blocks}; or use partition=auto")
+                         f"(mesh.stage={stages}{times}) that add up to {counted_by}={blocks}; or use partition=auto")
 
 
 # --- derived values ----------------------------------------------------------------------------
