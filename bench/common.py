@@ -34,10 +34,23 @@ def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def cpu_model() -> str:
+    """The host CPU as Linux reports it: model name, family and model numbers (a hypervisor may show only the
+    vendor's name; the numbers tell the generation). Results from different hosts differ a lot."""
+    try:
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    fields = dict(tuple(part.strip() for part in line.split(":", 1)) for line in first_cpu if ":" in line)
+    name = fields.get("model name", platform.processor() or "unknown")
+    return f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+
+
 def environment(command: str) -> dict[str, str]:
     return {"python": sys.version.split()[0], "jax": jax.__version__, "backend": jax.default_backend(),
             "device": str(jax.devices()[0].device_kind), "devices": str(jax.device_count()),
-            "machine": platform.machine(), "cpus": str(os.cpu_count()), "command": command}
+            "machine": platform.machine(), "cpu_model": cpu_model(), "cpus": str(os.cpu_count()),
+            "command": command}
 
 
 def write_results(name: str, command: str, payload: dict) -> Path:

@@ -188,6 +188,30 @@ def test_a_float32_sum_adds_the_participants_in_rank_order_bit_for_bit(participa
     np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(in_rank_order, got.shape))
 
 
+def test_reductions_past_the_last_level_cache_stream_their_outputs_and_stay_exact(mesh):
+    """A reduction whose inputs and outputs do not fit the last-level cache together writes them with non-temporal
+    stores: the results must not change (sums in rank order, bit for bit; odd share sizes, so the shares' starts are
+    not aligned; 16-bit floats, rounded once)."""
+    from xlatrain.custom_calls import _cpu
+
+    cache = _cpu.last_level_cache_bytes()
+    if cache == 0:
+        pytest.skip("this host does not describe its caches in /sys/devices/system/cpu/cpu0/cache: nothing streams")
+    count = 8 * (cache // (2 * 8 * 2 * 8) + 4097)  # per device: 2 x 8 devices x count x 2 bytes > cache
+    shards = (np.random.default_rng(2).normal(size=(8, count)) * 100).astype(np.float32)
+    in_rank_order = shards[0].copy()
+    for shard in shards[1:]:
+        in_rank_order += shard
+    summed = per_device(lambda v: all_reduce.all_reduce(v, "d"), mesh)(shards.reshape(-1)).reshape(8, -1)
+    np.testing.assert_array_equal(np.asarray(summed), np.broadcast_to(in_rank_order, summed.shape))
+    scattered = per_device(lambda v: reduce_scatter.reduce_scatter(v, "d"), mesh)(shards.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(scattered), in_rank_order)
+    halves = jnp.asarray(shards).astype(jnp.bfloat16)
+    mean = per_device(lambda v: all_reduce.all_reduce(v, "d", "mean"), mesh)(halves.reshape(-1)).reshape(8, -1)
+    want = (np.asarray(halves.astype(jnp.float32)).sum(0) / 8).astype(jnp.bfloat16)
+    assert_matches(mean, jnp.broadcast_to(want, mean.shape), "bfloat16")
+
+
 def test_each_row_of_a_2d_mesh_meets_on_its_own():
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("rows", "cols"))
     x = jnp.arange(8.0).reshape(2, 4)

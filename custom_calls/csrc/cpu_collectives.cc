@@ -6,7 +6,8 @@
 // once, so no XLA thread ever blocks (XLA's executor may run many devices on a few threads). The last
 // to arrive hands every participant's share of the work to xlatrain's worker threads: for a reduction,
 // participant r reduces slice r of the buffer over all inputs and writes it into every output
-// (reduce-scatter then all-gather, in place), so no thread reduces everything. When all shares are
+// (reduce-scatter then all-gather, in place), so no thread reduces everything; where the inputs and outputs do not
+// fit the last-level cache together, the outputs are written with non-temporal stores. When all shares are
 // written, every promise completes. A watchdog fails the promises of a meeting that is still missing
 // participants after the timeout, with an error naming the op and who came: never a silent hang.
 //
@@ -22,6 +23,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -36,7 +38,26 @@
 #include "collectives.h"
 #include "cpu_mpi.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace xlatrain {
+
+// The size of the largest cache of the CPU this runs on (as Linux describes cpu0's caches), 0 when unknown.
+int64_t LastLevelCacheBytes() {
+  int64_t largest = 0;
+  for (int index = 0;; ++index) {
+    std::ifstream size_file("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size");
+    int64_t size = 0;
+    std::string unit;
+    if (!(size_file >> size)) return largest;
+    size_file >> unit;  // "K" or "M" (or nothing: bytes)
+    size *= unit == "M" ? (1 << 20) : unit == "K" ? (1 << 10) : 1;
+    largest = std::max(largest, size);
+  }
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -391,10 +412,46 @@ void CombineBlock(const std::vector<Participant>& parts, int64_t start, int64_t 
   }
 }
 
+// Whether a collective that reads and writes `bytes` in all (every local input and output) should write its outputs
+// with non-temporal stores: only where they do not fit the last-level cache together. There, an ordinary store first
+// reads each line it writes from memory, and the outputs would be evicted before anything reads them; below it, they
+// are still cached when the program reads them next.
+bool StreamsPastCache(int64_t bytes) {
+  static const int64_t cache = LastLevelCacheBytes();
+  return cache > 0 && bytes > cache;
+}
+
+// memcpy, with non-temporal stores where `stream` says (on x86-64; elsewhere always memcpy). A share that streamed
+// ends with Fence() before its results count as written.
+void CopyOut(void* to, const void* from, size_t bytes, bool stream) {
+#if defined(__x86_64__)
+  if (stream) {
+    auto* out = static_cast<char*>(to);
+    const auto* in = static_cast<const char*>(from);
+    const size_t head = std::min(bytes, (16 - reinterpret_cast<uintptr_t>(out) % 16) % 16);
+    std::memcpy(out, in, head);
+    size_t i = head;
+    for (; i + 16 <= bytes; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    }
+    std::memcpy(out + i, in + i, bytes - i);
+    return;
+  }
+#endif
+  std::memcpy(to, from, bytes);
+}
+
+// Orders this thread's non-temporal stores before whatever it does next (such as completing a promise).
+void Fence(bool streamed) {
+#if defined(__x86_64__)
+  if (streamed) _mm_sfence();
+#endif
+}
+
 // acc[0, len), divided by `participants` for a mean and rounded back to T, into every one of `outs` at `at`.
 template <typename T, typename Acc>
 void WriteBlock(Acc* acc, int64_t len, Reduction r, int64_t participants, const std::vector<void*>& outs, int64_t at,
-                T* narrowed, ffi::DataType type) {
+                T* narrowed, ffi::DataType type, bool stream) {
   if (r == Reduction::kMean) {
     for (int64_t i = 0; i < len; ++i) acc[i] /= static_cast<Acc>(participants);
   }
@@ -403,13 +460,13 @@ void WriteBlock(Acc* acc, int64_t len, Reduction r, int64_t participants, const 
     for (int64_t i = 0; i < len; ++i) narrowed[i] = Narrow(acc[i], type);
     result = narrowed;
   }
-  for (void* out : outs) std::memcpy(static_cast<T*>(out) + at, result, len * sizeof(T));
+  for (void* out : outs) CopyOut(static_cast<T*>(out) + at, result, len * sizeof(T), stream);
 }
 
 // Reduces elements [begin, end) over every input, a block at a time; element i goes to each of `outs` at
-// index i - shift.
+// index i - shift, streamed past the cache where `stream` says.
 void ReduceShare(ffi::DataType type, const std::vector<Participant>& parts, int64_t begin, int64_t end, Reduction r,
-                 const std::vector<void*>& outs, int64_t shift) {
+                 const std::vector<void*>& outs, int64_t shift, bool stream) {
   WithTypes(type, [&](auto t, auto a) {
     using T = decltype(t);
     using Acc = decltype(a);
@@ -418,9 +475,11 @@ void ReduceShare(ffi::DataType type, const std::vector<Participant>& parts, int6
     for (int64_t start = begin; start < end; start += kBlock) {
       const int64_t len = std::min(kBlock, end - start);
       CombineBlock<T, Acc>(parts, start, len, r, acc, widened, type);
-      WriteBlock<T, Acc>(acc, len, r, static_cast<int64_t>(parts.size()), outs, start - shift, narrowed, type);
+      WriteBlock<T, Acc>(acc, len, r, static_cast<int64_t>(parts.size()), outs, start - shift, narrowed, type,
+                         stream);
     }
   });
+  Fence(stream);
 }
 
 std::vector<void*> Outputs(const std::vector<Participant>& parts) {
@@ -446,18 +505,20 @@ void AccumulateShare(ffi::DataType type, const std::vector<Participant>& parts, 
 }
 
 // Two-level reductions, last step: elements [begin, end) of the scratch buffer (divided by `participants` for a
-// mean, rounded back for 16-bit floats) into every one of `outs`, from its start.
+// mean, rounded back for 16-bit floats) into every one of `outs`, from its start, streamed past the cache where
+// `stream` says.
 void WriteFromScratch(ffi::DataType type, Reduction r, int64_t participants, void* scratch, int64_t begin,
-                      int64_t end, const std::vector<void*>& outs) {
+                      int64_t end, const std::vector<void*>& outs, bool stream) {
   WithTypes(type, [&](auto t, auto a) {
     using T = decltype(t);
     using Acc = decltype(a);
     T* narrowed = ThreadBlock<T>(Block::kNarrowed);
     for (int64_t start = begin; start < end; start += kBlock) {
       WriteBlock<T, Acc>(static_cast<Acc*>(scratch) + start, std::min(kBlock, end - start), r, participants, outs,
-                         start - begin, narrowed, type);
+                         start - begin, narrowed, type, stream);
     }
   });
+  Fence(stream);
 }
 
 // Where a process sits among the processes a group spans (equal blocks of consecutive ranks, in process order,
@@ -560,10 +621,11 @@ ffi::Future AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
   const Where where = Locate("all_reduce", run, where_, participants, processes, site, timeout_ms);
   const int64_t local = where.call.participants;
   const int64_t begin = ShareBegin(count, local, where.call.rank), end = ShareBegin(count, local, where.call.rank + 1);
+  const bool stream = StreamsPastCache(2 * local * static_cast<int64_t>(x.size_bytes()));  // inputs and outputs
   if (processes == 1) {
     return Meet(where.call, x.untyped_data(), out->untyped_data(), x.size_bytes(),
                 [=](const std::vector<Participant>& parts, void*) {
-                  ReduceShare(type, parts, begin, end, r, Outputs(parts), 0);
+                  ReduceShare(type, parts, begin, end, r, Outputs(parts), 0, stream);
                 });
   }
   const Processes across = where.processes;
@@ -574,7 +636,9 @@ ffi::Future AllReduce(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
               Across{static_cast<size_t>(count * AccBytes(type)),
                      [=](const std::vector<Participant>& parts, char* scratch) {
                        Round gather = ShareBlocks(scratch, count, AccBytes(type), across);
-                       gather.then = [=] { WriteFromScratch(type, r, participants, scratch, 0, count, Outputs(parts)); };
+                       gather.then = [=] {
+                         WriteFromScratch(type, r, participants, scratch, 0, count, Outputs(parts), stream);
+                       };
                        return std::vector<Round>{ReduceBlocks(type, r, scratch, count, across), gather};
                      }});
 }
@@ -595,10 +659,12 @@ ffi::Future ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   const Where where = Locate("reduce_scatter", run, where_, participants, processes, site, timeout_ms);
   const int64_t chunk = count / participants, local = where.call.participants;
   void* mine = out->untyped_data();
+  const int64_t in_bytes = local * static_cast<int64_t>(x.size_bytes());
+  const bool stream = StreamsPastCache(in_bytes + in_bytes / participants);  // inputs and outputs
   if (processes == 1) {
     const int64_t begin = where.global * chunk;
     return Meet(where.call, x.untyped_data(), mine, x.size_bytes(), [=](const std::vector<Participant>& parts, void*) {
-      ReduceShare(type, parts, begin, begin + chunk, r, {mine}, begin);
+      ReduceShare(type, parts, begin, begin + chunk, r, {mine}, begin, stream);
     });
   }
   const int64_t begin = ShareBegin(count, local, where.call.rank), end = ShareBegin(count, local, where.call.rank + 1);
@@ -614,7 +680,7 @@ ffi::Future ReduceScatter(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
                          combine();
                          for (int64_t j = 0; j < local; ++j) {  // this process's block holds its devices' chunks
                            const int64_t at = (across.me * local + j) * chunk;
-                           WriteFromScratch(type, r, participants, scratch, at, at + chunk, {parts[j].out});
+                           WriteFromScratch(type, r, participants, scratch, at, at + chunk, {parts[j].out}, stream);
                          }
                        };
                        return std::vector<Round>{round};

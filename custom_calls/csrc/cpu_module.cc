@@ -7,6 +7,7 @@
 #include "xla/ffi/api/c_api.h"
 
 namespace xlatrain {
+int64_t LastLevelCacheBytes();
 extern "C" {
 XLA_FFI_Error* kCpuAllReduce(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCpuReduceScatter(XLA_FFI_CallFrame*);
@@ -28,6 +29,9 @@ NB_MODULE(_cpu, m) {
     handlers["broadcast"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuBroadcast));
     return handlers;
   }, "FFI handlers of the CPU collectives, by op name.");
+  m.def("last_level_cache_bytes", &xlatrain::LastLevelCacheBytes,
+        "the largest cache of cpu0 as Linux describes it, 0 when unknown: reductions that read and write more than "
+        "this write their outputs with non-temporal stores.");
   m.def("mpi_world", &xlatrain::MpiWorld,
         "(size, rank) in MPI_COMM_WORLD, initialising MPI on first use; (-1, -1) when built without MPI.");
   m.def("mpi_finalize", &xlatrain::MpiFinalize, nanobind::call_guard<nanobind::gil_scoped_release>(),
