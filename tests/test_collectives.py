@@ -172,6 +172,14 @@ def test_vmap_inside_and_outside_shard_map(mesh):
     np.testing.assert_allclose(outside[1], 2 * outside[0], rtol=1e-6)
 
 
+def summed_in_rank_order(shards: np.ndarray) -> np.ndarray:
+    """The shards added one at a time in rank order: what a custom all_reduce's sum gives, bit for bit."""
+    total = shards[0].copy()
+    for shard in shards[1:]:
+        total += shard
+    return total
+
+
 @pytest.mark.parametrize("participants", [8, 5, 4])
 def test_a_float32_sum_adds_the_participants_in_rank_order_bit_for_bit(participants):
     """Several inputs per pass over the accumulator (and wide vectors) must not change a bit of the result:
@@ -181,9 +189,7 @@ def test_a_float32_sum_adds_the_participants_in_rank_order_bit_for_bit(participa
     shards = (rng.normal(size=(participants, 4096 * 2 + 37)) * 10.0 ** rng.integers(-4, 5, (participants, 1)))
     shards = shards.astype(np.float32)
     got = per_device(lambda v: all_reduce.all_reduce(v, "d"), mesh)(shards.reshape(-1)).reshape(participants, -1)
-    in_rank_order = shards[0].copy()
-    for shard in shards[1:]:
-        in_rank_order += shard
+    in_rank_order = summed_in_rank_order(shards)
     assert not np.array_equal(in_rank_order, shards[::-1].sum(0, dtype=np.float32))  # the order shows
     np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(in_rank_order, got.shape))
 
@@ -199,9 +205,7 @@ def test_reductions_past_the_last_level_cache_stream_their_outputs_and_stay_exac
         pytest.skip("this host does not describe its caches in /sys/devices/system/cpu/cpu0/cache: nothing streams")
     count = 8 * (cache // (2 * 8 * 2 * 8) + 4097)  # per device: 2 x 8 devices x count x 2 bytes > cache
     shards = (np.random.default_rng(2).normal(size=(8, count)) * 100).astype(np.float32)
-    in_rank_order = shards[0].copy()
-    for shard in shards[1:]:
-        in_rank_order += shard
+    in_rank_order = summed_in_rank_order(shards)
     summed = per_device(lambda v: all_reduce.all_reduce(v, "d"), mesh)(shards.reshape(-1)).reshape(8, -1)
     np.testing.assert_array_equal(np.asarray(summed), np.broadcast_to(in_rank_order, summed.shape))
     scattered = per_device(lambda v: reduce_scatter.reduce_scatter(v, "d"), mesh)(shards.reshape(-1))
