@@ -595,10 +595,11 @@ class Config(Strict):
 
 def check_block_partition(pipe: PipelineConfig, stages: int, blocks: int, counted_by: str) -> None:
     """The model's blocks must fill mesh.stage x virtual_stages chunks, one block or more each."""
-    chunks = stages * pipe.chunks_per_stage()
-    virtual = pipe.chunks_per_stage() > 1 and pipe.schedule != "zbv"
-    times = (" x 2 chunks per stage (schedule=zbv)" if pipe.schedule == "zbv"
-             else f" x virtual_stages={pipe.chunks_per_stage()}" if virtual else "")
+    per_stage = pipe.chunks_per_stage()
+    chunks = stages * per_stage
+    virtual = per_stage > 1 and pipe.schedule != "zbv"
+    times = (f" x {per_stage} chunks per stage (schedule=zbv)" if pipe.schedule == "zbv"
+             else f" x virtual_stages={per_stage}" if virtual else "")
     if blocks < chunks:
         raise ValueError(f"{counted_by}={blocks} blocks cannot fill mesh.stage={stages}{times} = {chunks} pipeline "
                          f"chunks (one block or more each); use fewer stages{' or virtual stages' if virtual else ''}, "
