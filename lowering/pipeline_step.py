@@ -161,14 +161,17 @@ def _pullback_of(parts: BlockParts, policy: Policy, loss: str, kind: str) -> Cal
 
 class SlotInputs(NamedTuple):
     """What a slot's action reads: the chunk's blocks and the other params (in the compute dtype), its input
-    activation and incoming gradient, the microbatch, its dropout keys and active blocks."""
+    activation and incoming gradient, the microbatch, where its dropout keys come from (the microbatch's index
+    and the chunk's first layer: the action derives them, so a slot without an action, or a model without
+    dropout, computes none) and its active blocks."""
 
     cb: Tree
     cr: dict
     x_in: jax.Array
     dy: jax.Array
     micro: dict
-    keys: jax.Array
+    microbatch: jax.Array
+    start: jax.Array
     active: jax.Array | None
 
 
@@ -359,12 +362,12 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
             j, r = at["microbatch"], at["round"]
             chunk = chunk_table[r, stage]
             inputs = SlotInputs(compute(jax.tree.map(lambda b: b[r], blocks)), cr, activations[at["activation_read"]],
-                                cotangents[at["cotangent_read"]], jax.tree.map(lambda x: x[j], micro),
-                                chunk_keys(jax.random.fold_in(key, j), starts[chunk]),
-                                None if active_blocks is None else active_blocks[chunk])
+                                cotangents[at["cotangent_read"]], jax.tree.map(lambda x: x[j], micro), j,
+                                starts[chunk], None if active_blocks is None else active_blocks[chunk])
 
             def functions(i):
-                return chunk_functions(parts, policy, loss, i.micro, i.keys, i.active, scale, total_weight)
+                keys = chunk_keys(jax.random.fold_in(key, i.microbatch), i.start)
+                return chunk_functions(parts, policy, loss, i.micro, keys, i.active, scale, total_weight)
 
             def add(totals, grad_blocks=None, grad_rest=None, sums=None):
                 g_blocks, g_rest, s = totals

@@ -130,6 +130,27 @@ def test_every_schedule_keeps_the_amp_order(schedule, remat, devices):
     assert program.amp_order_problems() == []
 
 
+@pytest.mark.slow
+def test_dropout_masks_are_derived_inside_each_action_alike_for_every_schedule_and_remat(devices):
+    """A chunk's dropout keys come from the microbatch's index and the chunk's first layer inside its action: a
+    forward's recomputation (1f1b, remat: full) and a B and W (zb1p) draw the forward's masks, so their gradients
+    agree; without dropout the step computes no keys at all (they once took a threefry hash every slot)."""
+    stages = ["mesh.stage=2", "model.layers=2", "parallel.pipeline.microbatches=2"]
+    zb1p = ["parallel.pipeline.schedule=zb1p", "parallel.pipeline.remat=none"]
+
+    def gradients(overrides):
+        program = program_for([*stages, *overrides])
+        grads = program.gradients(program.create_state(), token_batch(program))[0]
+        return program, jax.device_get(program.pipeline.layout.layer_params(grads))
+
+    recomputed = gradients(["model.dropout=0.3", "parallel.pipeline.remat=full"])[1]
+    split = gradients(["model.dropout=0.3", *zb1p])[1]
+    without, no_dropout = gradients(zb1p)
+    assert max(jax.tree.leaves(relative_errors(recomputed, split))) < 1e-5
+    assert max(jax.tree.leaves(relative_errors(no_dropout, split))) > 1e-2
+    assert "threefry" not in without.train_step.first.compiled.as_text()
+
+
 def assert_gradients_equal_the_unpipelined_model(overrides, pipeline_overrides):
     pipelined = program_for([*overrides, *pipeline_overrides])
     grads, sums = pipelined.gradients(pipelined.create_state(), token_batch(pipelined))
