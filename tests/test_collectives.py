@@ -194,10 +194,10 @@ def test_a_float32_sum_adds_the_participants_in_rank_order_bit_for_bit(participa
     np.testing.assert_array_equal(np.asarray(got), np.broadcast_to(in_rank_order, got.shape))
 
 
-def test_reductions_past_the_last_level_cache_stream_their_outputs_and_stay_exact(mesh):
-    """A reduction whose inputs and outputs do not fit the last-level cache together writes them with non-temporal
-    stores: the results must not change (sums in rank order, bit for bit; odd share sizes, so the shares' starts are
-    not aligned; 16-bit floats, rounded once)."""
+def test_collectives_past_the_last_level_cache_stream_their_outputs_and_stay_exact(mesh):
+    """A reduction or gather whose inputs and outputs do not fit the last-level cache together writes them with
+    non-temporal stores: the results must not change (sums in rank order, bit for bit; odd share sizes, so the
+    shares' starts are not aligned; 16-bit floats, rounded once; a gather's pieces of an odd size, each in place)."""
     from xlatrain.custom_calls import _cpu
 
     cache = _cpu.last_level_cache_bytes()
@@ -214,6 +214,10 @@ def test_reductions_past_the_last_level_cache_stream_their_outputs_and_stay_exac
     mean = per_device(lambda v: all_reduce.all_reduce(v, "d", "mean"), mesh)(halves.reshape(-1)).reshape(8, -1)
     want = (np.asarray(halves.astype(jnp.float32)).sum(0) / 8).astype(jnp.bfloat16)
     assert_matches(mean, jnp.broadcast_to(want, mean.shape), "bfloat16")
+    pieces = shards[:, :cache // (8 * 9 * 4) + 3]  # per device: 8 devices x (a piece + all 8 pieces) > cache
+    assert pieces.shape[1] % 2 == 1
+    gathered = per_device(lambda v: all_gather.all_gather(v, "d", tiled=True), mesh)(pieces.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(gathered).reshape(8, -1), np.tile(pieces.reshape(-1), (8, 1)))
 
 
 def test_each_row_of_a_2d_mesh_meets_on_its_own():

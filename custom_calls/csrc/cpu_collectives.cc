@@ -694,13 +694,14 @@ ffi::Future AllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
   if (bytes == 0) return Ready();
   const Where where = Locate("all_gather", run, where_, participants, processes, site, timeout_ms);
   const void* in = x.untyped_data();
-  const int64_t at = where.global * bytes;
+  const int64_t at = where.global * bytes, total = participants * bytes, local = where.call.participants;
+  const bool stream = StreamsPastCache(local * (bytes + total));  // inputs and outputs
   if (processes == 1) {
     return Meet(where.call, in, out->untyped_data(), bytes, [=](const std::vector<Participant>& parts, void*) {
-      for (const auto& p : parts) std::memcpy(static_cast<char*>(p.out) + at, in, bytes);
+      for (const auto& p : parts) CopyOut(static_cast<char*>(p.out) + at, in, bytes, stream);
+      Fence(stream);
     });
   }
-  const int64_t total = participants * bytes;
   const Processes across = where.processes;
   return Meet(where.call, in, out->untyped_data(), bytes,
               [=](const std::vector<Participant>&, void* scratch) {
@@ -709,7 +710,8 @@ ffi::Future AllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
               Across{static_cast<size_t>(total), [=](const std::vector<Participant>& parts, char* scratch) {
                        Round round = ShareBlocks(scratch, total, 1, across);
                        round.then = [=] {
-                         for (const auto& p : parts) std::memcpy(p.out, scratch, total);
+                         for (const auto& p : parts) CopyOut(p.out, scratch, total, stream);
+                         Fence(stream);
                        };
                        return std::vector<Round>{round};
                      }});
