@@ -8,9 +8,10 @@ Shapes: the built-in default GPT (4 blocks, width 128, 4 heads, sequences of 64,
 width-256 GPT on sequences of 128 (batch 16). The PyTorch side is examples/torch_model/tiny_gpt.py, the same
 architecture with the same parameter count. Target: xlatrain / PyTorch eager <= 1.0 on both.
 
-xlatrain runs scanned, unrolled, and unrolled data-parallel over two XLA:CPU devices (the host split in two, one
-device per core, half the batch each): XLA:CPU runs one device's program mostly on one thread, PyTorch's kernels
-use both cores.
+xlatrain runs as `xlatrain train` does by default (one XLA:CPU device; model.scan_layers=auto: unrolled on CPU),
+scanned, and with mesh.cpu_devices=per_core (data-parallel over one XLA:CPU device per core, as far as the batch
+and memory allow: xlatrain/cpu_devices.py): XLA:CPU runs one device's program mostly on one thread, PyTorch's
+kernels use every core.
 
 The process keeps freed host memory as the `xlatrain` command does (xlatrain/host_memory.py), for both sides;
 `XLATRAIN_HOST_MEMORY=release` in front of the command measures with the system allocator's defaults instead.
@@ -18,14 +19,9 @@ The process keeps freed host memory as the `xlatrain` command does (xlatrain/hos
 
 from __future__ import annotations
 
-import os
-
 from xlatrain.host_memory import keep_freed_host_memory
 
 HOST_MEMORY = keep_freed_host_memory()  # before JAX or torch start a thread
-
-# Two XLA:CPU devices, one per core, for the data-parallel candidate; the others run on the first alone.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"])
 
 import jax  # noqa: E402
 import torch  # noqa: E402
@@ -34,30 +30,36 @@ from xlatrain.lowering.xla_options import CPU_OPTIONS_TRIED, compiler_options  #
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
 from bench.torch_bridge import eager_runner  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
+from xlatrain.cpu_devices import apply_cpu_devices  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
 
 SHAPES = {
     "default GPT (4 x 128, seq 64)": {"width": 128, "seq_len": 64},
     "GPT 4 x 256, seq 128": {"width": 256, "seq_len": 128},
 }
-COMMON = ["mesh.data=1", "optimizer.name=adamw", "optimizer.weight_decay=0.01", "batch.global_size=16"]
+COMMON = ["optimizer.name=adamw", "optimizer.weight_decay=0.01", "batch.global_size=16"]
+ONE_DEVICE, PER_CORE = "mesh.data=1", "mesh.cpu_devices=per_core"
 
 
 def gpt_overrides(width: int, seq_len: int) -> list[str]:
     return [*COMMON, "model.layers=4", "model.heads=4", f"model.width={width}", f"data.seq_len={seq_len}"]
 
 
+# The CPU devices `xlatrain train mesh.cpu_devices=per_core` makes for these configs here, before JAX starts.
+PER_CORE_DEVICES = apply_cpu_devices(*(load_config(None, [*gpt_overrides(**shape), PER_CORE])
+                                       for shape in SHAPES.values()))
+
+
 def programs(width: int, seq_len: int) -> dict:
-    torch_gpt = [*COMMON, f"data.seq_len={seq_len}",
+    torch_gpt = [*COMMON, ONE_DEVICE, f"data.seq_len={seq_len}",
                  f"model.kwargs={{vocab: 256, width: {width}, layers: 4, heads: 4, max_len: {seq_len}}}"]
     gpt = gpt_overrides(width, seq_len)
+    first = jax.devices()[:1]
     built = {
-        "torch": build_program(load_config("examples/configs/torch_gpt.yaml", torch_gpt), jax.devices()[:1]),
-        "scanned": build_program(load_config(None, [*gpt, "model.scan_layers=true"]), jax.devices()[:1]),
-        "unrolled": build_program(load_config(None, [*gpt, "model.scan_layers=false"]), jax.devices()[:1]),
-        # the same step data-parallel over two XLA:CPU devices (half the batch each): one thread per device
-        "unrolled_2_devices": build_program(load_config(None, [*gpt, "model.scan_layers=false", "mesh.data=2"]),
-                                            jax.devices()[:2]),
+        "torch": build_program(load_config("examples/configs/torch_gpt.yaml", torch_gpt), first),
+        "unrolled": build_program(load_config(None, [*gpt, ONE_DEVICE]), first),
+        "per_core": build_program(load_config(None, [*gpt, PER_CORE])),
+        "scanned": build_program(load_config(None, [*gpt, ONE_DEVICE, "model.scan_layers=true"]), first),
     }
     assert len({p.param_count for p in built.values()}) == 1, {k: p.param_count for k, p in built.items()}
     return built
@@ -66,13 +68,13 @@ def programs(width: int, seq_len: int) -> dict:
 def against_pytorch(width: int, seq_len: int) -> dict:
     built = programs(width, seq_len)
     medians = interleaved_medians({"pytorch_eager": eager_runner(built["torch"]),
-                                   "xlatrain_scanned": train_runner(built["scanned"]),
                                    "xlatrain_unrolled": train_runner(built["unrolled"]),
-                                   "xlatrain_unrolled_2_devices": train_runner(built["unrolled_2_devices"])},
+                                   "xlatrain_per_core": train_runner(built["per_core"]),
+                                   "xlatrain_scanned": train_runner(built["scanned"])},
                                   rounds=10, steps_per_round=10, warmup=5)
     eager = medians["pytorch_eager"]
     return {"median_step_seconds": medians, "over_pytorch_eager": {k: v / eager for k, v in medians.items()},
-            "params": built["scanned"].param_count}
+            "params": built["scanned"].param_count, "per_core_devices": built["per_core"].derived.devices}
 
 
 def option_effects(width: int, seq_len: int) -> dict:
@@ -80,7 +82,7 @@ def option_effects(width: int, seq_len: int) -> dict:
     reference is compiled like the options, from the same lowering; the program's own executable (what the trainer
     runs: the same compilation, maybe loaded from the persistent cache) is measured beside it, since in two runs of
     this bench it ran 1.2-1.3x slower than every recompilation throughout the process."""
-    program = build_program(load_config(None, gpt_overrides(width, seq_len)), jax.devices()[:1])
+    program = build_program(load_config(None, [*gpt_overrides(width, seq_len), ONE_DEVICE]), jax.devices()[:1])
     lowered, defaults = program.train_step.first.lowered, compiler_options("cpu")
     runners = {"defaults": train_runner(program, lowered.compile(compiler_options=defaults)),
                "defaults, the program's own executable": train_runner(program)}
@@ -92,7 +94,7 @@ def option_effects(width: int, seq_len: int) -> dict:
 
 
 def main() -> None:
-    print(f"host memory: {HOST_MEMORY}")
+    print(f"host memory: {HOST_MEMORY}; CPU devices with {PER_CORE}: {PER_CORE_DEVICES.describe()}")
     results = {}
     for label, shape in SHAPES.items():
         results[label] = against_pytorch(**shape)
@@ -104,7 +106,7 @@ def main() -> None:
         print(f"option {name:60s} {ratio:.3f}x the defaults' step time")
     path = write_results("cpu_speed", "PYTHONPATH=examples/torch_model python3 -m bench.cpu_speed",
                          {"target": "xlatrain / PyTorch eager <= 1.0", "torch_threads": torch.get_num_threads(),
-                          "host_memory": HOST_MEMORY,
+                          "host_memory": HOST_MEMORY, "per_core_cpu_devices": PER_CORE_DEVICES.describe(),
                           "shapes": results, "xla_cpu_options_alone_over_defaults": effects})
     print(f"wrote {path}")
 

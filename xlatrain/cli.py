@@ -165,10 +165,12 @@ def _train(config_path: str | None, overrides: list[str], _args: argparse.Namesp
     with stop_signals():
         try:
             from xlatrain.config import load_config
+            from xlatrain.cpu_devices import apply_cpu_devices
             from xlatrain.distributed import initialize
             from xlatrain.trainer import NonFiniteLoss, train
 
             config = load_config(config_path, overrides)
+            apply_cpu_devices(config)
             initialize(config.distributed)
             train(config)
         except StoppedBeforeFirstStep as stop:
@@ -205,6 +207,16 @@ def _leave(code: int) -> int:
     return code
 
 
+def _config_with_cpu_devices(config_path: str | None, overrides: list[str]):
+    """The config, with mesh.cpu_devices applied before JAX starts (xlatrain.cpu_devices)."""
+    from xlatrain.config import load_config
+    from xlatrain.cpu_devices import apply_cpu_devices
+
+    config = load_config(config_path, overrides)
+    apply_cpu_devices(config)
+    return config
+
+
 def _launch(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.launch import launch
 
@@ -217,20 +229,23 @@ def _config(config_path: str | None, overrides: list[str], _args: argparse.Names
 
     from xlatrain import host_memory
     from xlatrain.config import config_to_yaml, derive, load_config
+    from xlatrain.cpu_devices import apply_cpu_devices
 
     config = load_config(config_path, overrides)
+    cpu_devices = apply_cpu_devices(config)
     derived = derive(config, jax.devices())
     print(config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False), end="")
+    if jax.default_backend() == "cpu":
+        print(f"# CPU devices: {cpu_devices.describe()}")
     print(f"# host memory: {host_memory.applied or 'as the system allocates (set by the xlatrain command only)'}")
     return 0
 
 
 def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.config import load_config
     from xlatrain.lowering.inspect import dump, step_report
     from xlatrain.program import build_program
 
-    program = build_program(load_config(config_path, overrides))
+    program = build_program(_config_with_cpu_devices(config_path, overrides))
     step = program.train_step.first
     report = step_report(step.lowered, step.compiled, program.param_count)
     report["model_flops"] = program.derived.model_flops_per_step
@@ -250,6 +265,7 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
 
 def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.config import load_config
+    from xlatrain.cpu_devices import apply_cpu_devices
     from xlatrain.parity import run_parity
 
     if len(args.configs) > 2:
@@ -266,6 +282,7 @@ def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Name
         args.plot = figure_path("parity", "--plot", args.plot)
     paths = (args.configs or [None]) * (2 if len(args.configs) < 2 else 1)
     config_a, config_b = load_config(paths[0], args.a), load_config(paths[1], args.b)
+    apply_cpu_devices(config_a, config_b)
     report = run_parity(config_a, config_b, args.steps, args.rtol, args.plot)
     print(report.summary())
     if args.plot:
@@ -274,13 +291,12 @@ def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Name
 
 
 def _parity_against_torch(args: argparse.Namespace) -> int:
-    from xlatrain.config import load_config
     from xlatrain.torch_parity import run_torch_parity
 
     if len(args.configs) > 1 or args.b:
         raise UserError(f"parity --against {args.against} compares one config (side A, --a overrides) with "
                         f"{args.against}; drop the second config and --b")
-    config = load_config(args.configs[0] if args.configs else None, args.a)
+    config = _config_with_cpu_devices(args.configs[0] if args.configs else None, args.a)
     print(f"parity: A = xlatrain, B = {'PyTorch eager' if args.against == 'torch' else 'torch_xla'}")
     report = run_torch_parity(config, args.against, args.steps, args.rtol, args.python)
     print(report.summary())
@@ -296,12 +312,11 @@ def _export(_config_path: str | None, _overrides: list[str], args: argparse.Name
 
 
 def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.config import load_config
     from xlatrain.pipeline.gantt import draw
     from xlatrain.plot import figure_path
     from xlatrain.program import build_program
 
-    config = load_config(config_path, overrides)
+    config = _config_with_cpu_devices(config_path, overrides)
     if config.mesh.stage == 1:
         raise UserError("pipeline: this config runs no pipeline (mesh.stage=1); set mesh.stage to the number of "
                         "stages, e.g. mesh.stage=4 parallel.mode=shard_map")

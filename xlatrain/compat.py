@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlatrain.errors import first_line
+from xlatrain.errors import UserError, first_line
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 """Recorded by jax (jax/_src/dispatch.py) once per XLA backend compilation, with a `fun_name`."""
@@ -54,6 +54,25 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def backends_started() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def set_cpu_device_count(count: int) -> None:
+    """Make `count` XLA:CPU devices; JAX takes the count only before its backends start (a process that has
+    them already may go on only with the same count)."""
+    if not backends_started():
+        jax.config.update("jax_num_cpu_devices", count)
+        return
+    present = len(jax.devices("cpu"))
+    if present != count:
+        raise UserError(f"mesh.cpu_devices: this process started JAX with {present} CPU device(s) before the "
+                        f"config asked for {count}: run through the xlatrain command, or call "
+                        "xlatrain.cpu_devices.apply_cpu_devices(config) before any JAX operation")
 
 
 def set_persistent_compile_cache(path: Path | None) -> None:

@@ -253,6 +253,20 @@ class MeshConfig(Strict):
     """Data-parallel size; -1 uses every device present (divided by mesh.stage)."""
     stage: PositiveInt = 1
     """Pipeline stages; more than 1 runs the model as a pipeline (parallel.pipeline) on a data x stage mesh."""
+    cpu_devices: Literal["auto", "per_core"] | PositiveInt = "auto"
+    """XLA:CPU devices the `xlatrain` command makes in a single-process run on CPU (ignored on GPUs, and where
+    the environment sets a count: XLA_FLAGS' --xla_force_host_platform_device_count or JAX_NUM_CPU_DEVICES).
+    auto: what the mesh asks for (mesh.data x mesh.stage when mesh.data is set, mesh.stage for a pipeline),
+    else JAX's one. per_core: with mesh.data=-1 and no pipeline, one per core, data-parallel, as far as
+    batch.global_size divides and the replicas' train state fits the host's memory (otherwise as auto).
+    A number: that many."""
+
+    @field_validator("cpu_devices", mode="before")
+    @classmethod
+    def _cpu_devices_is_a_mode_or_a_count(cls, value: Any) -> Any:
+        if value not in ("auto", "per_core") and not _positive_ints([value]):
+            raise ValueError("must be auto, per_core or a device count of at least 1")
+        return value
 
     @model_validator(mode="after")
     def _not_zero(self) -> MeshConfig:
@@ -706,8 +720,8 @@ def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
     found = ", ".join(str(d) for d in devices[:8]) + (" ..." if len(devices) > 8 else "")
     wanted = (mesh.data if mesh.data != -1 else max(data, 1)) * stages
     how = (
-        f"run with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} "
-        "(set before JAX starts) to get that many CPU devices"
+        f"set mesh.cpu_devices={wanted} (or, where the environment sets the count, "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted}) to get that many CPU devices"
         if platform == "cpu"
         else "choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=0,1,2,3)"
     )

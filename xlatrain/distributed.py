@@ -28,7 +28,7 @@ START_TIMEOUT_S = 300.0
 def initialize(config: DistributedConfig) -> None:
     """Join the other processes before any device is touched; a no-op for single-process runs."""
     cluster = compat.detected_cluster()
-    if config.coordinator is None and cluster is None:
+    if not joins_other_processes(config):
         if (config.num_processes or 1) > 1:
             raise UserError(f"distributed.num_processes={config.num_processes} needs distributed.coordinator="
                             "host:port (process 0's address), or a launcher that jax.distributed detects "
@@ -47,6 +47,11 @@ def initialize(config: DistributedConfig) -> None:
                         f"({type(err).__name__}: {first_line(err)}); start every process with the same "
                         "coordinator and num_processes, and a distinct process_id") from None
     guard_against_runtime_abort()
+
+
+def joins_other_processes(config: DistributedConfig) -> bool:
+    """Whether this process is one of several: a coordinator is set, or jax.distributed detects a cluster."""
+    return config.coordinator is not None or compat.detected_cluster() is not None
 
 
 def is_primary() -> bool:

@@ -337,6 +337,17 @@ def build_program(config: Config, devices: list | None = None,
                    CompileBook(config.trainer.compile_budget), pipeline, compile_cache)
 
 
+def replica_state_bytes(config: Config) -> int:
+    """Bytes of one replica's train state (params, optimizer state), traced without touching a device."""
+    policy = resolve_policy(config.precision, config.collectives.dtype)
+    model = build_model(config.model, open_dataset(config.data, config.model.loss).spec, policy.compute,
+                        config.seed, data_parallel=1, scan_layers=False)
+    tx = build_optimizer(config.optimizer, optax.constant_schedule(config.optimizer.lr),
+                         block_axes=0 if model.blocks is None else 1)
+    abstract = jax.eval_shape(make_init(model, tx, config.seed, policy))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
+
+
 def pipeline_split(config: Config, layout: StageLayout, data: int) -> Callable[[Any], Any]:
     """How a pipeline's zero1 and fsdp split each leaf over `data` (StageLayout.split_specs): by whole layers
     for adafactor, whose update reads each layer's whole matrices."""

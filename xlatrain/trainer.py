@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from xlatrain import compat
+from xlatrain import compat, cpu_devices
 from xlatrain.bottlenecks import BottleneckRules, Finding, Interval, Knobs
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
 from xlatrain.checkpoint import Checkpoints
@@ -87,6 +88,8 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
     echo(f"xlatrain: {program.config.name} -> {program.config.run_dir()}")
     echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}, "
          f"strategy {program.config.parallel.strategy}, params {program.param_count:,}")
+    if cpu_devices.applied is not None and jax.devices()[0].platform == "cpu":
+        echo(f"  CPU devices: {cpu_devices.applied.describe()}")
     echo(f"  precision {program.config.precision.policy}: {program.policy.describe()}")
     echo(f"  compile cache {program.compile_cache or 'off'} (trainer.compile_cache)")
     echo(f"  global batch {d.global_batch} = {d.data_parallel} replicas x {d.per_replica_batch}, "
@@ -115,6 +118,7 @@ class _Run:
         self.compile_log = compile_log
         self.hooks = hooks
         self.breakdown = TimeBreakdown()
+        self.dispatch_waits = cpu_devices.dispatch_waits_for_the_previous_step(list(program.mesh.devices.flat))
         self.closures = StepClosures(waiting=lambda: self.breakdown.spending("device"))
         self.summary = RunSummary()
         self.rules = BottleneckRules(_knobs(program), self._say)
@@ -168,7 +172,10 @@ class _Run:
                     batch = self._next_batch(loader)
                     clock.dispatching(step + 1)
                     profile.before_dispatch(step + 1, step + k)
-                    state, metrics = self._dispatch(train_step, state, batch)
+                    with self.breakdown.spending("device") if self.dispatch_waits else contextlib.nullcontext():
+                        state, metrics = self._dispatch(train_step, state, batch)
+                    if self.dispatch_waits:  # the call returned when the step before finished and this one began
+                        clock.dispatching(step + 1)
                     self.closures.will_donate(state)
                     first, step = step + 1, step + k
                     self.progress.step = step
@@ -381,9 +388,10 @@ def _knobs(program: Program) -> Knobs:
 
 class _Throughput:
     """Samples (and tokens) per second of wall time over windows of at least 5 steps. A window ends when its
-    last boundary's results reach the host. It begins at its first boundary's dispatch or, when the host was
-    seen waiting for the boundary before it to finish (an asynchronous device runs one step while the host
-    dispatches the next), at the end of that wait: a queued step cannot start before the step before it has
+    last boundary's results reach the host. It begins at its first boundary's dispatch (where dispatching waits
+    for the step before, when that call returns: cpu_devices.dispatch_waits_for_the_previous_step) or, when the
+    host was seen waiting for the boundary before it to finish (an asynchronous device runs one step while the
+    host dispatches the next), at the end of that wait: a queued step cannot start before the step before it has
     finished. A rate is thus overstated by at most the time a boundary's metrics take to reach the host,
     however the reads bunch up (fused steps, the final flush); every step of a fused group
     (trainer.steps_per_sync) reports its window's rate."""
