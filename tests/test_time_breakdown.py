@@ -172,4 +172,3 @@ def test_a_pipeline_with_an_uneven_explicit_partition_is_called_imbalanced_befor
     assert float(ratio) > 1.1 and f"stage 0 does {ratio}x the mean stage's FLOPs" in said[0], lines
     assert len(said) == 2 and "partition: auto" in said[0], lines
     assert result.summary.findings[0]["rule"] == "stage-imbalance"
-

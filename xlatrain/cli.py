@@ -164,13 +164,10 @@ def _train(config_path: str | None, overrides: list[str], _args: argparse.Namesp
 
     with stop_signals():
         try:
-            from xlatrain.config import load_config
-            from xlatrain.cpu_devices import apply_cpu_devices
             from xlatrain.distributed import initialize
             from xlatrain.trainer import NonFiniteLoss, train
 
-            config = load_config(config_path, overrides)
-            apply_cpu_devices(config)
+            config = _config_with_cpu_devices(config_path, overrides)
             initialize(config.distributed)
             train(config)
         except StoppedBeforeFirstStep as stop:
@@ -227,16 +224,14 @@ def _config(config_path: str | None, overrides: list[str], _args: argparse.Names
     import jax
     import yaml
 
-    from xlatrain import host_memory
-    from xlatrain.config import config_to_yaml, derive, load_config
-    from xlatrain.cpu_devices import apply_cpu_devices
+    from xlatrain import cpu_devices, host_memory
+    from xlatrain.config import config_to_yaml, derive
 
-    config = load_config(config_path, overrides)
-    cpu_devices = apply_cpu_devices(config)
+    config = _config_with_cpu_devices(config_path, overrides)
     derived = derive(config, jax.devices())
     print(config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False), end="")
     if jax.default_backend() == "cpu":
-        print(f"# CPU devices: {cpu_devices.describe()}")
+        print(f"# CPU devices: {cpu_devices.applied.describe()}")
     print(f"# host memory: {host_memory.applied or 'as the system allocates (set by the xlatrain command only)'}")
     return 0
 
