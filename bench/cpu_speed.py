@@ -8,8 +8,9 @@ Shapes: the built-in default GPT (4 blocks, width 128, 4 heads, sequences of 64,
 width-256 GPT on sequences of 128 (batch 16). The PyTorch side is examples/torch_model/tiny_gpt.py, the same
 architecture with the same parameter count. Target: xlatrain / PyTorch eager <= 1.0 on both.
 
-xlatrain runs as `xlatrain train` does by default (one XLA:CPU device; model.scan_layers=auto: unrolled on CPU),
-scanned, and with mesh.cpu_devices=per_core (data-parallel over one XLA:CPU device per core, as far as the batch
+xlatrain runs as `xlatrain train` does by default (one XLA:CPU device; model.scan_layers=auto: unrolled on CPU;
+causal attention in query blocks, xlatrain/attention.py), with the dense causal attention it ran before, scanned,
+and with mesh.cpu_devices=per_core (data-parallel over one XLA:CPU device per core, as far as the batch
 and memory allow: xlatrain/cpu_devices.py): XLA:CPU runs one device's program mostly on one thread, PyTorch's
 kernels use every core.
 
@@ -18,6 +19,8 @@ The process keeps freed host memory as the `xlatrain` command does (xlatrain/hos
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 from xlatrain.host_memory import keep_freed_host_memory
 
@@ -61,6 +64,9 @@ def programs(width: int, seq_len: int) -> dict:
         "per_core": build_program(load_config(None, [*gpt, PER_CORE])),
         "scanned": build_program(load_config(None, [*gpt, ONE_DEVICE, "model.scan_layers=true"]), first),
     }
+    with mock.patch("xlatrain.attention.query_blocks", return_value=1):  # traced when the step compiles, inside
+        built["dense_attention"] = build_program(load_config(None, [*gpt, ONE_DEVICE]), first)
+        built["dense_attention"].train_step.first
     assert len({p.param_count for p in built.values()}) == 1, {k: p.param_count for k, p in built.items()}
     return built
 
@@ -70,7 +76,8 @@ def against_pytorch(width: int, seq_len: int) -> dict:
     medians = interleaved_medians({"pytorch_eager": eager_runner(built["torch"]),
                                    "xlatrain_unrolled": train_runner(built["unrolled"]),
                                    "xlatrain_per_core": train_runner(built["per_core"]),
-                                   "xlatrain_scanned": train_runner(built["scanned"])},
+                                   "xlatrain_scanned": train_runner(built["scanned"]),
+                                   "xlatrain_dense_attention": train_runner(built["dense_attention"])},
                                   rounds=10, steps_per_round=10, warmup=5)
     eager = medians["pytorch_eager"]
     return {"median_step_seconds": medians, "over_pytorch_eager": {k: v / eager for k, v in medians.items()},

@@ -4,7 +4,8 @@ counts the body of a loop once (scanned layers, accumulation microbatches and pi
 What is counted is what MFU conventionally counts: the multiply-adds of the matrix multiplications and
 convolutions (2 FLOPs each) of one forward and backward over the global batch, each loop's body times its
 trip count. Attention counts as it runs: the dense attention of XLA's implementation computes every
-query-key product and masks the future, so a causal attention costs as much as a full one; cuDNN's fused
+query-key product and masks the future, so a causal attention costs as much as a full one, except where
+xlatrain.attention cuts it into query blocks (on CPU), whose products are counted as any others; cuDNN's fused
 attention (xlatrain's on GPUs in bf16/f16) skips the masked products, so there a causal attention counts its
 unmasked query-key pairs only, with two products over them forward and four backward (the forward that its
 backward recomputes is not model work). Elementwise work (norms, activations, the optimizer) is left out, as in

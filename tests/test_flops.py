@@ -10,17 +10,21 @@ import pytest
 from conftest import DIGITS_MLP, TINY_GPT
 from xlatrain.lowering.flops import COUNTED, UncountedLoop, attended_pairs, step_flops
 
+from xlatrain.attention import query_blocks
 from xlatrain.config import load_config
 from xlatrain.peaks import known_peak
 from xlatrain.program import build_program
 from xlatrain.trainer import train
 
 
-def gpt_flops(layers, width, mlp_ratio, seq, vocab, batch):
-    """Per token, forward: qkv, attention out, the MLP and every layer's q.k and p.v products over the whole
-    sequence (the dense attention computes them all, masked or not), then the head. The backward is twice
-    that: every matmul gives its input's and its weight's gradient (the embedding's is a scatter, no matmul)."""
-    forward = layers * (2 * 3 * width**2 + 2 * width**2 + 2 * 2 * mlp_ratio * width**2 + 2 * 2 * seq * width)
+def gpt_flops(layers, width, mlp_ratio, seq, vocab, batch, query_blocks):
+    """Per token, forward: qkv, attention out, the MLP and every layer's q.k and p.v products, then the head.
+    On CPU a causal attention runs in `query_blocks` blocks of consecutive queries, each over the keys up to its
+    last query: n(n+1)/2 of the n^2 blocks of a dense attention's products. The backward is twice the forward:
+    every matmul gives its input's and its weight's gradient (the embedding's is a scatter, no matmul)."""
+    rows = seq // query_blocks
+    keys_per_query = rows * rows * query_blocks * (query_blocks + 1) / 2 / seq
+    forward = layers * (2 * 3 * width**2 + 2 * width**2 + 2 * 2 * mlp_ratio * width**2 + 2 * 2 * keys_per_query * width)
     return 3 * (forward + 2 * width * vocab) * batch * seq
 
 
@@ -28,10 +32,11 @@ def gpt_flops(layers, width, mlp_ratio, seq, vocab, batch):
 def test_the_gpt_is_counted_as_by_hand_and_near_the_6nt_rule(scan, devices):
     program = build_program(load_config(None, [f"model.scan_layers={scan}"]), devices[:1])
     m, d = program.config.model, program.derived
-    tokens = d.global_batch * program.config.data.seq_len
-    assert d.model_flops_per_step == gpt_flops(m.layers, m.width, m.mlp_ratio, program.config.data.seq_len,
-                                                m.vocab, d.global_batch)
-    assert 1.0 < d.model_flops_per_step / (6 * program.param_count * tokens) < 1.1
+    seq = program.config.data.seq_len
+    assert (seq, query_blocks(seq)) == (64, 4)
+    tokens = d.global_batch * seq
+    assert d.model_flops_per_step == gpt_flops(m.layers, m.width, m.mlp_ratio, seq, m.vocab, d.global_batch, 4)
+    assert 0.95 < d.model_flops_per_step / (6 * program.param_count * tokens) < 1.05
 
 
 def test_accumulation_and_pipelines_count_the_same_model(devices):

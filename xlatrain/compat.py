@@ -191,29 +191,6 @@ def bind_equation(eqn: Any, inputs: list[Any]) -> list[Any]:
     return list(outputs) if eqn.primitive.multiple_results else [outputs]
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    return attention(q, k, v, is_causal=True)
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
-              ) -> jax.Array:
-    """jax.nn.dot_product_attention on [batch, length, heads, head dim]. XLA:CPU has no float16 x float16 ->
-    float32 dot (the precision jax asks for with f16 inputs), so there f16 attention runs in float32 and
-    casts back. On a GPU, bf16/f16 attention runs as cuDNN's fused (flash) attention where cuDNN takes the
-    shapes: jax's default is XLA's, which writes the [length, length] scores and their mask to memory (GPT-2
-    small's attention on an H200, forward and backward: 3.35 ms per layer, cuDNN's 0.67 ms; bench.gpu)."""
-    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
-        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal,
-                                           scale=scale)
-        return out.astype(q.dtype)
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
-        try:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn")
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass  # a shape, GPU or cuDNN version that cuDNN's kernel does not take: XLA's below
-    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-
-
 _HOST_READS = threading.local()
 
 
@@ -445,10 +422,12 @@ def torchax_environment() -> Any:
       with traced values fails);
     - BatchNorm in training mode writes its running statistics back into the buffers, with PyTorch's
       unbiased variance (torchax 0.0.13 computes the update and drops it);
-    - F.scaled_dot_product_attention without a mask, dropout or grouped heads is jax.nn.dot_product_attention,
-      the attention xlatrain's flax GPT uses (torchax's reference builds an explicit -inf bias).
+    - F.scaled_dot_product_attention without a mask, dropout or grouped heads is xlatrain.attention's, the
+      attention xlatrain's flax GPT uses (torchax's reference builds an explicit -inf bias).
     """
     import torch
+
+    from xlatrain.attention import attention
 
     import_torchax()
     from torchax.tensor import Environment, Tensor

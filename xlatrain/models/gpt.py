@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlatrain import compat
+from xlatrain.attention import causal_attention
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.embedding import TokenEmbed
@@ -48,7 +48,7 @@ class Block(nnx.Module):
         qkv_BxLx3xHxK = self.qkv(self.ln_attn(x_BxLxD)).reshape(
             batch, length, 3, self.heads, width // self.heads)
         q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
-        attended_BxLxHxK = compat.causal_attention(q, k, v)
+        attended_BxLxHxK = causal_attention(q, k, v)
         x_BxLxD = x_BxLxD + self._drop(self.attn_out(attended_BxLxHxK.reshape(batch, length, width)), keys[0])
         hidden_BxLxF = jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD)))
         return x_BxLxD + self._drop(self.mlp_out(hidden_BxLxF), keys[1])

@@ -1,0 +1,53 @@
+"""Causal attention in query blocks (xlatrain/attention.py): the same values and gradients as the dense causal
+attention, and how many blocks a length gets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from xlatrain.lowering.flops import step_flops
+
+from xlatrain.attention import attention, causal_attention_in_query_blocks, query_blocks
+
+
+@pytest.mark.parametrize("length, blocks", [(128, 4), (64, 4), (48, 3), (32, 2), (30, 1), (16, 1), (8, 1)])
+def test_a_length_gets_up_to_four_blocks_of_at_least_16_queries(length, blocks):
+    assert query_blocks(length) == blocks
+
+
+def qkv(length, dtype=jnp.float32):
+    return tuple(jax.random.normal(jax.random.PRNGKey(i), (2, length, 3, 8), dtype) for i in range(3))
+
+
+@pytest.mark.parametrize("blocks", [2, 3, 4])
+def test_blocks_give_the_dense_causal_attentions_values_and_gradients(blocks):
+    q, k, v = qkv(48)
+    weights = jax.random.normal(jax.random.PRNGKey(9), q.shape)
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(attend(q, k, v) * weights)
+
+    dense = jax.value_and_grad(loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)),
+                               argnums=(0, 1, 2))(q, k, v)
+    blocked = jax.value_and_grad(loss(lambda q, k, v: causal_attention_in_query_blocks(q, k, v, blocks)),
+                                 argnums=(0, 1, 2))(q, k, v)
+    for want, got in zip(jax.tree.leaves(dense), jax.tree.leaves(blocked), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_on_cpu_a_causal_attention_runs_in_blocks_and_skips_the_products_above_them():
+    q, k, v = qkv(64)
+    dense = step_flops(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), q, k, v)
+    assert dense == 2 * 2 * (2 * 3 * 64 * 64 * 8)  # q.k and p.v over every pair: batch 2, 3 heads of 8
+    assert step_flops(lambda *a: attention(*a, is_causal=True), q, k, v) == dense * (1 + 2 + 3 + 4) / 16
+    assert step_flops(lambda *a: attention(*a, is_causal=False), q, k, v) == dense
+    np.testing.assert_allclose(attention(q, k, v, is_causal=True),
+                               jax.nn.dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
+
+
+def test_float16_runs_in_float32_and_returns_float16():
+    q, k, v = qkv(32, jnp.float16)
+    out = attention(q, k, v, is_causal=True)
+    assert out.dtype == jnp.float16
+    want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
+    np.testing.assert_allclose(out.astype(jnp.float32), want, rtol=2e-3, atol=2e-3)
