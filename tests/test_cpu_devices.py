@@ -1,5 +1,6 @@
 """mesh.cpu_devices: how many XLA:CPU devices a run makes, decided before JAX starts."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -82,9 +83,9 @@ def test_a_started_backend_keeps_its_count_or_refuses_another(devices):
         compat.set_cpu_device_count(3)
 
 
-def _xlatrain(*args, cores):
+def _xlatrain(*args, cores, **extra_env):
     """`xlatrain ARGS` in a process without the suite's forced device count, on the first `cores` cores."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **extra_env}
     pinned = (f"import os, runpy, sys; os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:{cores}]); "
               "sys.argv[0] = 'xlatrain'; runpy.run_module('xlatrain.cli', run_name='__main__')")
     return subprocess.run([sys.executable, "-c", pinned, *args], cwd=REPO, capture_output=True, text=True,
@@ -105,6 +106,15 @@ def test_the_command_makes_what_the_mesh_asks_or_one_device_per_core():
     assert "  devices: 1\n" in one.stdout and "# CPU devices: 1 (one core)" in one.stdout
     asked = _xlatrain("config", "mesh.cpu_devices=3", "batch.global_size=12", cores=1)
     assert "  devices: 3\n  data_parallel: 3\n" in asked.stdout, asked.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin the command to")
+@pytest.mark.skipif(importlib.util.find_spec("torchax") is None, reason="needs torchax (the [torch] extra)")
+def test_a_torch_model_is_sized_without_starting_jax_so_it_splits_per_core_too():
+    split = _xlatrain("config", "examples/configs/torch_gpt.yaml", PER_CORE, cores=2,
+                      PYTHONPATH=str(REPO / "examples" / "torch_model"))
+    assert "  devices: 2\n  data_parallel: 2\n" in split.stdout, split.stderr
+    assert "# CPU devices: 2 (one per core, data-parallel over 2 of 2 cores)" in split.stdout
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin the command to")

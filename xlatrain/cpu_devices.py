@@ -136,8 +136,8 @@ def apply_cpu_devices(*configs: Config) -> CpuDevicePlan:
              for config in configs]
     plan = max(plans, key=lambda p: p.count or 0)
     if plan.count is not None and not plan.asked and compat.backends_started():
-        plan = CpuDevicePlan(None, "JAX's default: JAX started before the count could be set (building a torch "
-                                   "model to size its replicas does); set mesh.cpu_devices=N")
+        plan = CpuDevicePlan(None, "JAX's default: JAX started before the count could be set (a script must call "
+                                   "apply_cpu_devices before any JAX operation)")
     if plan.count is not None:
         compat.set_cpu_device_count(plan.count)
     applied = plan

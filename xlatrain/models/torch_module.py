@@ -15,6 +15,7 @@ import copy
 import fnmatch
 import importlib.util
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -56,9 +57,14 @@ class TorchModule:
     module: Any
     """The torch module on CPU, holding the initial weights (never trained itself)."""
     target: str
-    env: Any
     stack: BlockStacking | None = None
     """How the module's repeated blocks are stacked into params["blocks"] (None: params keep flat names)."""
+
+    @cached_property
+    def env(self) -> Any:
+        """torchax's environment, made at the first trace: making it starts JAX (it draws a key), and sizing a
+        replica's state must not, so that `mesh.cpu_devices` can still set the device count (cpu_devices.py)."""
+        return compat.torchax_environment()
 
     def initial_params(self) -> dict[str, np.ndarray]:
         return {name: to_host_array(p) for name, p in self.module.named_parameters()}
@@ -232,7 +238,7 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
     the contract says (see torch_blocks.py) gets them stacked into params["blocks"], so it can be pipelined."""
     module = load_module(config, seed)
     stack, not_stackable = block_stacking(module, config.blocks)
-    torch_module = TorchModule(module, config.target, compat.torchax_environment(), stack)
+    torch_module = TorchModule(module, config.target, stack)
     flat, buffers = torch_module.initial_params(), torch_module.initial_buffers()
     axes = {name: shard_names(name, value.shape, config.shard_dims, data_parallel) for name, value in flat.items()}
     params = flat
