@@ -9,7 +9,7 @@
   (PyTorch's CPU one included) skips them. Alone, forward and backward: 0.65x the dense attention's time at
   length 128, 0.45x at 256, 0.49x at 1024. In the 4 x 256 GPT's train step at length 128, where the dense
   attention takes a fifth of the time, the step took 0.91-1.01x the dense one's (median 0.95, ten in-process
-  A/B runs; 0.99 in bench.cpu_speed); at length 64 (the default GPT) the same within the noise.
+  A/B runs; 0.99x and 0.92x in bench.cpu_speed); at length 64 (the default GPT) 0.95-1.00x.
 - CPU, float16: float32 and back, since XLA:CPU has no float16 x float16 -> float32 dot (the precision jax asks
   for with f16 inputs).
 """
