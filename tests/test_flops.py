@@ -17,13 +17,13 @@ from xlatrain.program import build_program
 from xlatrain.trainer import train
 
 
-def gpt_flops(layers, width, mlp_ratio, seq, vocab, batch, query_blocks):
+def gpt_flops(layers, width, mlp_ratio, seq, vocab, batch, blocks):
     """Per token, forward: qkv, attention out, the MLP and every layer's q.k and p.v products, then the head.
-    On CPU a causal attention runs in `query_blocks` blocks of consecutive queries, each over the keys up to its
+    On CPU a causal attention runs in `blocks` blocks of consecutive queries, each over the keys up to its
     last query: n(n+1)/2 of the n^2 blocks of a dense attention's products. The backward is twice the forward:
     every matmul gives its input's and its weight's gradient (the embedding's is a scatter, no matmul)."""
-    rows = seq // query_blocks
-    keys_per_query = rows * rows * query_blocks * (query_blocks + 1) / 2 / seq
+    rows = seq // blocks
+    keys_per_query = rows * rows * blocks * (blocks + 1) / 2 / seq
     forward = layers * (2 * 3 * width**2 + 2 * width**2 + 2 * 2 * mlp_ratio * width**2 + 2 * 2 * keys_per_query * width)
     return 3 * (forward + 2 * width * vocab) * batch * seq
 
