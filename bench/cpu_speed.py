@@ -11,8 +11,8 @@ architecture with the same parameter count. Target: xlatrain / PyTorch eager <= 
 xlatrain runs as `xlatrain train` does by default (one XLA:CPU device; model.scan_layers=auto: unrolled on CPU;
 causal attention in query blocks, xlatrain/attention.py), with the dense causal attention it ran before, scanned,
 and with mesh.cpu_devices=per_core (data-parallel over one XLA:CPU device per core, as far as the batch
-and memory allow: xlatrain/cpu_devices.py): XLA:CPU runs one device's program mostly on one thread, PyTorch's
-kernels use every core.
+and memory allow: xlatrain/cpu_devices.py): one device's XLA:CPU program leaves the cores partly idle (some
+kernels keep to one thread), PyTorch's kernels keep every core busy.
 
 The process keeps freed host memory as the `xlatrain` command does (xlatrain/host_memory.py), for both sides;
 `XLATRAIN_HOST_MEMORY=release` in front of the command measures with the system allocator's defaults instead.
