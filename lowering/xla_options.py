@@ -20,8 +20,8 @@ CPU_OPTIONS_TRIED: dict[str, bool | int | str] = {
     "xla_cpu_parallel_codegen_split_count": 8,  # code generation split into more modules
     "xla_cpu_enable_fast_math": True,  # reassociation, no NaN/inf care: changes results, never a default
     "xla_cpu_prefer_vector_width": 512,  # full AVX-512 vectors in generated loops (256 by default)
-    # YNNPACK for elementwise fusions too (multi-threaded, where XLA's own loop fusions mostly run on one thread);
-    # jaxlib 0.10.2's default hands YNNPACK the dots and reductions only
+    # YNNPACK's kernels for elementwise fusions too, in place of XLA's own loops; jaxlib 0.10.2's default hands
+    # YNNPACK the dots and reductions only
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE,"
                                             "LIBRARY_FUSION_TYPE_ELTWISE",
 }
