@@ -44,15 +44,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
             return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn")
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # a shape, GPU or cuDNN version that cuDNN's kernel does not take: XLA's below
-    if backend != "cpu":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    if q.dtype == jnp.float16:
+    if backend == "cpu" and q.dtype == jnp.float16:
         return attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale
                          ).astype(q.dtype)
-    blocks = query_blocks(q.shape[1]) if is_causal and q.shape[1] == k.shape[1] else 1
-    if blocks == 1:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    return causal_attention_in_query_blocks(q, k, v, blocks, scale)
+    blocks = query_blocks(q.shape[1]) if backend == "cpu" and is_causal and q.shape[1] == k.shape[1] else 1
+    if blocks > 1:
+        return causal_attention_in_query_blocks(q, k, v, blocks, scale)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,
