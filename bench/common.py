@@ -68,14 +68,14 @@ def metrics_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
 
 
-def time_to_first_step(argv: list[str], run_dir: Path, cwd: Path) -> tuple[float, dict]:
-    """Start `xlatrain ARGV` (which trains into run_dir), and return the seconds until its first step was
-    logged, and, after it exits, its last session summary."""
+def time_to_first_step(argv: list[str], run_dir: Path, cwd: Path, env: dict | None = None) -> tuple[float, dict]:
+    """Start `xlatrain ARGV` (which trains into run_dir; `env` added to this process's environment), and return
+    the seconds until its first step was logged, and, after it exits, its last session summary."""
     import subprocess
 
     began = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "xlatrain.cli", *argv], cwd=cwd, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     while not metrics_steps(run_dir):
         assert process.poll() is None, process.stderr.read()
         time.sleep(0.02)

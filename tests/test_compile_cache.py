@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from conftest import DIGITS_MLP, run_cli
 
-from xlatrain.compile_cache import cache_dir, use_compile_cache
+from xlatrain.compile_cache import MIN_COMPILE_TIME_ENV, cache_dir, use_compile_cache
 from xlatrain.errors import UserError
 
 
@@ -28,40 +28,51 @@ def test_a_directory_that_cannot_be_made_is_one_error_naming_the_field(tmp_path)
         use_compile_cache(str(tmp_path / "file" / "cache"))
 
 
-def _loaded_from_cache(result) -> int:
+def _compilations(result) -> tuple[int, int]:
+    """(compilations, of them loaded from the persistent cache), from the run summary."""
     assert result.returncode == 0, result.stderr
-    return int(re.search(r"compilations \d+ \([\d.]+s, (\d+) loaded from the persistent cache\)",
-                         result.stdout).group(1))
+    found = re.search(r"compilations (\d+) \([\d.]+s, (\d+) loaded from the persistent cache\)", result.stdout)
+    return int(found.group(1)), int(found.group(2))
 
 
-def test_a_second_start_loads_the_steps_from_the_cache_and_off_writes_nothing(tmp_path):
-    """Three 1-step runs of the same config in fresh processes (JAX caches only compilations that take at least
-    a second by default; the tiny MLP's take less, so the threshold is lifted here)."""
+def _loaded_from_cache(result) -> int:
+    return _compilations(result)[1]
+
+
+def test_a_second_start_loads_every_compilation_from_the_cache_and_off_writes_nothing(tmp_path):
+    """Three 1-step runs of the same config in fresh processes. The tiny MLP's compilations all take less than
+    JAX's default threshold of a second, under which JAX alone would keep none."""
     cache = tmp_path / "cache"
-    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
     def start(name, setting):
         return run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / name}",
-                       f"trainer.compile_cache={setting}", env=env)
+                       f"trainer.compile_cache={setting}")
 
     first = start("first", cache)
     assert f"compile cache {cache} (trainer.compile_cache)" in first.stdout
     assert _loaded_from_cache(first) == 0 and list(cache.glob("jit_train_step-*"))
-    assert _loaded_from_cache(start("second", cache)) >= 3  # init, the train step and the eval step at least
+    compiled, loaded = _compilations(start("second", cache))
+    assert loaded == compiled >= 3, (compiled, loaded)  # init, the train step and the eval step at least
     entries = sorted(cache.iterdir())
     off = start("off", "off")
     assert "compile cache off" in off.stdout and _loaded_from_cache(off) == 0 and sorted(cache.iterdir()) == entries
+
+
+def test_jaxs_own_threshold_decides_when_set(tmp_path):
+    cache = tmp_path / "cache"
+    done = run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / 'run'}",
+                   f"trainer.compile_cache={cache}", env={MIN_COMPILE_TIME_ENV: "1000"})
+    assert _loaded_from_cache(done) == 0 and list(cache.iterdir()) == []
 
 
 def test_an_entry_cut_short_is_replaced_instead_of_failing_every_later_start(tmp_path):
     """JAX writes an entry in place, so a kill or a full disk during the write leaves it short; JAX alone would
     warn and compile at every later start, and never write that entry again."""
     cache = tmp_path / "cache"
-    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
     def start(name):
         return run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / name}",
-                       f"trainer.compile_cache={cache}", env=env)
+                       f"trainer.compile_cache={cache}")
 
     assert _loaded_from_cache(start("first")) == 0
     [entry] = cache.glob("jit_train_step-*-cache")

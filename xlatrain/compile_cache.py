@@ -4,6 +4,10 @@ same programs, loads its executables from disk instead of compiling them.
 `auto` is JAX's own JAX_COMPILATION_CACHE_DIR when set, else a per-user directory
 ($XDG_CACHE_HOME or ~/.cache, then xlatrain/jax). The cache is trusted code: whoever can write into the
 directory can run code in the training process, so it must not be shared with other users.
+
+Every compilation is kept, not only those over JAX's default threshold of a second: a start's many small
+ones (the state's initialisation, the eval step, a pipeline's per-piece costs) add up to seconds.
+JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set, still decides.
 """
 
 from __future__ import annotations
@@ -11,8 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
+
 from xlatrain import compat
 from xlatrain.errors import UserError, warn
+
+MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 
 def cache_dir(setting: str) -> Path | None:
@@ -40,4 +48,6 @@ def use_compile_cache(setting: str) -> Path | None:
                             "write, or set trainer.compile_cache=off")
     compat.set_persistent_compile_cache(path)
     compat.drop_unreadable_cache_entries(warn)
+    if path is not None and MIN_COMPILE_TIME_ENV not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return path
