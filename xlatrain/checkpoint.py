@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -91,6 +92,7 @@ class Checkpoints:
             state, data, saved = self._restore(step, abstract_state)
             written = state
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
+            _quiet_abandoned_reads()
             legacy = _without_model_state(abstract_state)
             if legacy is None:
                 raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
@@ -128,6 +130,28 @@ class Checkpoints:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _quiet_abandoned_reads() -> None:
+    """After orbax's restore raises on the first array it cannot read, the reads still in flight end later, each
+    printing its own error with the whole TensorStore spec (hundreds of lines) as an unraisable exception: the
+    coroutine was left unawaited, or its result reached the restore's event loop after it closed. The failure is
+    already reported in one line, so from then on those are dropped; every other unraisable exception is printed
+    as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_reads", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        code = getattr(unraisable.object, "cr_code", None)
+        from_orbax = code is not None and "orbax" in Path(code.co_filename).parts
+        loop_closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == (
+            "Event loop is closed")
+        if not (from_orbax or loop_closed):
+            previous(unraisable)
+
+    hook.drops_abandoned_reads = True
+    sys.unraisablehook = hook
 
 
 def _verify(state: Any, saved: dict[str, int]) -> None:
