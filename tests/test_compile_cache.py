@@ -39,14 +39,19 @@ def _loaded_from_cache(result) -> int:
     return _compilations(result)[1]
 
 
+def _start(run_dir, setting, env=None):
+    """A 1-step run of the tiny MLP in a fresh process with trainer.compile_cache=SETTING."""
+    return run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={run_dir}",
+                   f"trainer.compile_cache={setting}", env=env)
+
+
 def test_a_second_start_loads_every_compilation_from_the_cache_and_off_writes_nothing(tmp_path):
     """Three 1-step runs of the same config in fresh processes. The tiny MLP's compilations all take less than
     JAX's default threshold of a second, under which JAX alone would keep none."""
     cache = tmp_path / "cache"
 
     def start(name, setting):
-        return run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / name}",
-                       f"trainer.compile_cache={setting}")
+        return _start(tmp_path / name, setting)
 
     first = start("first", cache)
     assert f"compile cache {cache} (trainer.compile_cache)" in first.stdout
@@ -60,8 +65,7 @@ def test_a_second_start_loads_every_compilation_from_the_cache_and_off_writes_no
 
 def test_jaxs_own_threshold_decides_when_set(tmp_path):
     cache = tmp_path / "cache"
-    done = run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / 'run'}",
-                   f"trainer.compile_cache={cache}", env={MIN_COMPILE_TIME_ENV: "1000"})
+    done = _start(tmp_path / "run", cache, env={MIN_COMPILE_TIME_ENV: "1000"})
     assert _loaded_from_cache(done) == 0 and list(cache.iterdir()) == []
 
 
@@ -71,8 +75,7 @@ def test_an_entry_cut_short_is_replaced_instead_of_failing_every_later_start(tmp
     cache = tmp_path / "cache"
 
     def start(name):
-        return run_cli("train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / name}",
-                       f"trainer.compile_cache={cache}")
+        return _start(tmp_path / name, cache)
 
     assert _loaded_from_cache(start("first")) == 0
     [entry] = cache.glob("jit_train_step-*-cache")
