@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from xlatrain.lowering.inspect import XLATRAIN_TARGET
 
-REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatter", "xlatrain_all_reduce",
-              "xlatrain_reduce_scatter")
-"""XLA's cross-replica reductions, and xlatrain's custom-call ones (named by their target, less the platform)."""
+REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatter", "reduce-scatter-start",
+              "reduce-scatter-done", "xlatrain_all_reduce", "xlatrain_reduce_scatter")
+"""XLA's cross-replica reductions (XLA:GPU runs them as asynchronous -start/-done pairs), and xlatrain's
+custom-call ones (named by their target, less the platform)."""
 
 _NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")

@@ -17,8 +17,9 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_INSTRUCTION = re.compile(r"=\s*(\([^()]*\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+(" + "|".join(COLLECTIVES)
-                          + r")(-start)?\(")
+# A shape: an array, or a tuple whose elements may be tuples themselves (XLA:GPU's reduce-scatter-start).
+_INSTRUCTION = re.compile(r"=\s*(\((?:[^()]|\([^()]*\))*\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+("
+                          + "|".join(COLLECTIVES) + r")(-start)?\(")
 
 XLATRAIN_TARGET = r'custom_call_target="xlatrain_(?:cpu|cuda)_(\w+)"'
 """An xlatrain custom-call collective in HLO text; the group is its op (all_reduce, ...)."""
@@ -35,12 +36,28 @@ def shape_bytes(shape_text: str) -> int:
     return total
 
 
+def result_shape(shape_text: str, kind: str, starts_async: bool) -> str:
+    """The result's part of a collective's shape. An asynchronous start (XLA:GPU's) other than all-reduce's
+    returns (operands, result[, context...]); all-reduce-start returns its results alone."""
+    if not starts_async or kind == "all-reduce" or not shape_text.startswith("("):
+        return shape_text
+    depth, parts, begin = 0, [], 1
+    for index, char in enumerate(shape_text):
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(char, 0)
+        if (char == "," and depth == 1) or depth == 0:
+            parts.append(shape_text[begin:index])
+            begin = index + 1
+        if depth == 0:
+            break
+    return parts[1] if len(parts) > 1 else shape_text
+
+
 def collectives(hlo_text: str) -> list[dict[str, Any]]:
     """[{kind, count, bytes}] for each collective kind in the HLO text (XLA's own, then xlatrain's custom
     calls as `xlatrain <op>`); async pairs counted once; bytes are the results'."""
     counts: dict[str, int] = defaultdict(int)
     sizes: dict[str, int] = defaultdict(int)
-    found = [(kind, shape) for shape, kind, _ in _INSTRUCTION.findall(hlo_text)]
+    found = [(kind, result_shape(shape, kind, bool(start))) for shape, kind, start in _INSTRUCTION.findall(hlo_text)]
     found += [(f"xlatrain {op}", shape) for shape, op in _CUSTOM_COLLECTIVE.findall(hlo_text)]
     for kind, shape in found:
         counts[kind] += 1
@@ -61,10 +78,15 @@ def peak_memory_bytes(compiled: Any) -> int:
     return int(max(needed, getattr(stats, "peak_memory_in_bytes", 0)))
 
 
+def _flops_or_none(analysis: dict[str, float]) -> float | None:
+    """XLA's FLOP count; None where the backend gives no cost analysis (a compile-only GPU)."""
+    return float(analysis["flops"]) if "flops" in analysis else None
+
+
 def step_report(lowered: Any, compiled: Any, params: int) -> dict[str, Any]:
     return {
         "params": params,
-        "flops": float(compat.cost_analysis(compiled).get("flops", 0.0)),
+        "flops": _flops_or_none(compat.cost_analysis(compiled)),
         "peak_memory_bytes": peak_memory_bytes(compiled),
         "collectives": collectives(compiled.as_text()),
     }

@@ -54,7 +54,14 @@ def test_dump_writes_stablehlo_and_optimised_hlo(tmp_path):
 
 @pytest.mark.parametrize("text, expected", [
     ("%a = f32[256,128]{1,0} all-reduce(f32[256,128]{1,0} %x), replica_groups={}", [("all-reduce", 1, 131072)]),
-    ("%b = (f32[4]{0}, /*index=1*/bf16[2,2]{1,0}) all-gather-start(%x, %y)", [("all-gather", 1, 24)]),
+    # XLA:GPU's asynchronous starts: (operands, results) but all-reduce's, which holds its results only
+    ("%b = ((f32[2]{0}, bf16[1,2]{1,0}), /*index=1*/(f32[4]{0}, bf16[2,2]{1,0})) all-gather-start(%x, %y)",
+     [("all-gather", 1, 24)]),
+    ("%b = ((f32[272512]{0}), f32[136256]{0}) reduce-scatter-start(%x), dimensions={0}",
+     [("reduce-scatter", 1, 136256 * 4)]),
+    ("%b = (bf16[1,64,128]{2,1,0}, bf16[1,64,128]{2,1,0}, u32[], u32[]) collective-permute-start(%y)",
+     [("collective-permute", 1, 64 * 128 * 2)]),
+    ("%b = (f32[4]{0}, f32[8]{0}) all-reduce-start(%x, %y), to_apply=%sum", [("all-reduce", 1, 48)]),
     ("%c = f32[] add(f32[] %x, f32[] %y)", []),
 ])
 def test_collective_parsing(text, expected):
