@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 from jax.sharding import NamedSharding
+from xlatrain.lowering.platform import compiling_for
 from xlatrain.lowering.xla_options import compiler_options
 
 from xlatrain import compat
@@ -66,9 +67,11 @@ def compile_step(fn: Callable, abstract_args: tuple, in_shardings: tuple, out_sh
                  donate_argnums: tuple[int, ...] = ()) -> CompiledStep:
     """Lower `fn` from abstract shapes with explicit shardings and compile it once, ahead of time."""
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums)
+    platform = next(iter(jax.tree.leaves(in_shardings)[0].device_set)).platform
     start = time.perf_counter()
-    lowered = jitted.lower(*abstract_args)
-    compiled = lowered.compile(compiler_options(jax.default_backend()) or None)
+    with compiling_for(platform):
+        lowered = jitted.lower(*abstract_args)
+        compiled = lowered.compile(compiler_options(platform) or None)
     return CompiledStep(lowered, compiled, time.perf_counter() - start)
 
 

@@ -19,6 +19,10 @@ REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatt
 """XLA's cross-replica reductions (XLA:GPU runs them as asynchronous -start/-done pairs), and xlatrain's
 custom-call ones (named by their target, less the platform)."""
 
+SINGLE_DEVICE = "no cross-replica reduction of the gradients (single device: nothing to order)"
+ONE_DATA_REPLICA = ("no cross-replica reduction of the gradients (one data replica: each stage's gradients are its "
+                    "own, nothing to order)")
+
 _NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
@@ -139,7 +143,7 @@ def amp_order_problems(graph: HloGraph, param_outputs: list[int], batch_keys: li
     if not batch or (scales and not scale) or not outputs:
         return [f"cannot find the batch {batch_keys}, the loss scale or the parameter outputs in the HLO"]
     if not reductions:
-        return ["no cross-replica reduction of the gradients (single device: nothing to order)"]
+        return [SINGLE_DEVICE]
     # (phase, its instructions, whether it must exist, whether the update must depend on it)
     phases = [("the parameter update", outputs, True, False),
               ("the finite check", graph.in_scope("finite_check"), True, skips_nonfinite),

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xlatrain.lowering.platform import lowering_platform
+
 QUERY_BLOCKS_AT_MOST = 4
 """More blocks skip more products but run more, smaller kernels; past 4 the step got no faster on CPU."""
 QUERY_BLOCK_ROWS_AT_LEAST = 16
@@ -38,7 +40,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
               ) -> jax.Array:
-    backend = jax.default_backend()
+    backend = lowering_platform()
     if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn")

@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
         if name == "lower":
             sub.add_argument("--json", action="store_true", help="print one JSON object")
             sub.add_argument("--dump", type=Path, metavar="DIR", help="write StableHLO and optimised HLO text")
+            sub.add_argument("--target", metavar="GPU", help="compile for GPUs this host need not have: "
+                             "h100, h200, a100, l4, or a GPU target config file (needs jax's CUDA plugin)")
+            sub.add_argument("--devices", type=int, metavar="N", help="with --target: how many GPUs (default: "
+                             "mesh.data x mesh.stage; mesh.data=-1 counts one data replica)")
     parity = commands.add_parser("parity", help="train two configs side by side and report where they diverge")
     parity.add_argument("configs", nargs="*", metavar="CONFIG", help="none (the default), one for both sides, "
                         "or CONFIG_A CONFIG_B")
@@ -240,9 +244,16 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     from xlatrain.lowering.inspect import dump, step_report
     from xlatrain.program import build_program
 
-    program = build_program(_config_with_cpu_devices(config_path, overrides))
+    if args.devices is not None and not args.target:
+        raise UserError("lower: --devices counts the GPUs of --target; without --target the devices are this host's")
+    config, target, devices = (_gpu_target(config_path, overrides, args) if args.target
+                               else (_config_with_cpu_devices(config_path, overrides), None, None))
+    program = build_program(config, devices)
     step = program.train_step.first
     report = step_report(step.lowered, step.compiled, program.param_count)
+    if target is not None:
+        report["target"] = {"asked": target.label, "device_kind": target.device_kind, "devices": len(devices),
+                            "memory_bytes": target.memory_bytes}
     report["model_flops"] = program.derived.model_flops_per_step
     report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None
     report["loss_scaled"] = program.policy.dynamic_scale
@@ -256,6 +267,21 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     else:
         print(_format_report(report, program.derived.devices))
     return 0
+
+
+def _gpu_target(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> tuple:
+    """(config, GpuTarget, compile-only GPUs) for `lower --target`, before jax starts its backends."""
+    from xlatrain import compat
+    from xlatrain.config import load_config
+    from xlatrain.gpu_targets import resolve_target, target_devices
+
+    target = resolve_target(args.target)
+    config = load_config(config_path, overrides)
+    if config.collectives.impl == "custom":
+        raise UserError("lower --target: collectives.impl=custom compiles against xlatrain's NCCL library, which "
+                        "needs the GPUs themselves; compile with collectives.impl=xla")
+    count = target_devices(config.mesh.data, config.mesh.stage, args.devices)
+    return config, target, compat.compile_only_gpus(target.config_text, count)
 
 
 def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
@@ -368,14 +394,29 @@ def _report(_config_path: str | None, _overrides: list[str], args: argparse.Name
     return 0
 
 
+def _fits(peak: int, target: dict) -> str:
+    memory = target["memory_bytes"]
+    if memory is None:
+        return "; the target config gives no device_memory_size to compare with"
+    verdict = "fits" if peak <= memory else "does NOT fit"
+    return f", {peak / memory:.1%} of the {memory / 2**30:.1f} GiB of one {target['device_kind']}: {verdict}"
+
+
 def _format_report(report: dict, devices: int) -> str:
-    lines = [f"params             {report['params']:,}",
-             f"FLOPs per step     {report['flops']:.4g} (XLA cost analysis, per device program: a loop's body "
-             "counted once)",
+    from xlatrain.lowering.hlo_graph import ONE_DATA_REPLICA, SINGLE_DEVICE
+
+    target = report.get("target")
+    lines = [f"target             {target['devices']} x {target['device_kind']} (--target {target['asked']}), "
+             "compiled only: nothing ran, no kernel was timed (no autotuning)"] if target else []
+    lines += [f"params             {report['params']:,}",
+              "FLOPs per step     " + (f"{report['flops']:.4g} (XLA cost analysis, per device program: a loop's "
+                                       "body counted once)" if report["flops"] is not None
+                                       else "not given (XLA has no cost analysis of a compile-only GPU)"),
              "model FLOPs        " + (f"{report['model_flops']:.4g} per step, all devices (matmuls of the forward "
                                       "and backward over the global batch, counted on the jaxpr with every loop's "
                                       "trip count)" if report["model_flops"] else "not counted (a while loop)"),
-             f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)",
+             f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)"
+             + (_fits(report["peak_memory_bytes"], target) if target else ""),
              "collectives        " + ("none" if not report["collectives"] else "")]
     lines += [f"  {c['kind']:<26} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
     if "pipeline" in report:
@@ -396,8 +437,9 @@ def _format_report(report: dict, devices: int) -> str:
     scaled = ("scaled gradients", "unscale, ") if report["loss_scaled"] else ("gradients (no loss scale)", "")
     if order is None:
         lines.append("AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)")
-    elif order == ["no cross-replica reduction of the gradients (single device: nothing to order)"]:
-        lines.append(f"AMP order          single device: {scaled[0]} -> {scaled[1]}finite check, clip -> update")
+    elif order in ([SINGLE_DEVICE], [ONE_DATA_REPLICA]):
+        where = "single device" if order == [SINGLE_DEVICE] else "one data replica (stages' sums not checked)"
+        lines.append(f"AMP order          {where}: {scaled[0]} -> {scaled[1]}finite check, clip -> update")
     else:
         lines.append("AMP order          " + (f"holds in the optimised HLO: {scaled[0]} -> all-reduce -> "
                                               f"{scaled[1]}finite check, clip -> update" if not order

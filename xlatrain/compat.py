@@ -317,6 +317,38 @@ def register_ffi_targets(handlers: dict[str, Any], prefix: str, platform: str) -
         jax.ffi.register_ffi_target(f"{prefix}{op}", capsule, platform=_XLA_PLATFORM[platform])
 
 
+def compile_only_gpus(target_config: str, count: int) -> list:
+    """`count` compile-only GPUs described by `target_config` (XLA's GpuTargetConfigProto as text), from jax's
+    CUDA plugin; no GPU needed. Must run before jax starts its backends: the plugin checks the host's CUDA
+    libraries when jax loads it, and refuses a host without them unless told to skip the check."""
+    import importlib.util
+    import os
+
+    from jax.experimental import topologies
+
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
+                                                target_config=target_config)
+    except NotImplementedError:
+        plugin = next((p for p in ("xla_cuda13", "xla_cuda12") if importlib.util.find_spec("jax_plugins")
+                       and importlib.util.find_spec(f"jax_plugins.{p}")), None)
+        why = (f"jax_plugins.{plugin} is installed but did not load (see the log above)" if plugin
+               else "it is not installed")
+        raise UserError(f"--target: compiling for a GPU needs jax's CUDA plugin (not the GPU): {why}; install it "
+                        f"with pip install jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}"
+                        ) from None
+    except jax.errors.JaxRuntimeError as error:
+        raise UserError(f"--target: XLA did not take the GPU target config: {first_line(error)}") from None
+    return list(topology.devices)
+
+
+def is_compile_only(device: Any) -> bool:
+    """Whether `device` belongs to a compile-only client (a topology described, not attached): it has no memory
+    statistics and runs nothing."""
+    return type(device.client).__name__ == "CompileOnlyPyClient"
+
+
 def distributed_client():
     """jax.distributed's client (its key-value store), or None before jax.distributed.initialize."""
     from jax._src import distributed

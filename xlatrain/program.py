@@ -23,10 +23,11 @@ from xlatrain.lowering.block_costs import measure_block_costs
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.flops import UncountedLoop, step_flops
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
-from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
+from xlatrain.lowering.hlo_graph import ONE_DATA_REPLICA, amp_order_problems, parse_hlo
 from xlatrain.lowering.inspect import peak_memory_bytes
 from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_eval, make_pipeline_gradients, stage_link
 from xlatrain.lowering.pipeline_work import pipeline_work, residual_bytes
+from xlatrain.lowering.platform import compiling_for
 from xlatrain.lowering.step import (
     eval_metrics,
     fuse_steps,
@@ -152,7 +153,11 @@ class Program:
             self.eval_batch_shapes(), self.compile_book)
 
     def amp_order_problems(self) -> list[str]:
-        """The AMP order checked on the compiled (single-step) train program; empty when it holds."""
+        """The AMP order checked on the compiled (single-step) train program; empty when it holds. A pipeline of
+        one data replica has no cross-replica reduction to order: XLA:CPU keeps its sync over the one-device
+        `data` axis as a collective, XLA:GPU removes it."""
+        if self.pipeline is not None and self.derived.data_parallel == 1:
+            return [ONE_DATA_REPLICA]
         leaves = jax.tree_util.tree_flatten_with_path(self.abstract_state)[0]
         params = [i for i, (path, _) in enumerate(leaves) if jax.tree_util.keystr(path).startswith(".params")]
         skips = self.policy.dynamic_scale or self.config.trainer.on_nonfinite == "skip"
@@ -300,9 +305,15 @@ def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
 
 def build_program(config: Config, devices: list | None = None,
                   pinned_partition: tuple[int, ...] | None = None) -> Program:
-    """`pinned_partition`: the block partition a resumed pipelined run chose at its first start."""
-    compile_cache = use_compile_cache(config.trainer.compile_cache)
+    """`pinned_partition`: the block partition a resumed pipelined run chose at its first start. `devices` may be
+    compile-only (a GPU target of `xlatrain lower --target`): what is traced here follows their platform."""
     devices = jax.devices() if devices is None else devices
+    with compiling_for(devices[0].platform):
+        return _build_program(config, devices, pinned_partition)
+
+
+def _build_program(config: Config, devices: list, pinned_partition: tuple[int, ...] | None) -> Program:
+    compile_cache = use_compile_cache(config.trainer.compile_cache)
     derived = derive(config, devices)
     mesh = build_mesh(config, devices)
     if config.collectives.impl == "custom":

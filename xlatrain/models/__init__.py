@@ -4,13 +4,13 @@ torch nn.Module (xlatrain/models/torch_module.py, through torchax)."""
 import inspect
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig, TorchModelConfig
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, first_line
+from xlatrain.lowering.platform import lowering_platform
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.cnn import CNN
 from xlatrain.models.flax_module import flax_model, takes_rngs
@@ -52,7 +52,7 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
                             f"{spec.num_outputs} token ids")
         shape = GPTShape(config.layers, config.width, config.heads, config.mlp_ratio, config.vocab,
                          config.max_len or spec.input_shape[0], config.dropout,
-                         config.scans_layers(jax.default_backend()) if scan_layers is None else scan_layers,
+                         config.scans_layers(lowering_platform()) if scan_layers is None else scan_layers,
                          jnp.dtype(compute_dtype))
         return lambda rngs: GPT(shape, rngs=rngs)
     if isinstance(config, CustomModelConfig):

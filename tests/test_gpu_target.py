@@ -1,0 +1,154 @@
+"""`xlatrain lower --target`: a config's train step compiled for GPUs on a host without one.
+
+The compiling tests need jax's CUDA plugin, which the main environment does not have (jax would look for CUDA in
+every test): CI's gpu-target leg runs this file in an environment that adds it (.ci/run). The rest run everywhere.
+"""
+
+import importlib.util
+import itertools
+import json
+import shlex
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import REPO, TINY_GPT, run_cli
+from xlatrain.lowering.hlo_graph import ONE_DATA_REPLICA
+from xlatrain.lowering.platform import compiling_for, lowering_platform
+
+from xlatrain.attention import causal_attention
+from xlatrain.errors import UserError
+from xlatrain.gpu_targets import (
+    GPU_TARGETS,
+    known_memory,
+    resolve_target,
+    target_config_text,
+    target_devices,
+)
+from xlatrain.peaks import known_peak
+
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and any(
+    importlib.util.find_spec(f"jax_plugins.{name}") for name in ("xla_cuda13", "xla_cuda12"))
+needs_cuda_plugin = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is not installed (CI's "
+                                       "gpu-target leg in .ci/run installs it in its own environment)")
+PIPELINE = ["parallel.mode=shard_map", "model.width=16", "data.seq_len=16", "batch.global_size=32"]
+
+
+def test_each_known_target_describes_its_device_and_mfu_knows_its_peak():
+    text = target_config_text(GPU_TARGETS["h100"])
+    for field in ('device_description_str: "NVIDIA H100 80GB HBM3"', "core_count: 132", "major: 9",
+                  "device_memory_size: 85520809984", 'platform_name: "CUDA"'):
+        assert field in text
+    for spec in GPU_TARGETS.values():
+        assert known_peak(spec.name, "bfloat16") is not None, spec.name
+        assert known_memory(spec.name) == spec.memory_bytes
+    assert known_peak(GPU_TARGETS["h200"].name, "bfloat16") == known_peak("NVIDIA H200", "bfloat16")
+
+
+def test_a_target_is_a_known_name_or_a_target_config_file(tmp_path):
+    assert resolve_target("H100").device_kind == "NVIDIA H100 80GB HBM3"
+    spec = tmp_path / "h100_pcie.txtpb"
+    spec.write_text(target_config_text(GPU_TARGETS["h100"]).replace("core_count: 132", "core_count: 114")
+                    .replace("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"))
+    from_file = resolve_target(str(spec))
+    assert (from_file.device_kind, from_file.memory_bytes) == ("NVIDIA H100 PCIe", GPU_TARGETS["h100"].memory_bytes)
+    assert "core_count: 114" in from_file.config_text
+    with pytest.raises(UserError, match=r"--target h900: neither a known GPU \(h100, h200, a100, l4\) nor a file"):
+        resolve_target("h900")
+    (tmp_path / "notes.txt").write_text("threads: 1024\n")
+    with pytest.raises(UserError, match="not a GPU target config in text format"):
+        resolve_target(str(tmp_path / "notes.txt"))
+    assert [target_devices(-1, 4, None), target_devices(2, 4, None), target_devices(-1, 1, 3)] == [4, 8, 3]
+    with pytest.raises(UserError, match="--devices 0"):
+        target_devices(1, 1, 0)
+
+
+def test_lower_refuses_what_a_target_cannot_compile_in_one_line():
+    cases = [(["--devices", "2"], "--devices counts the GPUs of --target"),
+             (["collectives.impl=custom", "--target", "h100"], "collectives.impl=custom compiles against xlatrain's "
+                                                                 "NCCL library"),
+             (["--target", "h900"], "neither a known GPU")]
+    if not HAS_CUDA_PLUGIN:
+        cases.append((["--target", "h100"], "needs jax's CUDA plugin (not the GPU): it is not installed; install it "
+                                            f"with pip install jax-cuda13-plugin=={jax.__version__}"))
+    for args, message in cases:
+        result = run_cli("lower", *TINY_GPT, *args)  # overrides before the options: argparse takes them so
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr[-2000:])
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_attention_takes_the_formulation_of_the_platform_compiled_for():
+    """On a CPU host, a causal attention traced for a GPU is XLA's one (or cuDNN's), not the CPU's query blocks."""
+    q = jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.float32)
+
+    def dots(platform):
+        with compiling_for(platform):
+            assert lowering_platform() == platform
+            # a function of its own each time: jax reuses a function's trace for the same shapes
+            jaxpr = jax.make_jaxpr(lambda *qkv: causal_attention(*qkv))(q, q, q).jaxpr
+            return sum(e.primitive.name == "dot_general" for e in jaxpr.eqns)
+
+    assert (dots("cpu"), dots("gpu")) == (8, 2)  # 4 query blocks of 2 products each, against one of each
+    assert lowering_platform() == jax.default_backend()
+
+
+def lower_for_gpus(*overrides: str, target: str = "h100") -> dict:
+    result = run_cli("lower", *TINY_GPT, *overrides, "--json", "--target", target, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@needs_cuda_plugin
+def test_the_gpt_compiles_for_an_h100_and_its_memory_is_xlas():
+    report = lower_for_gpus("precision.policy=bf16")
+    assert report["target"] == {"asked": "h100", "device_kind": "NVIDIA H100 80GB HBM3", "devices": 1,
+                                "memory_bytes": GPU_TARGETS["h100"].memory_bytes}
+    assert report["flops"] is None and report["model_flops"] > 0
+    assert 0 < report["peak_memory_bytes"] < GPU_TARGETS["h100"].memory_bytes
+    assert report["amp_order"] == ["no cross-replica reduction of the gradients (single device: nothing to order)"]
+
+
+@needs_cuda_plugin
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1p", "zbv"])
+def test_every_schedule_compiles_for_gpus_with_the_amp_order_intact(schedule):
+    """2 stages x 2 data replicas of H100s: XLA:GPU runs the gradient sync as asynchronous -start/-done pairs,
+    which the AMP-order check must see as the cross-replica reductions they are."""
+    layers = 4 if schedule in ("interleaved", "zbv") else 2
+    report = lower_for_gpus(*PIPELINE, "mesh.stage=2", "mesh.data=2", f"model.layers={layers}",
+                            f"parallel.pipeline.schedule={schedule}", "parallel.pipeline.remat=none",
+                            "parallel.pipeline.microbatches=4", "precision.policy=bf16")
+    assert report["target"]["devices"] == 4 and report["pipeline"]["schedule"] == schedule
+    assert report["amp_order"] == [], report["amp_order"]
+    assert {"all-reduce", "collective-permute"} <= {c["kind"] for c in report["collectives"]}
+
+
+@needs_cuda_plugin
+def test_on_an_h100_1f1b_holds_p_microbatches_where_gpipe_holds_m():
+    """XLA:GPU's memory analysis: with m=8 and p=2, GPipe's temporaries exceed 1F1B's by the 6 more microbatches
+    of activations (and residuals, with remat: none) it holds, give or take one microbatch's worth (measured with
+    remat: none, 6.97 microbatches' worth: XLA:GPU gives GPipe one more residual-sized temporary)."""
+    common = [*PIPELINE, "mesh.stage=2", "mesh.data=1", "model.layers=2", "parallel.pipeline.microbatches=8",
+              "data.seq_len=64"]
+    lowered = {(schedule, remat): lower_for_gpus(*common, f"parallel.pipeline.schedule={schedule}",
+                                                 f"parallel.pipeline.remat={remat}")
+               for schedule, remat in itertools.product(("gpipe", "1f1b"), ("full", "none"))}
+    assert {tuple(report["amp_order"]) for report in lowered.values()} == {(ONE_DATA_REPLICA,)}
+    reports = {case: report["pipeline"] for case, report in lowered.items()}
+    activations = reports["1f1b", "full"]["activation_bytes_per_microbatch"]
+    residuals = reports["1f1b", "none"]["residual_bytes_per_microbatch"]
+    for remat, per_microbatch in (("full", activations), ("none", activations + residuals)):
+        saved = reports["gpipe", remat]["temp_bytes"] - reports["1f1b", remat]["temp_bytes"]
+        assert (8 - 2 - 1) * per_microbatch <= saved <= (8 - 2 + 1) * per_microbatch, (remat, saved, per_microbatch)
+
+
+@needs_cuda_plugin
+def test_the_readmes_target_commands_run_as_written():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Compile for a GPU you do not have"):]
+    block = section[section.index("```bash\n") + 8:section.index("```", section.index("```bash\n") + 8)]
+    commands = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.startswith("xlatrain lower")]
+    assert len(commands) == 2
+    for command in commands:
+        result = run_cli(*command[1:], timeout=600)
+        assert result.returncode == 0, (command, result.stderr[-3000:])
+        assert "compiled only" in result.stdout and ": fits" in result.stdout, result.stdout
