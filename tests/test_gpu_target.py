@@ -92,15 +92,16 @@ def test_attention_takes_the_formulation_of_the_platform_compiled_for():
     assert lowering_platform() == jax.default_backend()
 
 
-def lower_for_gpus(*overrides: str, target: str = "h100") -> dict:
-    result = run_cli("lower", *TINY_GPT, *overrides, "--json", "--target", target, timeout=600)
+def lower_for_gpus(*overrides: str, target: str = "h100", env: dict | None = None) -> dict:
+    result = run_cli("lower", *TINY_GPT, *overrides, "--json", "--target", target, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
 
 @needs_cuda_plugin
-def test_the_gpt_compiles_for_an_h100_and_its_memory_is_xlas():
-    report = lower_for_gpus("precision.policy=bf16")
+def test_the_gpt_compiles_for_an_h100_and_its_memory_is_xlas(tmp_path):
+    report = lower_for_gpus("precision.policy=bf16", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert not list(tmp_path.rglob("*")), "a compile-only executable went into the persistent cache"
     assert report["target"] == {"asked": "h100", "device_kind": "NVIDIA H100 80GB HBM3", "devices": 1,
                                 "memory_bytes": GPU_TARGETS["h100"].memory_bytes}
     assert report["flops"] is None and report["model_flops"] > 0

@@ -270,13 +270,14 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
 
 
 def _gpu_target(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> tuple:
-    """(config, GpuTarget, compile-only GPUs) for `lower --target`, before jax starts its backends."""
+    """(config, GpuTarget, compile-only GPUs) for `lower --target`, before jax starts its backends. The persistent
+    compilation cache stays off: a later run on the GPU itself must never load an executable compiled without it."""
     from xlatrain import compat
     from xlatrain.config import load_config
     from xlatrain.gpu_targets import resolve_target, target_devices
 
     target = resolve_target(args.target)
-    config = load_config(config_path, overrides)
+    config = load_config(config_path, [*overrides, "trainer.compile_cache=off"])
     if config.collectives.impl == "custom":
         raise UserError("lower --target: collectives.impl=custom compiles against xlatrain's NCCL library, which "
                         "needs the GPUs themselves; compile with collectives.impl=xla")
@@ -407,7 +408,7 @@ def _format_report(report: dict, devices: int) -> str:
 
     target = report.get("target")
     lines = [f"target             {target['devices']} x {target['device_kind']} (--target {target['asked']}), "
-             "compiled only: nothing ran, no kernel was timed (no autotuning)"] if target else []
+             "compiled only: nothing ran"] if target else []
     lines += [f"params             {report['params']:,}",
               "FLOPs per step     " + (f"{report['flops']:.4g} (XLA cost analysis, per device program: a loop's "
                                        "body counted once)" if report["flops"] is not None
