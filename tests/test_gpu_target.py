@@ -126,10 +126,12 @@ def test_every_schedule_compiles_for_gpus_with_the_amp_order_intact(schedule):
 @needs_cuda_plugin
 def test_on_an_h100_1f1b_holds_p_microbatches_where_gpipe_holds_m():
     """XLA:GPU's memory analysis: with m=8 and p=2, GPipe's temporaries exceed 1F1B's by the 6 more microbatches
-    of activations (and residuals, with remat: none) it holds, give or take one microbatch's worth (measured with
-    remat: none, 6.97 microbatches' worth: XLA:GPU gives GPipe one more residual-sized temporary)."""
+    of activations (and residuals, with remat: none) it holds, give or take XLA's buffer assignment, which shares
+    other temporaries differently between the two programs. Measured, in microbatches' worth: jax 0.10.2 6.0
+    (full) and 7.02 (none), jax 0.12 5.0 and 6.46; activations of 128 KiB and residuals of 2.1 MiB per
+    microbatch keep that sharing (about 100 KB) small beside them."""
     common = [*PIPELINE, "mesh.stage=2", "mesh.data=1", "model.layers=2", "parallel.pipeline.microbatches=8",
-              "data.seq_len=64"]
+              "model.width=64", "data.seq_len=128"]
     lowered = {(schedule, remat): lower_for_gpus(*common, f"parallel.pipeline.schedule={schedule}",
                                                  f"parallel.pipeline.remat={remat}")
                for schedule, remat in itertools.product(("gpipe", "1f1b"), ("full", "none"))}
@@ -137,9 +139,10 @@ def test_on_an_h100_1f1b_holds_p_microbatches_where_gpipe_holds_m():
     reports = {case: report["pipeline"] for case, report in lowered.items()}
     activations = reports["1f1b", "full"]["activation_bytes_per_microbatch"]
     residuals = reports["1f1b", "none"]["residual_bytes_per_microbatch"]
+    assert (activations, residuals) == (4 * 128 * 64 * 4, 2162688)  # rows x length x width x float32
     for remat, per_microbatch in (("full", activations), ("none", activations + residuals)):
         saved = reports["gpipe", remat]["temp_bytes"] - reports["1f1b", remat]["temp_bytes"]
-        assert (8 - 2 - 1) * per_microbatch <= saved <= (8 - 2 + 1) * per_microbatch, (remat, saved, per_microbatch)
+        assert abs(saved / per_microbatch - (8 - 2)) <= 1.25, (remat, saved / per_microbatch)
 
 
 @needs_cuda_plugin
