@@ -69,12 +69,24 @@ def test_lower_refuses_what_a_target_cannot_compile_in_one_line():
                                                                  "NCCL library"),
              (["--target", "h900"], "neither a known GPU")]
     if not HAS_CUDA_PLUGIN:
-        cases.append((["--target", "h100"], "needs jax's CUDA plugin (not the GPU): it is not installed; install it "
-                                            f"with pip install jax-cuda13-plugin=={jax.__version__}"))
+        cases.append((["--target", "h100"], "--target h100: compiling for a GPU needs jax's CUDA plugin (not the "
+                                            "GPU): it is not installed; install it with pip install "
+                                            f"jax-cuda13-plugin=={jax.__version__}"))
     for args, message in cases:
         result = run_cli("lower", *TINY_GPT, *args)  # overrides before the options: argparse takes them so
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr[-2000:])
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@needs_cuda_plugin
+def test_a_target_config_xla_cannot_parse_is_refused_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.txtpb"
+    bad.write_text('gpu_device_info {\n  core_count: "many"\n}\ndevice_description_str: "X"\n')
+    result = run_cli("lower", *TINY_GPT, "--target", str(bad))
+    assert result.returncode == 2, result.stderr[-2000:]
+    # XLA logs where its parser stopped (2:15) first; xlatrain's one line ends the output
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"xlatrain: error: --target {bad}: XLA did not take the GPU target config"), result.stderr
 
 
 def test_attention_takes_the_formulation_of_the_platform_compiled_for():

@@ -282,7 +282,7 @@ def _gpu_target(config_path: str | None, overrides: list[str], args: argparse.Na
         raise UserError("lower --target: collectives.impl=custom compiles against xlatrain's NCCL library, which "
                         "needs the GPUs themselves; compile with collectives.impl=xla")
     count = target_devices(config.mesh.data, config.mesh.stage, args.devices)
-    return config, target, compat.compile_only_gpus(target.config_text, count)
+    return config, target, compat.compile_only_gpus(target.config_text, count, target.label)
 
 
 def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:

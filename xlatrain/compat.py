@@ -317,10 +317,11 @@ def register_ffi_targets(handlers: dict[str, Any], prefix: str, platform: str) -
         jax.ffi.register_ffi_target(f"{prefix}{op}", capsule, platform=_XLA_PLATFORM[platform])
 
 
-def compile_only_gpus(target_config: str, count: int) -> list:
-    """`count` compile-only GPUs described by `target_config` (XLA's GpuTargetConfigProto as text), from jax's
-    CUDA plugin; no GPU needed. Must run before jax starts its backends: the plugin checks the host's CUDA
-    libraries when jax loads it, and refuses a host without them unless told to skip the check."""
+def compile_only_gpus(target_config: str, count: int, asked: str) -> list:
+    """`count` compile-only GPUs described by `target_config` (XLA's GpuTargetConfigProto as text; `asked`
+    names it in errors), from jax's CUDA plugin; no GPU needed. Must run before jax starts its backends: the
+    plugin checks the host's CUDA libraries when jax loads it, and refuses a host without them unless told to
+    skip the check."""
     import importlib.util
     import os
 
@@ -335,11 +336,11 @@ def compile_only_gpus(target_config: str, count: int) -> list:
                        and importlib.util.find_spec(f"jax_plugins.{p}")), None)
         why = (f"jax_plugins.{plugin} is installed but did not load (see the log above)" if plugin
                else "it is not installed")
-        raise UserError(f"--target: compiling for a GPU needs jax's CUDA plugin (not the GPU): {why}; install it "
-                        f"with pip install jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}"
-                        ) from None
+        raise UserError(f"--target {asked}: compiling for a GPU needs jax's CUDA plugin (not the GPU): {why}; "
+                        f"install it with pip install jax-cuda13-plugin=={jax.__version__} "
+                        f"jax-cuda13-pjrt=={jax.__version__}") from None
     except jax.errors.JaxRuntimeError as error:
-        raise UserError(f"--target: XLA did not take the GPU target config: {first_line(error)}") from None
+        raise UserError(f"--target {asked}: XLA did not take the GPU target config: {first_line(error)}") from None
     return list(topology.devices)
 
 
