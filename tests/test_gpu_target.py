@@ -4,7 +4,6 @@ The compiling tests need jax's CUDA plugin, which the main environment does not 
 every test): CI's gpu-target leg runs this file in an environment that adds it (.ci/run). The rest run everywhere.
 """
 
-import importlib.util
 import itertools
 import json
 import shlex
@@ -17,6 +16,7 @@ from xlatrain.lowering.hlo_graph import ONE_DATA_REPLICA
 from xlatrain.lowering.platform import compiling_for, lowering_platform
 
 from xlatrain.attention import causal_attention
+from xlatrain.compat import installed_cuda_plugin
 from xlatrain.errors import UserError
 from xlatrain.gpu_targets import (
     GPU_TARGETS,
@@ -27,8 +27,7 @@ from xlatrain.gpu_targets import (
 )
 from xlatrain.peaks import known_peak
 
-HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and any(
-    importlib.util.find_spec(f"jax_plugins.{name}") for name in ("xla_cuda13", "xla_cuda12"))
+HAS_CUDA_PLUGIN = installed_cuda_plugin() is not None
 needs_cuda_plugin = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is not installed (CI's "
                                        "gpu-target leg in .ci/run installs it in its own environment)")
 PIPELINE = ["parallel.mode=shard_map", "model.width=16", "data.seq_len=16", "batch.global_size=32"]

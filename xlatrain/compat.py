@@ -317,12 +317,21 @@ def register_ffi_targets(handlers: dict[str, Any], prefix: str, platform: str) -
         jax.ffi.register_ffi_target(f"{prefix}{op}", capsule, platform=_XLA_PLATFORM[platform])
 
 
+def installed_cuda_plugin() -> str | None:
+    """The module of jax's CUDA plugin that is installed ("xla_cuda13", "xla_cuda12"), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins") is None:
+        return None
+    return next((name for name in ("xla_cuda13", "xla_cuda12") if importlib.util.find_spec(f"jax_plugins.{name}")),
+                None)
+
+
 def compile_only_gpus(target_config: str, count: int, asked: str) -> list:
     """`count` compile-only GPUs described by `target_config` (XLA's GpuTargetConfigProto as text; `asked`
     names it in errors), from jax's CUDA plugin; no GPU needed. Must run before jax starts its backends: the
     plugin checks the host's CUDA libraries when jax loads it, and refuses a host without them unless told to
     skip the check."""
-    import importlib.util
     import os
 
     from jax.experimental import topologies
@@ -332,8 +341,7 @@ def compile_only_gpus(target_config: str, count: int, asked: str) -> list:
         topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
                                                 target_config=target_config)
     except NotImplementedError:
-        plugin = next((p for p in ("xla_cuda13", "xla_cuda12") if importlib.util.find_spec("jax_plugins")
-                       and importlib.util.find_spec(f"jax_plugins.{p}")), None)
+        plugin = installed_cuda_plugin()
         why = (f"jax_plugins.{plugin} is installed but did not load (see the log above)" if plugin
                else "it is not installed")
         raise UserError(f"--target {asked}: compiling for a GPU needs jax's CUDA plugin (not the GPU): {why}; "
