@@ -1,6 +1,7 @@
 """Built-in and user models, optimizers by name, schedules with warmup, and the weight-decay mask."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -43,6 +44,32 @@ def test_gpt_is_causal_and_scan_matches_loop():
     changed = tokens.at[:, 10].set(7)
     np.testing.assert_array_equal(scanned(tokens)[:, :10], scanned(changed)[:, :10])
     assert not np.allclose(scanned(tokens)[:, 10:], scanned(changed)[:, 10:])
+
+
+def test_unrolled_layers_gradient_is_one_concatenate_per_stacked_leaf_and_equals_the_scans():
+    """Indexing layer i out of the stacked params would make its gradient a stacked-size pad per layer, summed."""
+    tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16) % 256
+
+    def blocks_gradient(model):
+        graphdef, params = nnx.split(model, nnx.Param)
+        return jax.grad(lambda p: nnx.merge(graphdef, p)(tokens).sum())(params)["blocks"]
+
+    looped, scanned = gpt("model.scan_layers=false"), gpt("model.scan_layers=true")
+    stacked_shapes = {leaf.shape for leaf in jax.tree.leaves(nnx.state(looped.blocks, nnx.Param))}
+    made = [(eqn.primitive.name, var.aval.shape) for eqn in all_equations(jax.make_jaxpr(blocks_gradient)(looped).jaxpr)
+            for var in eqn.outvars]
+    assert [shape for name, shape in made if name == "pad" and shape in stacked_shapes] == []
+    assert {shape for name, shape in made if name == "concatenate"} >= stacked_shapes
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                 blocks_gradient(looped), blocks_gradient(scanned))
+
+
+def all_equations(jaxpr):
+    """A jaxpr's equations and those of the jaxprs inside them (jit, custom_vjp, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from all_equations(sub)
 
 
 def test_the_token_embeddings_gradient_sums_in_float32_and_sorting_changes_no_bit():

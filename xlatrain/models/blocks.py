@@ -95,9 +95,19 @@ def run_blocks(apply_layer: ApplyLayer, params_Lx: Any, x: jax.Array, keys_L: ja
             return one(x, *layer), None
 
         return jax.lax.scan(body, x, (jnp.arange(layers), params_Lx, keys_L))[0]
-    for index in range(layers):
-        x = one(x, index, jax.tree.map(lambda p, i=index: p[i], params_Lx), None if keys_L is None else keys_L[index])
+    for index, params in enumerate(unstack_layers(params_Lx, layers)):
+        x = one(x, index, params, None if keys_L is None else keys_L[index])
     return x
+
+
+def unstack_layers(params_Lx: Any, layers: int) -> list[Any]:
+    """One params pytree per layer. Split rather than indexed: the gradient of a split is one concatenate of the
+    layers' gradients, where indexing's is a stacked-size array per layer, zero but for its layer, and their sum
+    (bench.unrolled_layers: 12 layers of width 128 move 0.82x the bytes per train step; its time, 0.99x, is within
+    the noise)."""
+    leaves, treedef = jax.tree.flatten(params_Lx)
+    pieces = [jax.lax.split(leaf, [1] * layers) for leaf in leaves]
+    return [treedef.unflatten([leaf_pieces[index][0] for leaf_pieces in pieces]) for index in range(layers)]
 
 
 class BlockParts:
