@@ -92,6 +92,10 @@ class ExplicitReplicas:
 
     def sum_gradients(self, grads_R: Tree, dtype: jnp.dtype) -> Tree:
         grads = jax.tree.map(lambda g: g[0], grads_R)
+        if self.participants == 1:
+            # A pipeline over one data replica: nothing to sum, so no flat copy of the gradients and no rounding
+            # to the communication dtype (XLA:CPU would keep the one-device collectives, and their copies).
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         def reduce_bucket(bucket: jax.Array) -> jax.Array:
             if self.buckets_by_all_reduce:

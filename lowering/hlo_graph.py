@@ -4,7 +4,12 @@
 the parameter update, the finite check and the gradient norm *only* through cross-replica reductions
 (so every replica decides on the same synchronised gradients); the loss scale is applied before those
 reductions and divided out after them; the update depends on the finite check and on the norm (skip
-and clip).
+and clip). Where the gradients are not synchronised (a pipeline over one data replica: each stage updates
+from its own), the finite check still sees the batch only through reductions across the devices, and the
+clip depends on one (the norm summed over the stages).
+
+A collective whose every replica group holds one device reduces nothing: XLA:CPU keeps a sum over a one-device
+mesh axis as such a collective, XLA:GPU drops it, so it counts as no reduction.
 """
 
 from __future__ import annotations
@@ -20,14 +25,14 @@ REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatt
 custom-call ones (named by their target, less the platform)."""
 
 SINGLE_DEVICE = "no cross-replica reduction of the gradients (single device: nothing to order)"
-ONE_DATA_REPLICA = ("no cross-replica reduction of the gradients (one data replica: each stage's gradients are its "
-                    "own, nothing to order)")
 
 _NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _XLATRAIN_TARGET = re.compile(XLATRAIN_TARGET)
+_LISTED_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Instruction:
     operands: list[str]
     called: list[str]
     op_name: str
+    across_devices: bool = True
+    """For a collective: whether a replica group holds more than one device."""
     contains: set[str] = field(default_factory=set)
     """Opcodes and op_names of this instruction and of every computation it calls (fusions, loops)."""
 
@@ -54,8 +61,12 @@ class HloGraph:
         """Instructions computing (part of) something under `jax.named_scope(scope)`."""
         return [i.name for i in self.entry.values() if any(f"/{scope}/" in name for name in i.contains)]
 
-    def reachable(self, sources: list[str], blocked: tuple[str, ...] = ()) -> set[str]:
-        """Instructions whose value depends on any of `sources`, not passing through `blocked` opcodes."""
+    def reductions(self) -> set[str]:
+        """The cross-device reductions (REDUCTIONS whose groups hold more than one device)."""
+        return {i.name for i in self.entry.values() if i.opcode in REDUCTIONS and i.across_devices}
+
+    def reachable(self, sources: list[str] | set[str], blocked: set[str] = frozenset()) -> set[str]:
+        """Instructions whose value depends on any of `sources`, not passing through the `blocked` ones."""
         users: dict[str, list[str]] = {}
         for instruction in self.entry.values():
             for operand in instruction.operands:
@@ -63,7 +74,7 @@ class HloGraph:
         seen, frontier = set(sources), list(sources)
         while frontier:
             for user in users.get(frontier.pop(), ()):
-                if user not in seen and self.entry[user].opcode not in blocked:
+                if user not in seen and user not in blocked:
                     seen.add(user)
                     frontier.append(user)
         return seen
@@ -101,6 +112,8 @@ def parse_hlo(text: str) -> HloGraph:
     for instruction in entry.values():
         called = (opcodes(c) for c in instruction.called)
         instruction.contains = {instruction.opcode, instruction.op_name}.union(*called)
+        if instruction.opcode.endswith("-done"):  # an async collective's groups are on its start
+            instruction.across_devices = entry[instruction.operands[0]].across_devices
     return HloGraph(entry, root)
 
 
@@ -117,7 +130,18 @@ def _instruction(name: str, rest: str) -> Instruction:
     opcode = f"xlatrain_{target.group(1)}" if target else opcode
     op_name = _OP_NAME.search(attributes)
     label = op_name.group(1).replace("\\'", "'") if op_name else ""
-    return Instruction(name, opcode, operands, _CALLED.findall(attributes), label)
+    return Instruction(name, opcode, operands, _CALLED.findall(attributes), label, _across_devices(attributes))
+
+
+def _across_devices(attributes: str) -> bool:
+    """Whether a collective's replica groups (listed, `{{0},{1}}`, or XLA's iota form, `[2,1]<=[2]`) hold more
+    than one device each; an empty list is one group of every device."""
+    listed = _LISTED_GROUPS.search(attributes)
+    if listed:
+        groups = re.findall(r"\{([\d,]*)\}", listed.group(1))
+        return not groups or any("," in group for group in groups)
+    iota = _IOTA_GROUPS.search(attributes)
+    return iota is None or int(iota.group(1)) > 1
 
 
 def _matching(text: str, open_index: int) -> int:
@@ -130,36 +154,45 @@ def _matching(text: str, open_index: int) -> int:
 
 
 def amp_order_problems(graph: HloGraph, param_outputs: list[int], batch_keys: list[str], *,
-                       skips_nonfinite: bool, clips: bool, scales: bool = True) -> list[str]:
+                       skips_nonfinite: bool, clips: bool, scales: bool = True, synchronised: bool = True,
+                       ) -> list[str]:
     """What, if anything, in the compiled train step breaks the AMP order (empty: the order holds).
 
     `param_outputs` are the indices of the updated parameters in the step's output tuple; the step's
     phases are found by their `jax.named_scope` (lowering/step.py). `scales`: whether the step scales the
-    loss (a dynamic loss scale); without it, there is no scale to apply before the sync or to undo after."""
+    loss (a dynamic loss scale); without it, there is no scale to apply before the sync or to undo after.
+    `synchronised`: whether the gradients are summed across devices before the update (not in a pipeline
+    over one data replica, where the finite check and the clip must still agree across the stages)."""
     outputs = [graph.root.operands[i] for i in param_outputs]
     batch = [p for key in batch_keys for p in graph.parameter(f"batch[{key!r}]")]
     scale = graph.parameter("state.loss_scale.scale")
-    reductions = [name for name, i in graph.entry.items() if i.opcode in REDUCTIONS]
+    reductions = graph.reductions()
     if not batch or (scales and not scale) or not outputs:
         return [f"cannot find the batch {batch_keys}, the loss scale or the parameter outputs in the HLO"]
     if not reductions:
         return [SINGLE_DEVICE]
-    # (phase, its instructions, whether it must exist, whether the update must depend on it)
-    phases = [("the parameter update", outputs, True, False),
-              ("the finite check", graph.in_scope("finite_check"), True, skips_nonfinite),
-              ("the global-norm clip", graph.in_scope("clip"), clips, clips)]
+    # (phase, its instructions, whether it must exist, whether the update must depend on it, how the batch
+    # reaches it: only through cross-device reductions, through one at least, or any way)
+    phases = [("the parameter update", outputs, True, False, "only through" if synchronised else "any way"),
+              ("the finite check", graph.in_scope("finite_check"), True, skips_nonfinite, "only through"),
+              ("the global-norm clip", graph.in_scope("clip"), clips, clips,
+               "only through" if synchronised else "through")]
     from_batch = graph.reachable(batch)
-    around_sync = graph.reachable(batch, blocked=REDUCTIONS)
+    around_sync = graph.reachable(batch, blocked=reductions)
+    after_sync = graph.reachable(reductions & from_batch)
     problems = []
-    for what, nodes, exists, gates_update in phases:
+    for what, nodes, exists, gates_update, from_the_batch in phases:
         if exists and not set(nodes) & from_batch:
             problems.append(f"{what} does not depend on the batch")
-        elif set(nodes) & around_sync:
+        elif from_the_batch == "only through" and set(nodes) & around_sync:
             problems.append(f"{what} depends on the batch without passing a cross-replica reduction")
+        elif from_the_batch == "through" and exists and not set(nodes) & after_sync:
+            problems.append(f"{what} does not depend on a cross-device reduction (each device would decide on "
+                            "its own gradients)")
         if gates_update and not set(outputs) <= graph.reachable(nodes):
             problems.append(f"the update does not depend on {what}")
-    if scales and not set(reductions) & graph.reachable(scale):
+    if scales and not reductions & graph.reachable(scale):
         problems.append("the gradients are synchronised before the loss scale is applied")
-    if scales and not set(outputs) <= graph.reachable(scale, blocked=REDUCTIONS):
+    if scales and not set(outputs) <= graph.reachable(scale, blocked=reductions):
         problems.append("the update does not unscale the synchronised gradients")
     return problems

@@ -45,4 +45,5 @@ def test_lower_json_is_one_object():
     result = run_cli("lower", "--json", "examples/configs/digits_mlp.yaml")
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)) == {"params", "flops", "peak_memory_bytes", "collectives",
-                                             "model_flops", "amp_order", "loss_scaled"}
+                                             "model_flops", "amp_order", "loss_scaled",
+                                             "gradients_synchronised"}

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import REPO, TINY_GPT, run_cli
-from xlatrain.lowering.hlo_graph import ONE_DATA_REPLICA
 from xlatrain.lowering.platform import compiling_for, lowering_platform
 
 from xlatrain.attention import causal_attention
@@ -146,7 +145,7 @@ def test_on_an_h100_1f1b_holds_p_microbatches_where_gpipe_holds_m():
     lowered = {(schedule, remat): lower_for_gpus(*common, f"parallel.pipeline.schedule={schedule}",
                                                  f"parallel.pipeline.remat={remat}")
                for schedule, remat in itertools.product(("gpipe", "1f1b"), ("full", "none"))}
-    assert {tuple(report["amp_order"]) for report in lowered.values()} == {(ONE_DATA_REPLICA,)}
+    assert all(report["amp_order"] == [] for report in lowered.values())
     reports = {case: report["pipeline"] for case, report in lowered.items()}
     activations = reports["1f1b", "full"]["activation_bytes_per_microbatch"]
     residuals = reports["1f1b", "none"]["residual_bytes_per_microbatch"]

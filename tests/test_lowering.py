@@ -21,7 +21,7 @@ def kinds(report):
 def test_data_parallel_step_all_reduces_gradients(capsys, devices):
     report = lower_json(capsys, *DIGITS_MLP)
     assert set(report) == {"params", "flops", "peak_memory_bytes", "collectives", "model_flops", "amp_order",
-                           "loss_scaled"}
+                           "loss_scaled", "gradients_synchronised"}
     assert report["amp_order"] == []
     assert report["params"] == 64 * 32 + 32 + 32 * 10 + 10
     # the first layer's input gradient is not needed: forward + both gradients of the second layer, one of the first

@@ -12,12 +12,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import yaml
 from conftest import REPO, TINY_GPT, run_cli, token_batch
 from jax.sharding import PartitionSpec as P
 from xlatrain.lowering.inspect import collectives, peak_memory_bytes
-from xlatrain.lowering.pipeline_step import run_when
+from xlatrain.lowering.pipeline_step import StagedTrees, run_when
 
 from xlatrain.cli import main
 from xlatrain.config import load_config
@@ -128,6 +129,22 @@ def test_every_schedule_keeps_the_amp_order(schedule, remat, devices):
                            "parallel.pipeline.microbatches=4", f"parallel.pipeline.schedule={schedule}",
                            f"parallel.pipeline.remat={remat}"])
     assert program.amp_order_problems() == []
+
+
+def test_one_data_replica_keeps_the_amp_order_and_the_check_catches_stages_deciding_alone(devices, monkeypatch):
+    """A pipeline over one data replica: each stage updates from its own gradients, whose sum of squares the
+    stages add up (StagedTrees.norm) before the finite check and the clip; no gradient goes through a
+    collective over the one-device `data` axis. Negative control: stages that take the norm of their own
+    gradients only would each decide on their own whether to skip the step and how far to clip."""
+    overrides = ["mesh.stage=2", "mesh.data=1", "model.layers=4", "precision.policy=fp16",
+                 "parallel.pipeline.microbatches=4"]
+    program = program_for(overrides, devices[:2])
+    hlo = program.train_step.first.compiled.as_text()
+    assert not re.search(r"/sync/(reduce_scatter|all_gather)", hlo)
+    assert program.amp_order_problems() == []
+    monkeypatch.setattr(StagedTrees, "norm", lambda self, tree: optax.tree.norm(tree))
+    problems = program_for(overrides, devices[:2]).amp_order_problems()
+    assert problems == ["the finite check depends on the batch without passing a cross-replica reduction"]
 
 
 @pytest.mark.slow

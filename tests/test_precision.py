@@ -156,6 +156,22 @@ def test_the_order_check_catches_a_step_that_checks_finiteness_before_the_all_re
     assert "the parameter update depends on the batch without passing a cross-replica reduction" in problems
 
 
+@pytest.mark.parametrize("groups, across", [
+    ("replica_groups={{0},{1},{2},{3}}", False), ("replica_groups={{0,1},{2,3}}", True), ("replica_groups={}", True),
+    ("replica_groups=[4,1]<=[4]", False), ("replica_groups=[2,2]<=[2,2]T(1,0)", True), ("", True)])
+def test_a_collective_over_one_device_groups_is_no_reduction(groups, across):
+    """XLA:CPU keeps a psum over a one-device mesh axis as a collective of single-device groups (XLA:GPU drops
+    it): it must not count as the reduction the AMP order asks for, nor its asynchronous -done."""
+    hlo = f"""ENTRY %main (p: f32[8]) -> f32[8] {{
+  %p = f32[8]{{0}} parameter(0)
+  %s = f32[8]{{0}} all-reduce-start(%p), channel_id=1, {groups}, to_apply=%add
+  ROOT %d = f32[8]{{0}} all-reduce-done(%s)
+}}
+"""
+    graph = parse_hlo(hlo)
+    assert graph.reductions() == ({"s", "d"} if across else set())
+
+
 def test_loss_scale_is_checkpointed_and_resumes_exactly(tmp_path):
     common = [*DIGITS_MLP, "precision.policy=fp16", "precision.loss_scale.initial=1024",
               "precision.loss_scale.growth_interval=2", "optimizer.schedule=constant", "trainer.checkpoint_every=3"]

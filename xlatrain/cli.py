@@ -257,6 +257,7 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     report["model_flops"] = program.derived.model_flops_per_step
     report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None
     report["loss_scaled"] = program.policy.dynamic_scale
+    report["gradients_synchronised"] = program.gradients_synchronised
     if program.pipeline is not None:
         report["pipeline"] = program.pipeline_report(step.compiled)
     if args.dump:
@@ -404,7 +405,7 @@ def _fits(peak: int, target: dict) -> str:
 
 
 def _format_report(report: dict, devices: int) -> str:
-    from xlatrain.lowering.hlo_graph import ONE_DATA_REPLICA, SINGLE_DEVICE
+    from xlatrain.lowering.hlo_graph import SINGLE_DEVICE
 
     target = report.get("target")
     lines = [f"target             {target['devices']} x {target['device_kind']} (--target {target['asked']}), "
@@ -438,13 +439,16 @@ def _format_report(report: dict, devices: int) -> str:
     scaled = ("scaled gradients", "unscale, ") if report["loss_scaled"] else ("gradients (no loss scale)", "")
     if order is None:
         lines.append("AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)")
-    elif order in ([SINGLE_DEVICE], [ONE_DATA_REPLICA]):
-        where = "single device" if order == [SINGLE_DEVICE] else "one data replica (stages' sums not checked)"
-        lines.append(f"AMP order          {where}: {scaled[0]} -> {scaled[1]}finite check, clip -> update")
+    elif order == [SINGLE_DEVICE]:
+        lines.append(f"AMP order          single device: {scaled[0]} -> {scaled[1]}finite check, clip -> update")
+    elif order:
+        lines.append("AMP order          VIOLATED: " + "; ".join(order))
+    elif not report["gradients_synchronised"]:
+        lines.append(f"AMP order          holds in the optimised HLO: each stage's {scaled[0]} -> {scaled[1]}"
+                     "norm summed over the stages (all-reduce) -> finite check, clip -> update (one data replica)")
     else:
-        lines.append("AMP order          " + (f"holds in the optimised HLO: {scaled[0]} -> all-reduce -> "
-                                              f"{scaled[1]}finite check, clip -> update" if not order
-                                              else "VIOLATED: " + "; ".join(order)))
+        lines.append(f"AMP order          holds in the optimised HLO: {scaled[0]} -> all-reduce -> "
+                     f"{scaled[1]}finite check, clip -> update")
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ from xlatrain.lowering.block_costs import measure_block_costs
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.flops import UncountedLoop, step_flops
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
-from xlatrain.lowering.hlo_graph import ONE_DATA_REPLICA, amp_order_problems, parse_hlo
+from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 from xlatrain.lowering.inspect import peak_memory_bytes
 from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_eval, make_pipeline_gradients, stage_link
 from xlatrain.lowering.pipeline_work import pipeline_work, residual_bytes
@@ -152,19 +152,21 @@ class Program:
             fn, self._abstract_sharded_state(), self.state_shardings, batch, eval_batch_sharding(self.mesh)),
             self.eval_batch_shapes(), self.compile_book)
 
+    @property
+    def gradients_synchronised(self) -> bool:
+        """Whether the update sums gradients across devices: not in a pipeline over one data replica, where each
+        stage updates its blocks from its own gradients (and only their norm and finiteness are summed)."""
+        return self.pipeline is None or self.derived.data_parallel > 1
+
     def amp_order_problems(self) -> list[str]:
-        """The AMP order checked on the compiled (single-step) train program; empty when it holds. A pipeline of
-        one data replica has no cross-replica reduction to order: XLA:CPU keeps its sync over the one-device
-        `data` axis as a collective, XLA:GPU removes it."""
-        if self.pipeline is not None and self.derived.data_parallel == 1:
-            return [ONE_DATA_REPLICA]
+        """The AMP order checked on the compiled (single-step) train program; empty when it holds."""
         leaves = jax.tree_util.tree_flatten_with_path(self.abstract_state)[0]
         params = [i for i, (path, _) in enumerate(leaves) if jax.tree_util.keystr(path).startswith(".params")]
         skips = self.policy.dynamic_scale or self.config.trainer.on_nonfinite == "skip"
         return amp_order_problems(parse_hlo(self.train_step.first.compiled.as_text()), params,
                                   sorted(self.train_batch_shapes()), skips_nonfinite=skips,
                                   clips=self.config.optimizer.clip_norm is not None,
-                                  scales=self.policy.dynamic_scale)
+                                  scales=self.policy.dynamic_scale, synchronised=self.gradients_synchronised)
 
     def pipeline_report(self, compiled: Any) -> dict[str, Any]:
         """The pipeline of a compiled train step: schedule, partition, bubble, and the activations a stage
