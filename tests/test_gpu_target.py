@@ -50,6 +50,7 @@ def test_a_target_is_a_known_name_or_a_target_config_file(tmp_path):
                     .replace("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"))
     from_file = resolve_target(str(spec))
     assert (from_file.device_kind, from_file.memory_bytes) == ("NVIDIA H100 PCIe", GPU_TARGETS["h100"].memory_bytes)
+    assert known_memory("NVIDIA H100 PCIe") == GPU_TARGETS["h100"].memory_bytes  # for remat: auto, on its devices
     assert "core_count: 114" in from_file.config_text
     with pytest.raises(UserError, match=r"--target h900: neither a known GPU \(h100, h200, a100, l4\) nor a file"):
         resolve_target("h900")

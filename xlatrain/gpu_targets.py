@@ -95,8 +95,14 @@ device_description_str: "{spec.name}"
 """
 
 
+_FILE_TARGET_MEMORY: dict[str, int] = {}
+"""The memory of each target file's device resolved in this process, by its device kind: compile-only devices do
+not report their memory, and remat: auto and the train state's check ask for it (known_memory)."""
+
+
 def resolve_target(asked: str) -> GpuTarget:
-    """A known name (case-insensitive) or a target-config file; a clear error otherwise."""
+    """A known name (case-insensitive) or a target-config file; a clear error otherwise. A file's device memory
+    is remembered for known_memory."""
     spec = GPU_TARGETS.get(asked.lower())
     if spec is not None:
         return GpuTarget(asked.lower(), spec.name, spec.memory_bytes, target_config_text(spec))
@@ -114,12 +120,16 @@ def resolve_target(asked: str) -> GpuTarget:
     if "gpu_device_info" not in text or name is None:
         raise UserError(f"--target {asked}: not a GPU target config in text format (it needs gpu_device_info and "
                         "device_description_str; see XLA's xla/backends/gpu/target_config/specs/*.txtpb)")
+    if memory:
+        _FILE_TARGET_MEMORY[name.group(1)] = int(memory.group(1))
     return GpuTarget(str(path), name.group(1), int(memory.group(1)) if memory else None, text)
 
 
 def known_memory(device_kind: str) -> int | None:
-    """The memory of a known target by the device kind its compile-only devices report; None for others."""
-    return next((spec.memory_bytes for spec in GPU_TARGETS.values() if spec.name == device_kind), None)
+    """The memory of a known target, or of a target file's device resolved in this process, by the device kind
+    its compile-only devices report; None for others."""
+    known = next((spec.memory_bytes for spec in GPU_TARGETS.values() if spec.name == device_kind), None)
+    return known or _FILE_TARGET_MEMORY.get(device_kind)
 
 
 def target_devices(mesh_data: int, mesh_stage: int, asked: int | None) -> int:

@@ -99,7 +99,7 @@ def device_memory(mesh: Mesh) -> tuple[int | None, str]:
     if compat.is_compile_only(devices[0]):
         limit = known_memory(devices[0].device_kind)
         return limit, (f"the {limit / 2**30:.1f} GiB of one {devices[0].device_kind}" if limit else
-                       f"the memory of a {devices[0].device_kind} (a target config's device, not one of xlatrain's)")
+                       f"the memory of a {devices[0].device_kind} (its target config gives no device_memory_size)")
     limit = (devices[0].memory_stats() or {}).get("bytes_limit")
     return limit, f"the {limit / 2**30 if limit else 0:.1f} GiB of one {devices[0].device_kind}"
 
