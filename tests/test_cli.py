@@ -5,6 +5,7 @@ import json
 import yaml
 from conftest import run_cli
 
+from xlatrain.cli import _parse_intermixed, _parser
 from xlatrain.metrics import read_metrics
 
 
@@ -47,3 +48,14 @@ def test_lower_json_is_one_object():
     assert set(json.loads(result.stdout)) == {"params", "flops", "peak_memory_bytes", "collectives",
                                              "model_flops", "amp_order", "loss_scaled",
                                              "gradients_synchronised"}
+
+
+def test_overrides_may_stand_between_a_commands_options():
+    args = _parse_intermixed(_parser(), ["lower", "cfg.yaml", "model.layers=3", "--target", "h100", "mesh.stage=2",
+                                         "--devices", "4", "model.width=64"])
+    assert (args.args, args.target, args.devices) == (["cfg.yaml", "model.layers=3", "mesh.stage=2", "model.width=64"],
+                                                      "h100", 4)
+    for argv in (["lower", "model.layers=3", "--bogus"], ["report", "runs/a", "extra=1"]):
+        result = run_cli(*argv)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+            f"xlatrain: error: unrecognized arguments: {argv[-1]} (see xlatrain --help)"], result.stderr

@@ -48,7 +48,7 @@ def run() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parse_intermixed(parser, argv)
     config_path, overrides = _split_config_and_overrides(args.args)
     try:
         return args.command(config_path, overrides, args)
@@ -64,6 +64,22 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _parse_intermixed(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line, where a command that takes [CONFIG] [key=value ...] takes them between its options too
+    (`lower A=1 --target h100 B=2`): argparse leaves what follows an option unrecognised, and argparse's own
+    intermixed parsing does not work with subcommands."""
+    args, rest = parser.parse_known_args(argv)
+    if rest and (not getattr(args, "intermixed", False) or any(item.startswith("-") for item in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.args = [*args.args, *rest]
+    return args
+
+
+def _config_arguments(sub: argparse.ArgumentParser, help_text: str) -> None:
+    sub.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]", help=help_text)
+    sub.set_defaults(intermixed=True)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="xlatrain", description="Config-driven JAX/XLA training.",
                                      epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,8 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                                   ("config", _config, "print the resolved config and derived values"),
                                   ("lower", _lower, "compile the train step and report FLOPs, memory, collectives")):
         sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
-                         help="optional YAML file, then dotted overrides such as trainer.steps=100")
+        _config_arguments(sub, "optional YAML file, then dotted overrides such as trainer.steps=100")
         sub.set_defaults(command=func)
         if name == "lower":
             sub.add_argument("--json", action="store_true", help="print one JSON object")
@@ -98,15 +113,13 @@ def _parser() -> argparse.ArgumentParser:
     pipeline = commands.add_parser("pipeline", help="print a pipeline's schedule table, partition and bubble, and "
                                    "draw its Gantt chart", epilog=PIPELINE_EXAMPLES,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    pipeline.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
-                          help="optional YAML file, then dotted overrides such as mesh.stage=4")
+    _config_arguments(pipeline, "optional YAML file, then dotted overrides such as mesh.stage=4")
     pipeline.add_argument("--out", type=Path, default=Path("pipeline_schedule.png"), metavar="PATH",
                           help="where to write the chart; its suffix picks the format (default: pipeline_schedule.png)")
     pipeline.set_defaults(command=_pipeline)
     profile = commands.add_parser("profile", help="train the first steps of a config into a fresh run directory "
                                   "and write a jax.profiler trace of steps A..B (RUN_DIR/profile)")
-    profile.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
-                         help="what `xlatrain train` takes")
+    _config_arguments(profile, "what `xlatrain train` takes")
     profile.add_argument("--steps", type=_step_window, default=(3, 5), metavar="A:B",
                          help="the steps to trace, numbered from 1 (default 3:5: after the compilation and the "
                          "first steps' warm-up)")
@@ -130,8 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--devices-per-proc", type=_positive, metavar="K",
                         help="CPU devices of each process (on a GPU host: K GPUs each); default: as the environment "
                         "gives them")
-    launch.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
-                        help="what `xlatrain train` takes; distributed.* is set for each process")
+    _config_arguments(launch, "what `xlatrain train` takes; distributed.* is set for each process")
     launch.set_defaults(command=_launch)
     return parser
 
