@@ -23,6 +23,7 @@ HOST_MEMORY = keep_freed_host_memory()  # as the `xlatrain` command does, before
 import jax  # noqa: E402
 
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
+from xlatrain import compat  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.models import blocks  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
@@ -42,10 +43,8 @@ def build(layers: int, variant: int, indexed: bool):
     with mock.patch.object(blocks, "unstack_layers", indexed_layers) if indexed else nullcontext():
         program = build_program(config, jax.devices()[:1])
         compiled = program.train_step.first.compiled
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
     return program, {"temporary_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                     "bytes_accessed": cost["bytes accessed"]}
+                     "bytes_accessed": compat.cost_analysis(compiled)["bytes accessed"]}
 
 
 def compare(layers: int) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from xlatrain.lowering.inspect import XLATRAIN_TARGET
 
@@ -65,15 +66,20 @@ class HloGraph:
         """The cross-device reductions (REDUCTIONS whose groups hold more than one device)."""
         return {i.name for i in self.entry.values() if i.opcode in REDUCTIONS and i.across_devices}
 
-    def reachable(self, sources: list[str] | set[str], blocked: set[str] = frozenset()) -> set[str]:
-        """Instructions whose value depends on any of `sources`, not passing through the `blocked` ones."""
+    @cached_property
+    def users(self) -> dict[str, list[str]]:
+        """Each instruction's users (built once: every reachability question walks them)."""
         users: dict[str, list[str]] = {}
         for instruction in self.entry.values():
             for operand in instruction.operands:
                 users.setdefault(operand, []).append(instruction.name)
+        return users
+
+    def reachable(self, sources: list[str] | set[str], blocked: set[str] = frozenset()) -> set[str]:
+        """Instructions whose value depends on any of `sources`, not passing through the `blocked` ones."""
         seen, frontier = set(sources), list(sources)
         while frontier:
-            for user in users.get(frontier.pop(), ()):
+            for user in self.users.get(frontier.pop(), ()):
                 if user not in seen and user not in blocked:
                     seen.add(user)
                     frontier.append(user)
