@@ -19,8 +19,9 @@ from xlatrain.compat import installed_cuda_plugin
 from xlatrain.errors import UserError
 from xlatrain.gpu_targets import (
     GPU_TARGETS,
-    known_memory,
+    parse_target_config,
     resolve_target,
+    resolved_memory,
     target_config_text,
     target_devices,
 )
@@ -37,9 +38,10 @@ def test_each_known_target_describes_its_device_and_mfu_knows_its_peak():
     for field in ('device_description_str: "NVIDIA H100 80GB HBM3"', "core_count: 132", "major: 9",
                   "device_memory_size: 85520809984", 'platform_name: "CUDA"'):
         assert field in text
-    for spec in GPU_TARGETS.values():
+    for name, spec in GPU_TARGETS.items():
         assert known_peak(spec.name, "bfloat16") is not None, spec.name
-        assert known_memory(spec.name) == spec.memory_bytes
+        assert parse_target_config(target_config_text(spec))[1] == [], name
+        assert resolve_target(name).memory_bytes == resolved_memory(spec.name) == spec.memory_bytes
     assert known_peak(GPU_TARGETS["h200"].name, "bfloat16") == known_peak("NVIDIA H200", "bfloat16")
 
 
@@ -50,16 +52,52 @@ def test_a_target_is_a_known_name_or_a_target_config_file(tmp_path):
                     .replace("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"))
     from_file = resolve_target(str(spec))
     assert (from_file.device_kind, from_file.memory_bytes) == ("NVIDIA H100 PCIe", GPU_TARGETS["h100"].memory_bytes)
-    assert known_memory("NVIDIA H100 PCIe") == GPU_TARGETS["h100"].memory_bytes  # for remat: auto, on its devices
+    assert resolved_memory("NVIDIA H100 PCIe") == GPU_TARGETS["h100"].memory_bytes  # for remat: auto, on its devices
     assert "core_count: 114" in from_file.config_text
     with pytest.raises(UserError, match=r"--target h900: neither a known GPU \(h100, h200, a100, l4\) nor a file"):
         resolve_target("h900")
     (tmp_path / "notes.txt").write_text("threads: 1024\n")
-    with pytest.raises(UserError, match="not a GPU target config in text format"):
+    with pytest.raises(UserError, match="not a GPU target config in text format: it needs gpu_device_info"):
         resolve_target(str(tmp_path / "notes.txt"))
+    (tmp_path / "no_sms.txtpb").write_text(H100.replace("  core_count: 132\n", ""))
+    with pytest.raises(UserError, match=r"no_sms.txtpb: gpu_device_info lacks a positive core_count \(0\); give a "
+                                        "GPU target config in text format"):
+        resolve_target(str(tmp_path / "no_sms.txtpb"))
     assert [target_devices(-1, 4, None), target_devices(2, 4, None), target_devices(-1, 1, 3)] == [4, 8, 3]
     with pytest.raises(UserError, match="--devices 0"):
         target_devices(1, 1, 0)
+
+
+H100 = target_config_text(GPU_TARGETS["h100"])
+
+
+def test_a_target_file_is_checked_against_the_figures_xla_compiles_from():
+    """XLA takes a target config without core_count, threads_per_warp, the shared-memory limits or the memory
+    and then kills the process (SIGFPE, a failed check) or fits the step into 0 bytes: xlatrain refuses it first."""
+    # The shape of XLA's own spec files: comments, fields xlatrain does not check (an enum, a map, strings).
+    richer = "# proto-message: stream_executor.GpuTargetConfigProto\n" + H100.replace(
+        "    minor: 0\n  }\n", "    feature_extension: ACCELERATED_FEATURES\n  }\n  matrix_unit_description {\n"
+        "    rate_infos {\n      key: 2\n      value {\n        ops_per_clock: 1024\n      }\n    }\n  }\n"
+        '  name: "NVIDIA H100 80GB HBM3"\n  ecc_enabled: true\n')
+    config, problems = parse_target_config(richer)
+    assert problems == [] and config.gpu_device_info.core_count == 132
+    assert parse_target_config(H100.replace("core_count: 132", "core_count: 0")
+                               .replace("  threads_per_warp: 32\n", "")
+                               .replace("clock_rate_ghz: 1.98", "clock_rate_ghz: nan"))[1] == [
+        "gpu_device_info lacks a positive threads_per_warp (0), core_count (0), clock_rate_ghz (nan)"]
+    assert parse_target_config(H100.replace("device_memory_size", "device_memory_sizes"))[1] == [
+        "gpu_device_info lacks a positive device_memory_size (0)"]
+    rocm = H100.replace('platform_name: "CUDA"', 'platform_name: "ROCM"').replace("major: 9", "major: 0")
+    assert parse_target_config(rocm)[1] == [
+        "gpu_device_info.cuda_compute_capability.major is missing or 0: jax's CUDA plugin compiles for a CUDA "
+        "compute capability", 'platform_name is "ROCM": jax\'s CUDA plugin compiles for "CUDA" only']
+    for broken, where in ((H100.replace("core_count: 132", "core_count 132"), "8:14"),
+                          (H100.replace("core_count: 132", 'core_count: "many"'), "8:15"),
+                          (H100.replace("core_count: 132", "core_count: 99999999999"), "8:15"),
+                          (H100[:-3], None)):
+        [problem] = parse_target_config(broken)[1]
+        assert problem.startswith("not a GPU target config in text format"), problem
+        assert where is None or f"({where} :" in problem, problem
 
 
 def test_lower_refuses_what_a_target_cannot_compile_in_one_line():
@@ -78,14 +116,19 @@ def test_lower_refuses_what_a_target_cannot_compile_in_one_line():
 
 
 @needs_cuda_plugin
-def test_a_target_config_xla_cannot_parse_is_refused_naming_the_file(tmp_path):
-    bad = tmp_path / "bad.txtpb"
-    bad.write_text('gpu_device_info {\n  core_count: "many"\n}\ndevice_description_str: "X"\n')
-    result = run_cli("lower", *TINY_GPT, "--target", str(bad))
-    assert result.returncode == 2, result.stderr[-2000:]
-    # XLA logs where its parser stopped (2:15) first; xlatrain's one line ends the output
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        f"xlatrain: error: --target {bad}: XLA did not take the GPU target config"), result.stderr
+def test_a_target_config_xla_cannot_parse_or_compile_for_is_refused_naming_the_file(tmp_path):
+    """xlatrain's check leaves the fields it does not know to XLA, and XLA:GPU may still refuse the step."""
+    unknown_field = tmp_path / "unknown_field.txtpb"
+    unknown_field.write_text(H100.replace("  core_count:", "  sm_count: 132\n  core_count:"))
+    pascal = tmp_path / "p100.txtpb"  # compute capability 6.0: CUDA 13's ptxas no longer compiles for it
+    pascal.write_text(H100.replace("major: 9", "major: 6").replace("NVIDIA H100 80GB HBM3", "Tesla P100"))
+    for target, message in ((unknown_field, "XLA did not take the GPU target config"),
+                            (pascal, "XLA:GPU cannot compile the train step for a Tesla P100")):
+        result = run_cli("lower", *TINY_GPT, "--target", str(target))
+        assert result.returncode == 2, result.stderr[-2000:]
+        # XLA logs its own lines first (where its parser stopped, which ptxas it used); xlatrain's one line ends
+        assert result.stderr.strip().splitlines()[-1].startswith(f"xlatrain: error: --target {target}: {message}"), \
+            result.stderr
 
 
 def test_attention_takes_the_formulation_of_the_platform_compiled_for():

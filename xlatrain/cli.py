@@ -4,15 +4,19 @@ stderr, exit 2."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from xlatrain.gpu_targets import GpuTarget
 
 USAGE_EXAMPLES = """examples:
   xlatrain train                                  the built-in default: a byte-level GPT on Python's stdlib
@@ -260,9 +264,10 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
         raise UserError("lower: --devices counts the GPUs of --target; without --target the devices are this host's")
     config, target, devices = (_gpu_target(config_path, overrides, args) if args.target
                                else (_config_with_cpu_devices(config_path, overrides), None, None))
-    program = build_program(config, devices)
-    step = program.train_step.first
-    report = step_report(step.lowered, step.compiled, program.param_count)
+    with _refused_by_target(target):
+        program = build_program(config, devices)
+        step = program.train_step.first
+        report = step_report(step.lowered, step.compiled, program.param_count)
     if target is not None:
         report["target"] = {"asked": target.label, "device_kind": target.device_kind, "devices": len(devices),
                             "memory_bytes": target.memory_bytes}
@@ -280,6 +285,22 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     else:
         print(_format_report(report, program.derived.devices))
     return 0
+
+
+@contextlib.contextmanager
+def _refused_by_target(target: GpuTarget | None):
+    """XLA:GPU refusing the step for a --target (a compute capability its ptxas has dropped, a limit of the
+    device the step exceeds) as one line. For the host's own devices an XLA error is xlatrain's to fix: it
+    keeps its traceback."""
+    import jax
+
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if target is None:
+            raise
+        raise UserError(f"--target {target.label}: XLA:GPU cannot compile the train step for a {target.device_kind}: "
+                        f"{first_line(error)}") from None
 
 
 def _gpu_target(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> tuple:
@@ -410,8 +431,6 @@ def _report(_config_path: str | None, _overrides: list[str], args: argparse.Name
 
 def _fits(peak: int, target: dict) -> str:
     memory = target["memory_bytes"]
-    if memory is None:
-        return "; the target config gives no device_memory_size to compare with"
     verdict = "fits" if peak <= memory else "does NOT fit"
     return f", {peak / memory:.1%} of the {memory / 2**30:.1f} GiB of one {target['device_kind']}: {verdict}"
 

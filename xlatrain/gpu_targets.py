@@ -12,9 +12,11 @@ text, e.g. one of XLA's own (xla/backends/gpu/target_config/specs/) or one dumpe
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
 
 from xlatrain.errors import UserError
 
@@ -48,6 +50,7 @@ GPU_TARGETS: dict[str, GpuSpec] = {
                   100 * 1024, 99 * 1024, 1536, 128),
 }
 """SXM parts where there are several (an H100 PCIe has 114 SMs and 2.0 TB/s: give its target config as a file)."""
+SPEC_FILES = "a GPU target config in text format (XLA's xla/backends/gpu/target_config/specs/*.txtpb)"
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class GpuTarget:
     label: str
     """What the user asked for: a known name, or the file."""
     device_kind: str
-    memory_bytes: int | None
+    memory_bytes: int
     config_text: str
     """XLA's GpuTargetConfigProto in text format."""
 
@@ -95,41 +98,99 @@ device_description_str: "{spec.name}"
 """
 
 
-_FILE_TARGET_MEMORY: dict[str, int] = {}
-"""The memory of each target file's device resolved in this process, by its device kind: compile-only devices do
-not report their memory, and remat: auto and the train state's check ask for it (known_memory)."""
+DEVICE_FIGURES = {
+    "threads_per_block_limit": "int32", "threads_per_warp": "int32", "shared_memory_per_block": "int32",
+    "shared_memory_per_core": "int32", "shared_memory_per_block_optin": "int32", "threads_per_core_limit": "int32",
+    "core_count": "int32", "fpus_per_core": "int64", "block_dim_limit_x": "int64", "block_dim_limit_y": "int64",
+    "block_dim_limit_z": "int64", "memory_bandwidth": "int64", "l2_cache_size": "int64", "clock_rate_ghz": "float",
+    "device_memory_size": "int64", "registers_per_core_limit": "int64", "registers_per_block_limit": "int64",
+}
+"""The figures of gpu_device_info (XLA's GpuDeviceInfoProto, xla/stream_executor/device_description.proto) that
+XLA:GPU's compiler reads, by their proto type; each must be positive. XLA takes a file without one and then
+crashes the process (a division by zero, a failed launch-config check), runs out of shared memory, or, without
+device_memory_size, rematerialises the step to fit 0 bytes."""
+
+
+@cache
+def _target_config_subset():
+    """The message class of the part of XLA's GpuTargetConfigProto that xlatrain checks. Text format names
+    fields, not numbers, so a target file parses against it with the rest of XLA's fields skipped."""
+    field = descriptor_pb2.FieldDescriptorProto
+    scalars = {"int32": field.TYPE_INT32, "int64": field.TYPE_INT64, "float": field.TYPE_FLOAT,
+               "string": field.TYPE_STRING}
+    file = descriptor_pb2.FileDescriptorProto(name="xlatrain_gpu_target.proto", package="xlatrain", syntax="proto3")
+
+    def message(name: str, fields: dict[str, str]) -> None:
+        described = file.message_type.add(name=name)
+        for number, (field_name, kind) in enumerate(fields.items(), start=1):
+            if kind in scalars:
+                described.field.add(name=field_name, number=number, type=scalars[kind])
+            else:
+                described.field.add(name=field_name, number=number, type=field.TYPE_MESSAGE,
+                                    type_name=f".xlatrain.{kind}")
+
+    message("CudaComputeCapability", {"major": "int32", "minor": "int32"})
+    message("GpuDeviceInfo", {**DEVICE_FIGURES, "cuda_compute_capability": "CudaComputeCapability"})
+    message("GpuTargetConfig", {"gpu_device_info": "GpuDeviceInfo", "platform_name": "string",
+                                "device_description_str": "string"})
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("xlatrain.GpuTargetConfig"))
+
+
+def parse_target_config(text: str) -> tuple[object, list[str]]:
+    """Pure: the checked part of a GpuTargetConfigProto in text format, and what keeps it from describing a CUDA
+    GPU that XLA can compile for ([] when nothing does). Fields xlatrain does not check are left to XLA."""
+    config = _target_config_subset()()
+    try:
+        text_format.Parse(text, config, allow_unknown_field=True)
+    except text_format.ParseError as error:
+        return config, [f"not a GPU target config in text format ({error})"]
+    if not config.HasField("gpu_device_info") or not config.device_description_str:
+        return config, ["not a GPU target config in text format: it needs gpu_device_info and device_description_str"]
+    info = config.gpu_device_info
+    unset = [f"{name} ({getattr(info, name)})" for name in DEVICE_FIGURES if not getattr(info, name) > 0]
+    problems = [f"gpu_device_info lacks a positive {', '.join(unset)}"] if unset else []
+    if info.cuda_compute_capability.major < 1:
+        problems.append("gpu_device_info.cuda_compute_capability.major is missing or 0: jax's CUDA plugin compiles for "
+                        "a CUDA compute capability")
+    if config.platform_name not in ("", "CUDA"):
+        problems.append(f'platform_name is "{config.platform_name}": jax\'s CUDA plugin compiles for "CUDA" only')
+    return config, problems
+
+
+_RESOLVED_MEMORY: dict[str, int] = {}
+"""The memory of each target resolved in this process, by its device kind: compile-only devices do not report
+their memory, and remat: auto and the train state's check ask for it (resolved_memory)."""
 
 
 def resolve_target(asked: str) -> GpuTarget:
-    """A known name (case-insensitive) or a target-config file; a clear error otherwise. A file's device memory
-    is remembered for known_memory."""
+    """A known name (case-insensitive) or a target-config file that parse_target_config accepts; a clear
+    error otherwise. Its device memory is remembered for resolved_memory."""
     spec = GPU_TARGETS.get(asked.lower())
     if spec is not None:
+        _RESOLVED_MEMORY[spec.name] = spec.memory_bytes
         return GpuTarget(asked.lower(), spec.name, spec.memory_bytes, target_config_text(spec))
     path = Path(asked)
     if not path.is_file():
         raise UserError(f"--target {asked}: neither a known GPU ({', '.join(GPU_TARGETS)}) nor a file; give one of "
-                        "those names, or the path of a GPU target config in text format (XLA's "
-                        "xla/backends/gpu/target_config/specs/*.txtpb)")
+                        f"those names, or the path of {SPEC_FILES}")
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"--target {asked}: cannot read the target config: {error}") from None
-    name = re.search(r'device_description_str:\s*"([^"]*)"', text)
-    memory = re.search(r"device_memory_size:\s*(\d+)", text)
-    if "gpu_device_info" not in text or name is None:
-        raise UserError(f"--target {asked}: not a GPU target config in text format (it needs gpu_device_info and "
-                        "device_description_str; see XLA's xla/backends/gpu/target_config/specs/*.txtpb)")
-    if memory:
-        _FILE_TARGET_MEMORY[name.group(1)] = int(memory.group(1))
-    return GpuTarget(str(path), name.group(1), int(memory.group(1)) if memory else None, text)
+    config, problems = parse_target_config(text)
+    if problems:
+        raise UserError(f"--target {asked}: {'; '.join(problems)}; give {SPEC_FILES}, with every figure of "
+                        "gpu_device_info that they set")
+    kind, memory = config.device_description_str, config.gpu_device_info.device_memory_size
+    _RESOLVED_MEMORY[kind] = memory
+    return GpuTarget(str(path), kind, memory, text)
 
 
-def known_memory(device_kind: str) -> int | None:
-    """The memory of a known target, or of a target file's device resolved in this process, by the device kind
-    its compile-only devices report; None for others."""
-    known = next((spec.memory_bytes for spec in GPU_TARGETS.values() if spec.name == device_kind), None)
-    return known or _FILE_TARGET_MEMORY.get(device_kind)
+def resolved_memory(device_kind: str) -> int:
+    """The memory of the target resolved in this process whose compile-only devices report this device kind."""
+    return _RESOLVED_MEMORY[device_kind]
 
 
 def target_devices(mesh_data: int, mesh_stage: int, asked: int | None) -> int:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from xlatrain import compat
 from xlatrain.errors import UserError
 from xlatrain.fingerprints import fingerprint
-from xlatrain.gpu_targets import known_memory
+from xlatrain.gpu_targets import resolved_memory
 from xlatrain.models.interface import ModelDef
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.sharding import named, optimizer_specs, param_specs, specs_following_params
@@ -97,9 +97,8 @@ def device_memory(mesh: Mesh) -> tuple[int | None, str]:
         return ram // len(devices), (f"a CPU device's share of the host's {ram / 2**30:.1f} GiB of RAM "
                                      f"({len(devices)} devices in this process)")
     if compat.is_compile_only(devices[0]):
-        limit = known_memory(devices[0].device_kind)
-        return limit, (f"the {limit / 2**30:.1f} GiB of one {devices[0].device_kind}" if limit else
-                       f"the memory of a {devices[0].device_kind} (its target config gives no device_memory_size)")
+        limit = resolved_memory(devices[0].device_kind)
+        return limit, f"the {limit / 2**30:.1f} GiB of one {devices[0].device_kind} (its target config)"
     limit = (devices[0].memory_stats() or {}).get("bytes_limit")
     return limit, f"the {limit / 2**30 if limit else 0:.1f} GiB of one {devices[0].device_kind}"
 
