@@ -21,10 +21,16 @@ def test_a_torn_last_line_is_dropped_and_cut_before_the_next_record(tmp_path):
     assert read_records(log) == [{"step": 1}, {"step": 2}, {"step": 3}]
 
 
-@pytest.mark.parametrize("line", ["not json", "[1, 2]", "7"])
+def test_a_last_line_torn_inside_a_utf8_character_is_dropped_too(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_bytes('{"step": 1}\n{"name": "é'.encode()[:-1])
+    assert read_records(log) == [{"step": 1}]
+
+
+@pytest.mark.parametrize("line", [b"not json", b"[1, 2]", b"7", b"\xff\xfe garbage", b'{"name": "\xe9"}'])
 def test_a_bad_line_before_the_last_names_the_file_and_line(tmp_path, line):
     log = tmp_path / "log.jsonl"
-    log.write_text(f'{{"step": 1}}\n{line}\n{{"step": 2}}\n')
+    log.write_bytes(b'{"step": 1}\n' + line + b'\n{"step": 2}\n')
     with pytest.raises(UserError, match=f"{log}:2 is not a JSON record written by xlatrain; repair or remove"):
         read_records(log)
 

@@ -13,15 +13,16 @@ from xlatrain.errors import UserError
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of `path`, one per line. A torn last line (its writer was killed or the disk filled) is
-    dropped; any other line that is not a JSON object is an error naming the file and line."""
-    lines = path.read_text().splitlines()
+    dropped; any other line that is not a JSON object (bytes that are not UTF-8 included) is an error naming the
+    file and line. Read as bytes: a tear or a disk's garbage may split a UTF-8 character, and only its line is bad."""
+    lines = path.read_bytes().splitlines()
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             if number == len(lines):
                 break
             record = None
