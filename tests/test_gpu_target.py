@@ -31,13 +31,13 @@ HAS_CUDA_PLUGIN = installed_cuda_plugin() is not None
 needs_cuda_plugin = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is not installed (CI's "
                                        "gpu-target leg in .ci/run installs it in its own environment)")
 PIPELINE = ["parallel.mode=shard_map", "model.width=16", "data.seq_len=16", "batch.global_size=32"]
+H100 = target_config_text(GPU_TARGETS["h100"])
 
 
 def test_each_known_target_describes_its_device_and_mfu_knows_its_peak():
-    text = target_config_text(GPU_TARGETS["h100"])
     for field in ('device_description_str: "NVIDIA H100 80GB HBM3"', "core_count: 132", "major: 9",
                   "device_memory_size: 85520809984", 'platform_name: "CUDA"'):
-        assert field in text
+        assert field in H100
     for name, spec in GPU_TARGETS.items():
         assert known_peak(spec.name, "bfloat16") is not None, spec.name
         assert parse_target_config(target_config_text(spec))[1] == [], name
@@ -48,7 +48,7 @@ def test_each_known_target_describes_its_device_and_mfu_knows_its_peak():
 def test_a_target_is_a_known_name_or_a_target_config_file(tmp_path):
     assert resolve_target("H100").device_kind == "NVIDIA H100 80GB HBM3"
     spec = tmp_path / "h100_pcie.txtpb"
-    spec.write_text(target_config_text(GPU_TARGETS["h100"]).replace("core_count: 132", "core_count: 114")
+    spec.write_text(H100.replace("core_count: 132", "core_count: 114")
                     .replace("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"))
     from_file = resolve_target(str(spec))
     assert (from_file.device_kind, from_file.memory_bytes) == ("NVIDIA H100 PCIe", GPU_TARGETS["h100"].memory_bytes)
@@ -67,8 +67,6 @@ def test_a_target_is_a_known_name_or_a_target_config_file(tmp_path):
     with pytest.raises(UserError, match="--devices 0"):
         target_devices(1, 1, 0)
 
-
-H100 = target_config_text(GPU_TARGETS["h100"])
 
 
 def test_a_target_file_is_checked_against_the_figures_xla_compiles_from():
