@@ -133,6 +133,9 @@ def test_launch_shows_rank_0_stops_every_rank_on_sigterm_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     launcher = launch(2, 4, *LONG, f"trainer.run_dir={run_dir}")
     wait_for_step(run_dir, 15, [launcher])
+    for returncode, _, err in finish(start(run_dir, free_port(), LONG)):  # the same run, started a second time
+        assert returncode == 2 and f"trainer.run_dir='{run_dir}' is in use by another run (xlatrain process " in err, \
+            err[-2000:]
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, err[-3000:]

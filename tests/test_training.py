@@ -84,6 +84,54 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+HOLD_RUN_DIR = """import sys, time
+from pathlib import Path
+from xlatrain.run_dir import exclusive_run_dir
+with exclusive_run_dir(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_directory_in_use_is_refused_untouched_and_free_once_its_holder_is_killed(tmp_path):
+    from xlatrain.errors import UserError
+
+    run_dir = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_DIR, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(UserError, match=rf"trainer.run_dir='{run_dir}' is in use by another run \(xlatrain "
+                           rf"process {holder.pid} on .*\), which holds .lock; wait for it to end or stop it"):
+            losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "held")
+        assert [path.name for path in run_dir.iterdir()] == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "held").final_step == 2
+
+
+def test_a_file_system_without_locks_is_a_warning_and_a_lock_file_that_cannot_be_opened_an_error(
+        tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from xlatrain.errors import UserError
+
+    (tmp_path / "odd" / ".lock").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"odd/.lock cannot be opened to lock the run directory \(Is a directory\); "
+                       "remove it or choose another trainer.run_dir"):
+        losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "odd")
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "nfs").final_step == 2
+    assert "nfs/.lock cannot be locked (No locks available): nothing stops a second run from training into " \
+        in capsys.readouterr().err
+
+
 def _nan_arrays(tmp_path):
     """Finite inputs (NaN ones are refused when the data opens) so large that the forward overflows."""
     inputs = np.full((64, 4), np.finfo(np.float32).max, np.float32)

@@ -62,6 +62,18 @@ def host_name() -> str:
     return socket.gethostname()
 
 
+def as_primary_has_it(name: str, value: str) -> str:
+    """`value` as process 0 has it, on every process: for what only process 0 can find out (whether it holds the
+    run directory's lock), so that every process goes on or stops alike."""
+    if jax.process_count() == 1:
+        return value
+    key = f"xlatrain/primary/{name}"
+    if is_primary():
+        compat.key_value_set(key, value.encode())
+        return value
+    return compat.key_value_get(key, START_TIMEOUT_S).decode()
+
+
 def start_facts(config: Config) -> dict[str, Any]:
     """What every process must agree on before compiling, plus where it runs (for messages)."""
     flat = flatten(config.model_dump(mode="json"))

@@ -1,19 +1,21 @@
-"""The run directory: checked before anything expensive runs, and the resolved config saved there only once the
-run has started (its state created or restored); a second run into it must be a resume."""
+"""The run directory: held by one run at a time, checked before anything expensive runs, and the resolved config
+saved there only once the run has started (its state created or restored); a second run into it must be a resume."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import yaml
 
 from xlatrain import compat
 from xlatrain.atomic import replace_file
 from xlatrain.config import Config, Derived, config_to_yaml, flatten, parse_yaml, validate_config
-from xlatrain.distributed import is_primary
-from xlatrain.errors import UserError, first_line
+from xlatrain.distributed import as_primary_has_it, host_name, is_primary
+from xlatrain.errors import UserError, first_line, warn
 
 CONFIG_FILE = "config.yaml"
 RESUMABLE_KEYS = ("trainer.", "derived.", "distributed.", "optimizer.decay_steps", "mesh.data")
@@ -21,16 +23,60 @@ RESUMABLE_KEYS = ("trainer.", "derived.", "distributed.", "optimizer.decay_steps
 data-parallel size, a new learning-rate horizon given on purpose)."""
 LOGS_DIR = "logs"
 """Where `xlatrain launch` writes each process's output; it may exist before the run's first start."""
+LOCK_FILE = ".lock"
+"""Locked (flock) by process 0 of the run that trains into the directory, and naming that process."""
+
+
+@contextlib.contextmanager
+def exclusive_run_dir(run_dir: Path) -> Iterator[None]:
+    """Held while a run trains into `run_dir`: process 0 locks RUN_DIR/.lock, and a second run into the same
+    directory is refused on every one of its processes before it reads or writes anything there (the two would
+    write the same checkpoints and logs). The kernel drops the lock when its process ends, however it ends, so a
+    run killed with -9 resumes at once."""
+    check_writable(run_dir)
+    held, refusal = _lock(run_dir / LOCK_FILE) if is_primary() else (None, "")
+    refusal = as_primary_has_it("run-dir-lock", refusal)
+    if refusal:
+        raise UserError(refusal)
+    try:
+        yield
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def _lock(path: Path) -> tuple[int | None, str]:
+    """The descriptor that holds `path`'s lock (None when the file system cannot lock), or why it is refused."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        return None, f"{path} cannot be opened to lock the run directory ({err.strerror}); remove it or choose " \
+            "another trainer.run_dir"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        os.close(fd)
+        return None, (f"trainer.run_dir={str(path.parent)!r} is in use by another run"
+                      + (f" (xlatrain {holder})" if holder else "") + f", which holds {path.name}; wait for it to "
+                      "end or stop it, or choose another trainer.run_dir")
+    except OSError as err:
+        os.close(fd)
+        warn(f"{path} cannot be locked ({err.strerror}): nothing stops a second run from training into "
+             f"{path.parent} at the same time as this one")
+        return None, ""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"process {os.getpid()} on {host_name()}\n".encode(), 0)
+    return fd, ""
 
 
 def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
-    """Check trainer.run_dir before anything expensive runs: it can be written, and when it holds a run, that
-    run has this config. Returns the config to train with: the learning-rate schedule's horizon
+    """Check trainer.run_dir (held with exclusive_run_dir) before anything expensive runs: when it holds a run,
+    that run has this config. Returns the config to train with: the learning-rate schedule's horizon
     (optimizer.decay_steps) fixed when the run was created, unless this config sets it."""
     run_dir = config.run_dir()
-    check_writable(run_dir)
     saved_path = run_dir / CONFIG_FILE
-    if not any(path.name != LOGS_DIR for path in run_dir.iterdir()):
+    if not any(path.name not in (LOGS_DIR, LOCK_FILE) for path in run_dir.iterdir()):
         compat.barrier("xlatrain-run-dir-checked")
         return _with_horizon(config, config.optimizer.decay_steps or config.trainer.steps)
     if not saved_path.is_file():

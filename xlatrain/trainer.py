@@ -35,7 +35,7 @@ from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.peaks import peak_per_device
 from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
-from xlatrain.run_dir import open_run_dir, pinned_partition, save_run_config
+from xlatrain.run_dir import exclusive_run_dir, open_run_dir, pinned_partition, save_run_config
 from xlatrain.run_summary import RunSummary
 from xlatrain.state import with_shardings
 from xlatrain.stop import StopSignals, stop_signals
@@ -71,12 +71,12 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
     compile_log = CompileLog()
     with stop_signals() as stop, compile_log.listening(), watching(config.distributed, host_name()) as progress:
         check_processes_agree(config)
-        config = open_run_dir(config, echo)
-        with compile_log.phase("set-up"), progress.during("compiling"):
-            program = build_program(config, devices, pinned_partition(config.run_dir()))
-        _describe(program, echo)
-        result = _Run(program, echo, compile_log, hooks, stop, progress).execute()
-    return result
+        with exclusive_run_dir(config.run_dir()):
+            config = open_run_dir(config, echo)
+            with compile_log.phase("set-up"), progress.during("compiling"):
+                program = build_program(config, devices, pinned_partition(config.run_dir()))
+            _describe(program, echo)
+            return _Run(program, echo, compile_log, hooks, stop, progress).execute()
 
 
 def _silent(_: str) -> None:
