@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from conftest import DIGITS_MLP, REPO, run_cli
@@ -215,3 +216,51 @@ def test_the_learning_rate_horizon_is_fixed_when_the_run_is_created(tmp_path):
     assert _train(fresh, 20, warm).returncode == 0
     later = range(11, 21)
     assert [_lrs(stretched)[s] for s in later] == pytest.approx([_lrs(fresh)[s] for s in later], rel=1e-6)
+
+
+def test_a_checkpoint_that_does_not_fit_stops_the_run_in_one_line_and_the_run_resumes_from_the_one_before(
+        tmp_path, monkeypatch):
+    """Refused before orbax starts writing, from the state's size and the directory's free space."""
+    import shutil
+
+    from xlatrain.checkpoint import CheckpointNotWritten
+    from xlatrain.config import load_config
+    from xlatrain.trainer import train
+
+    run = [*DIGITS_MLP, *STEPS, "trainer.steps=6", f"trainer.run_dir={tmp_path / 'run'}"]
+    free = iter([10**9, 0])  # the first checkpoint fits, then the disk is full
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=next(free)))
+    with pytest.raises(CheckpointNotWritten, match=rf"checkpoint 4 could not be written to {tmp_path}/run/checkpoints "
+                       r"\(its 0\.\d MiB do not fit in the 0\.0 MiB free there\); the newest one written, 2, is kept: "
+                       "make room or repair the directory, then run the same command to resume"):
+        train(load_config(None, run), echo=lambda _: None)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
+    monkeypatch.undo()
+    lines = []
+    assert train(load_config(None, run), echo=lines.append).final_step == 6
+    assert "  resuming from checkpoint at step 2 (verified)" in lines
+
+
+def test_a_save_the_file_system_refuses_midway_is_one_line_and_any_other_failure_keeps_its_traceback(tmp_path):
+    import jax.numpy as jnp
+
+    from xlatrain.checkpoint import CheckpointNotWritten, Checkpoints
+
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2)
+    checkpoints.save(1, {"w": jnp.ones(4)}, {"position": 1})
+    checkpoints.wait_until_written()
+    failures = iter([ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0" in OCDBT database at local file '
+                                "...: Failed to write 16 bytes to file 12: No space left on device "
+                                "[os_error_code='28']"), ValueError("an orbax bug")])
+
+    def fail():
+        raise next(failures)
+
+    checkpoints._manager.wait_until_finished = fail
+    checkpoints._in_flight = 2  # a save of step 2 in flight, which the file system refuses
+    with pytest.raises(CheckpointNotWritten, match=r"checkpoint 2 could not be written to .*/checkpoints \(No space "
+                       r"left on device\); the newest one written, 1, is kept"):
+        checkpoints.save(3, {"w": jnp.ones(4)}, {"position": 3})
+    checkpoints._in_flight = 3
+    with pytest.raises(ValueError, match="an orbax bug"):
+        checkpoints.wait_until_written()

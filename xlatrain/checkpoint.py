@@ -7,12 +7,16 @@ the newest one that verifies is used instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import re
+import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import orbax.checkpoint as ocp
@@ -25,6 +29,11 @@ from xlatrain.fingerprints import tree_fingerprints
 
 class CorruptCheckpoint(Exception):
     """A checkpoint step that cannot be read, or whose arrays do not match their saved fingerprints."""
+
+
+class CheckpointNotWritten(UserError):
+    """A checkpoint that could not be written (a full disk, a file system gone read-only): the run stops, and
+    the checkpoints written before it stay."""
 
 
 _SLICE_BYTES_FOR_REPLICA_PARALLEL = 2**20
@@ -51,6 +60,7 @@ class Checkpoints:
         self.directory = directory.resolve()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._in_flight: int | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -59,11 +69,44 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, data_state: dict) -> None:
-        """Starts an asynchronous save; orbax writes to a temporary directory and renames it when done."""
+        """Starts an asynchronous save, once the one before it is written; orbax writes to a temporary directory
+        and renames it when done. Raises CheckpointNotWritten when this save or the one before it failed."""
+        self.wait_until_written()
+        needed, free = sum(leaf.nbytes for leaf in jax.tree.leaves(state)), shutil.disk_usage(self.directory).free
+        if free < needed:  # refused before orbax starts: a write that fails midway is hundreds of lines of its logs
+            raise self._not_written(step, f"its {needed / 2**20:.1f} MiB do not fit in the {free / 2**20:.1f} MiB "
+                                          "free there")
         integrity = {"fingerprints": tree_fingerprints(state)}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                                   integrity=ocp.args.JsonSave(integrity))
-        self._manager.save(step, args=args, force=True)
+        with self._writing(step):
+            self._manager.save(step, args=args, force=True)
+        self._in_flight = step
+
+    def wait_until_written(self) -> None:
+        """Waits for the save in flight; raises CheckpointNotWritten when it failed."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            with self._writing(step):
+                self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _writing(self, step: int) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:
+            reason = _io_failure(err)
+            if reason is None:
+                raise
+            _quiet_abandoned_io()
+            raise self._not_written(step, reason) from None
+
+    def _not_written(self, step: int, reason: str) -> CheckpointNotWritten:
+        kept = self.all_steps()
+        return CheckpointNotWritten(
+            f"checkpoint {step} could not be written to {self.directory} ({reason}); "
+            + (f"the newest one written, {kept[-1]}, is kept" if kept else "none was written before it")
+            + ": make room or repair the directory, then run the same command to resume")
 
     def restore_newest_verified(self, abstract_state: Any,
                                 warn: Callable[[str], None]) -> tuple[Any, dict, int] | None:
@@ -92,7 +135,7 @@ class Checkpoints:
             state, data, saved = self._restore(step, abstract_state)
             written = state
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
-            _quiet_abandoned_reads()
+            _quiet_abandoned_io()
             legacy = _without_model_state(abstract_state)
             if legacy is None:
                 raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
@@ -128,18 +171,34 @@ class Checkpoints:
         return destination
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait_until_written()
+        finally:
+            self._manager.close()
 
 
-def _quiet_abandoned_reads() -> None:
-    """After orbax's restore raises on the first array it cannot read, the reads still in flight end later, each
-    printing its own error with the whole TensorStore spec (hundreds of lines) as an unraisable exception: the
-    coroutine was left unawaited, or its result reached the restore's event loop after it closed. The failure is
-    already reported in one line, so from then on those are dropped; every other unraisable exception is printed
-    as before."""
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _io_failure(err: Exception) -> str | None:
+    """Why a save failed when the file system refused it (orbax reports TensorStore's errors as ValueError,
+    naming the errno); None for any other failure, which keeps its traceback."""
+    code = _OS_ERROR_CODE.search(str(err))
+    if code is not None:
+        return os.strerror(int(code.group(1)))
+    if isinstance(err, OSError):
+        return err.strerror or first_line(err)
+    return None
+
+
+def _quiet_abandoned_io() -> None:
+    """After orbax's restore or save raises on the first array it cannot read or write, the I/O still in flight
+    ends later, each printing its own error with the whole TensorStore spec (hundreds of lines) as an unraisable
+    exception: the coroutine was left unawaited, or its result reached the event loop after it closed. The failure
+    is already reported in one line, so from then on those are dropped; every other unraisable exception is
+    printed as before."""
     previous = sys.unraisablehook
-    if getattr(previous, "drops_abandoned_reads", False):
+    if getattr(previous, "drops_abandoned_io", False):
         return
 
     def hook(unraisable: Any) -> None:
@@ -150,7 +209,7 @@ def _quiet_abandoned_reads() -> None:
         if not (from_orbax or loop_closed):
             previous(unraisable)
 
-    hook.drops_abandoned_reads = True
+    hook.drops_abandoned_io = True
     sys.unraisablehook = hook
 
 

@@ -206,6 +206,7 @@ class _Run:
             loader.close()
             metrics_writer.close()
             self._summarise(step, began)  # also when the run stops on an error: `xlatrain report` shows why
+        self.checkpoints.wait_until_written()
         result.final_step = step
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
                   f"checkpoint and metrics in {self.run_dir}")
