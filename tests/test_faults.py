@@ -264,3 +264,16 @@ def test_a_save_the_file_system_refuses_midway_is_one_line_and_any_other_failure
     checkpoints._in_flight = 3
     with pytest.raises(ValueError, match="an orbax bug"):
         checkpoints.wait_until_written()
+
+
+def test_a_log_line_the_file_system_refuses_stops_the_run_in_one_line(tmp_path, monkeypatch):
+    import xlatrain.metrics
+    from xlatrain.config import load_config
+    from xlatrain.trainer import train
+
+    monkeypatch.setattr(xlatrain.metrics, "open_for_append", lambda path: open("/dev/full", "a"))  # writes: ENOSPC
+    with pytest.raises(xlatrain.metrics.LogNotWritten, match=r"/run/metrics.jsonl or its TensorBoard events could not "
+                       r"be written at step 1 \(No space left on device\): make room or repair the directory, then run "
+                       "the same command to resume from the newest checkpoint"):
+        train(load_config(None, [*DIGITS_MLP, "trainer.steps=2", f"trainer.run_dir={tmp_path / 'run'}"]),
+              echo=lambda _: None)

@@ -66,6 +66,21 @@ def test_finished_run_is_not_trained_again(tmp_path):
     assert again.start_step == again.final_step == 3 and not again.losses
 
 
+def test_a_run_that_died_before_its_first_checkpoint_logs_its_steps_once_when_started_again(tmp_path):
+    def die_at_step_8(boundary):
+        if boundary.step == 8:
+            raise RuntimeError("killed")
+
+    config = load_config(None, [*DIGITS_MLP, "trainer.steps=10", f"trainer.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(RuntimeError, match="killed"):
+        train(config, hooks=[die_at_step_8], echo=lambda _: None)
+    logged = tmp_path / "run" / "metrics.jsonl"
+    assert [r["step"] for r in read_metrics(logged) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())
+    train(config.model_copy(update={"trainer": config.trainer.model_copy(update={"steps": 3})}), echo=lambda _: None)
+    assert [r["step"] for r in read_metrics(logged) if "loss" in r] == [1, 2, 3]
+
+
 def test_run_dir_of_another_config_is_refused(tmp_path):
     from xlatrain.errors import UserError
 

@@ -2,34 +2,81 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+import threading
 from pathlib import Path
-from typing import Any
+from traceback import walk_tb
+from types import TracebackType
+from typing import Any, Iterator
 
 from tensorboardX import SummaryWriter
 
+from xlatrain.errors import UserError
 from xlatrain.jsonl import open_for_append, read_records, write_records
 
 
+class LogNotWritten(UserError):
+    """The file system refused a log line (a full disk, a lost mount): the run stops; the checkpoints stay."""
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: Path, resume_step: int | None):
+    def __init__(self, run_dir: Path, start_step: int):
+        """Logs from start_step + 1 on: what an earlier session logged past the state it left (a checkpoint, or
+        none when it was killed before its first) is dropped, since those steps run again."""
         self.path = run_dir / "metrics.jsonl"
-        if resume_step is not None:
-            _drop_records_after(self.path, resume_step)
-        purge = None if resume_step is None else resume_step + 1
-        self._file = open_for_append(self.path)
-        self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+        self._failed = False
+        with self._refused_as("when opening"):
+            if self.path.exists():
+                _drop_records_after(self.path, start_step)
+            self._file = open_for_append(self.path)
+            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self._tensorboard.add_scalar(key, value, record["step"])
+        with self._refused_as(f"at step {record['step']}"):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
-        self._file.close()
-        self._tensorboard.close()
+        """After a refused write the files are closed without a word: that line is lost and the error said so."""
+        with contextlib.suppress(OSError) if self._failed else self._refused_as("when closing"):
+            self._file.close()
+            self._tensorboard.close()
+
+    @contextlib.contextmanager
+    def _refused_as(self, when: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as err:
+            self._failed = True
+            _quiet_tensorboard_at_exit()
+            raise LogNotWritten(f"{self.path} or its TensorBoard events could not be written {when} "
+                                f"({err.strerror or err}): make room or repair the directory, then run the same "
+                                "command to resume from the newest checkpoint") from None
+
+
+def _quiet_tensorboard_at_exit() -> None:
+    """After the file system refused a write, tensorboardX's exit handler retries its flush and its writer thread
+    finds its queue closed: each would print a traceback for what the error already said. Those two are dropped;
+    every other unraisable or thread exception is printed as before."""
+    previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
+
+    def from_tensorboard(traceback: TracebackType | None) -> bool:
+        return any("tensorboardX" in Path(frame.f_code.co_filename).parts for frame, _ in walk_tb(traceback))
+
+    def unraisable(args: Any) -> None:
+        if not from_tensorboard(args.exc_traceback):
+            previous_unraisable(args)
+
+    def thread(args: Any) -> None:
+        if not from_tensorboard(args.exc_traceback):
+            previous_thread(args)
+
+    sys.unraisablehook, threading.excepthook = unraisable, thread
 
 
 class DiscardedMetrics:
@@ -47,5 +94,4 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def _drop_records_after(path: Path, step: int) -> None:
-    """On resume, records past the checkpoint are about to be produced again: keep the log consistent."""
     write_records(path, [r for r in read_metrics(path) if r.get("step", 0) <= step])

@@ -36,7 +36,7 @@ from xlatrain.peaks import peak_per_device
 from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import exclusive_run_dir, open_run_dir, pinned_partition, save_run_config
-from xlatrain.run_summary import RunSummary
+from xlatrain.run_summary import SUMMARY_FILE, RunSummary
 from xlatrain.state import with_shardings
 from xlatrain.stop import StopSignals, stop_signals
 from xlatrain.time_breakdown import TimeBreakdown, fractions
@@ -141,7 +141,7 @@ class _Run:
             self.echo(f"  already at step {start} of trainer.steps={self.trainer.steps}; nothing to do")
             return result
         loader = self._loader(data_state)
-        metrics_writer = (MetricsWriter(self.run_dir, resume_step=start if start else None) if is_primary()
+        metrics_writer = (MetricsWriter(self.run_dir, start) if is_primary()
                           else DiscardedMetrics())
         evaluation = self._eval_batches()
         with self.compile_log.phase("steps"), self.progress.during("compiling"):
@@ -271,7 +271,11 @@ class _Run:
         s.time_breakdown = {k: round(v, 4) for k, v in self.breakdown.session.items()}
         s.findings = self.rules.as_records()
         if is_primary():
-            s.append_to(self.run_dir)
+            try:
+                s.append_to(self.run_dir)
+            except OSError as err:
+                warn(f"{self.run_dir / SUMMARY_FILE} could not be written ({err.strerror or err}); this session's "
+                     "summary is only printed")
 
     def _initial_state(self) -> tuple[Any, dict | None, int]:
         abstract = with_shardings(self.program.abstract_state, self.program.specs, self.program.mesh)
