@@ -123,7 +123,10 @@ def test_a_start_up_signal_inside_a_finalizer_raises_nothing_there_and_stops_bef
     assert not stop.in_loop
 
 
-def test_sigterm_during_start_up_exits_zero_with_one_line(tmp_path):
+def test_sigterm_during_start_up_exits_zero_with_one_line_and_the_run_starts_again(tmp_path):
+    from xlatrain.config import load_config
+    from xlatrain.trainer import train
+
     run_dir = tmp_path / "run"
     process = _start("train", *DIGITS_MLP, "trainer.steps=50", f"trainer.run_dir={run_dir}")
     _wait_for_line(process, f"-> {run_dir}")  # the program is built; state init and compilation follow
@@ -131,7 +134,11 @@ def test_sigterm_during_start_up_exits_zero_with_one_line(tmp_path):
     out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err
     assert "SIGTERM: stopped before the first step; nothing to save" in out and "Traceback" not in err, (out, err)
-    assert not list((run_dir / "checkpoints").glob("[0-9]*"))
+    assert {path.name for path in run_dir.iterdir()} <= {".lock", "checkpoints"}
+    (run_dir / "checkpoints").mkdir(exist_ok=True)  # as a start stopped a moment later leaves it: empty
+    # what the stopped start left is not a run: the same command starts it (it was refused as a foreign directory)
+    assert train(load_config(None, [*DIGITS_MLP, "trainer.steps=2", f"trainer.run_dir={run_dir}"]),
+                 echo=lambda _: None).final_step == 2
 
 
 def _unused_port():
@@ -277,3 +284,26 @@ def test_a_log_line_the_file_system_refuses_stops_the_run_in_one_line(tmp_path, 
                        "the same command to resume from the newest checkpoint"):
         train(load_config(None, [*DIGITS_MLP, "trainer.steps=2", f"trainer.run_dir={tmp_path / 'run'}"]),
               echo=lambda _: None)
+
+
+def test_a_full_or_read_only_file_system_anywhere_is_one_line_naming_the_file(tmp_path):
+    import errno
+
+    from xlatrain.atomic import replace_file
+    from xlatrain.errors import UserError, file_system_refusals_named
+
+    def fill_the_disk(partial):
+        partial.write_text("half a file")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a failed write or flush raises it: no file name
+
+    with pytest.raises(UserError, match=rf"^{tmp_path}/config.yaml could not be written \(No space left on device\): "
+                       "make room or repair the file system, then run the same command again$"):
+        with file_system_refusals_named(tmp_path):
+            replace_file(tmp_path / "config.yaml", fill_the_disk)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(UserError, match=rf"^a file in {tmp_path} could not be written \(Read-only file system\)"):
+        with file_system_refusals_named(tmp_path):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    with pytest.raises(PermissionError):  # not the file system's state: the traceback stays
+        with file_system_refusals_named(tmp_path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))

@@ -12,6 +12,8 @@ def replace_file(path: Path, write: Callable[[Path], object]) -> None:
     try:
         write(partial)
         partial.replace(path)
-    except BaseException:
+    except BaseException as err:
         partial.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a write or flush that failed names no file
+            err.filename = str(path)
         raise

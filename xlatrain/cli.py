@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from xlatrain.errors import UserError, first_line
+from xlatrain.errors import UserError, file_system_refusals_named, first_line
 
 if TYPE_CHECKING:
     from xlatrain.gpu_targets import GpuTarget
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_intermixed(parser, argv)
     config_path, overrides = _split_config_and_overrides(args.args)
     try:
-        return args.command(config_path, overrides, args)
+        with file_system_refusals_named():
+            return args.command(config_path, overrides, args)
     except UserError as err:
         print(f"xlatrain: error: {err}", file=sys.stderr)
         return err.exit_code
@@ -189,7 +190,8 @@ def _train(config_path: str | None, overrides: list[str], _args: argparse.Namesp
 
             config = _config_with_cpu_devices(config_path, overrides)
             initialize(config.distributed)
-            train(config)
+            with file_system_refusals_named(config.run_dir()):
+                train(config)
         except StoppedBeforeFirstStep as stop:
             print(f"xlatrain: {stop}: {STOPPED_BEFORE_FIRST_STEP}", flush=True)
         except NonFiniteLoss as err:

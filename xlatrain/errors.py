@@ -1,7 +1,10 @@
 """The one exception type users see: it carries a message that names the field or file and the fix; and the one
 way a warning reaches them."""
 
+import contextlib
+import errno
 import sys
+from typing import Iterator
 
 
 class UserError(Exception):
@@ -19,3 +22,17 @@ def first_line(err: BaseException) -> str:
 def warn(message: str) -> None:
     """One line on stderr for something the run survives but the user should know."""
     print(f"xlatrain: warning: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def file_system_refusals_named(where: object = None) -> Iterator[None]:
+    """A file system that is full or read-only, met anywhere inside, is one UserError naming the file (or the
+    directory `where` it was written in): making room is the user's fix, and a traceback would not say so."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        place = err.filename or (f"a file in {where}" if where is not None else "a file")
+        raise UserError(f"{place} could not be written ({err.strerror}): make room or repair the file system, then "
+                        "run the same command again") from None

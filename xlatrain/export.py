@@ -12,7 +12,7 @@ from xlatrain.checkpoint import Checkpoints, CorruptCheckpoint
 from xlatrain.config import TorchModelConfig
 from xlatrain.errors import UserError
 from xlatrain.program import build_program
-from xlatrain.run_dir import pinned_partition, read_run_config
+from xlatrain.run_dir import CHECKPOINTS_DIR, pinned_partition, read_run_config
 from xlatrain.state import with_shardings
 
 
@@ -32,7 +32,7 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
     # Restore onto the devices present, whatever data-parallel size the run trained with.
     config = config.model_copy(update={"mesh": config.mesh.model_copy(update={"data": -1})})
     program = build_program(config, pinned_partition=pinned_partition(run_dir))
-    checkpoints = Checkpoints(run_dir / "checkpoints", config.trainer.keep_checkpoints)
+    checkpoints = Checkpoints(run_dir / CHECKPOINTS_DIR, config.trainer.keep_checkpoints)
     try:
         available = checkpoints.all_steps()
         step = available[-1] if step is None and available else step

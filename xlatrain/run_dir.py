@@ -23,6 +23,7 @@ RESUMABLE_KEYS = ("trainer.", "derived.", "distributed.", "optimizer.decay_steps
 data-parallel size, a new learning-rate horizon given on purpose)."""
 LOGS_DIR = "logs"
 """Where `xlatrain launch` writes each process's output; it may exist before the run's first start."""
+CHECKPOINTS_DIR = "checkpoints"
 LOCK_FILE = ".lock"
 """Locked (flock) by process 0 of the run that trains into the directory, and naming that process."""
 
@@ -65,8 +66,9 @@ def _lock(path: Path) -> tuple[int | None, str]:
         warn(f"{path} cannot be locked ({err.strerror}): nothing stops a second run from training into "
              f"{path.parent} at the same time as this one")
         return None, ""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"process {os.getpid()} on {host_name()}\n".encode(), 0)
+    with contextlib.suppress(OSError):  # naming the holder is a courtesy; a full disk must not stop the run here
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {host_name()}\n".encode(), 0)
     return fd, ""
 
 
@@ -76,7 +78,7 @@ def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
     (optimizer.decay_steps) fixed when the run was created, unless this config sets it."""
     run_dir = config.run_dir()
     saved_path = run_dir / CONFIG_FILE
-    if not any(path.name not in (LOGS_DIR, LOCK_FILE) for path in run_dir.iterdir()):
+    if _holds_no_run_yet(run_dir):
         compat.barrier("xlatrain-run-dir-checked")
         return _with_horizon(config, config.optimizer.decay_steps or config.trainer.steps)
     if not saved_path.is_file():
@@ -94,6 +96,14 @@ def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
         return _with_horizon(config, kept)
     echo(f"  learning-rate schedule: horizon changed from {kept} to {wanted} steps (optimizer.decay_steps)")
     return config
+
+
+def _holds_no_run_yet(run_dir: Path) -> bool:
+    """Whether run_dir holds only what a start leaves before its run exists: launch's logs, the lock, and an empty
+    checkpoints directory (a first start stopped while it compiled)."""
+    return all(path.name in (LOGS_DIR, LOCK_FILE)
+               or (path.name == CHECKPOINTS_DIR and path.is_dir() and not any(path.iterdir()))
+               for path in run_dir.iterdir())
 
 
 def save_run_config(config: Config, derived: Derived) -> None:

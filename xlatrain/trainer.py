@@ -35,7 +35,7 @@ from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.peaks import peak_per_device
 from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
-from xlatrain.run_dir import exclusive_run_dir, open_run_dir, pinned_partition, save_run_config
+from xlatrain.run_dir import CHECKPOINTS_DIR, exclusive_run_dir, open_run_dir, pinned_partition, save_run_config
 from xlatrain.run_summary import SUMMARY_FILE, RunSummary
 from xlatrain.state import with_shardings
 from xlatrain.stop import StopSignals, stop_signals
@@ -114,7 +114,7 @@ class _Run:
         self.stop = stop
         self.stop_agreement = StopAgreement(stop)
         self.progress = progress
-        self.checkpoints = Checkpoints(self.run_dir / "checkpoints", self.trainer.keep_checkpoints)
+        self.checkpoints = Checkpoints(self.run_dir / CHECKPOINTS_DIR, self.trainer.keep_checkpoints)
         self.compile_log = compile_log
         self.hooks = hooks
         self.breakdown = TimeBreakdown()
