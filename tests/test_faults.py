@@ -307,3 +307,29 @@ def test_a_full_or_read_only_file_system_anywhere_is_one_line_naming_the_file(tm
     with pytest.raises(PermissionError):  # not the file system's state: the traceback stays
         with file_system_refusals_named(tmp_path):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_naming_them_and_is_not_moved_aside(tmp_path):
+    """The model takes its input width from the data: a data.path that now holds wider inputs changes the
+    shapes. Those checkpoints are sound, so none is called corrupt."""
+    import numpy as np
+
+    from xlatrain.config import load_config
+    from xlatrain.errors import UserError
+    from xlatrain.trainer import train
+
+    def write_data(width):
+        rng = np.random.default_rng(0)
+        np.savez(tmp_path / "data.npz", inputs=rng.normal(size=(64, width)).astype(np.float32),
+                 targets=rng.integers(0, 3, 64).astype(np.int32))
+
+    run = ["model.name=mlp", "model.hidden=[8]", "data.source=arrays", f"data.path={tmp_path / 'data.npz'}",
+           "batch.global_size=16", "trainer.progress=false", *STEPS, f"trainer.run_dir={tmp_path / 'run'}"]
+    write_data(4)
+    train(load_config(None, [*run, "trainer.steps=4"]), echo=lambda _: None)
+    write_data(5)
+    with pytest.raises(UserError, match=r"checkpoint 4 in .*/checkpoints holds params/hidden/0/kernel of shape "
+                       r"\(4, 8\) where the run's state has \(5, 8\); opt_state/0/mu/hidden/0/kernel .*: the model's "
+                       r"shapes changed since the run was written .* Nothing was moved aside"):
+        train(load_config(None, [*run, "trainer.steps=6"]), echo=lambda _: None)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4"]

@@ -115,6 +115,7 @@ class Checkpoints:
         verifies."""
         moved = []
         for step in reversed(self.all_steps()):
+            self._check_layout(step, abstract_state)
             try:
                 state, data = self.restore(step, abstract_state)
                 return state, data, step
@@ -127,6 +128,27 @@ class Checkpoints:
                             f"{', '.join(moved)}); move one back to retry it, or set trainer.run_dir to a new "
                             "directory to start over")
         return None
+
+    def _check_layout(self, step: int, abstract_state: Any) -> None:
+        """A checkpoint whose arrays have other names or shapes than this run's state is not corrupt: the model
+        changed since it was written (its code, or the data its shapes follow). Refused with the differences, and
+        nothing is moved aside. One whose metadata cannot be read is left to the restore, which calls it corrupt."""
+        try:
+            metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        except Exception:  # orbax raises many types; the restore reports the checkpoint as unusable
+            return
+        stored, wanted = _shapes(getattr(metadata, "item_metadata", metadata)), _shapes(abstract_state)
+        params_first = functools.partial(sorted, key=lambda path: (not path.startswith("params/"), path))
+        problems = [f"{path} of shape {stored[path]} where the run's state has {wanted[path]}"
+                    for path in params_first(set(stored) & set(wanted)) if stored[path] != wanted[path]]
+        problems += [f"no {path}" for path in params_first(set(wanted) - set(stored))]
+        problems += [f"{path}, which the run's state has not" for path in params_first(set(stored) - set(wanted))]
+        if problems:
+            raise UserError(f"checkpoint {step} in {self.directory} holds " + "; ".join(problems[:3])
+                            + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+                            + ": the model's shapes changed since the run was written (its code, or data they "
+                            "follow, such as data.path's inputs); resume with those it was written with, or choose "
+                            "a new trainer.run_dir. Nothing was moved aside")
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """The state (placed in the shardings that `abstract_state` carries) and the data position, verified
@@ -211,6 +233,13 @@ def _quiet_abandoned_io() -> None:
 
     hook.drops_abandoned_io = True
     sys.unraisablehook = hook
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{path/of/leaf: shape} of a state or of a checkpoint's metadata (a dataclass's fields and a dict's keys
+    name alike)."""
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
 
 
 def _verify(state: Any, saved: dict[str, int]) -> None:
