@@ -115,7 +115,6 @@ class Checkpoints:
         verifies."""
         moved = []
         for step in reversed(self.all_steps()):
-            self._check_layout(step, abstract_state)
             try:
                 state, data = self.restore(step, abstract_state)
                 return state, data, step
@@ -153,6 +152,7 @@ class Checkpoints:
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """The state (placed in the shardings that `abstract_state` carries) and the data position, verified
         against the saved fingerprints."""
+        self._check_layout(step, abstract_state)
         try:
             state, data, saved = self._restore(step, abstract_state)
             written = state
