@@ -141,8 +141,7 @@ class _Run:
             self.echo(f"  already at step {start} of trainer.steps={self.trainer.steps}; nothing to do")
             return result
         loader = self._loader(data_state)
-        metrics_writer = (MetricsWriter(self.run_dir, start) if is_primary()
-                          else DiscardedMetrics())
+        metrics_writer = MetricsWriter(self.run_dir, start) if is_primary() else DiscardedMetrics()
         evaluation = self._eval_batches()
         with self.compile_log.phase("steps"), self.progress.during("compiling"):
             train_step, eval_step = self.program.train_step, self.program.eval_step
