@@ -7,6 +7,7 @@ Before anything compiles, every process checks that all agree on the config, the
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import socket
@@ -62,12 +63,18 @@ def host_name() -> str:
     return socket.gethostname()
 
 
+_asked = collections.Counter()
+"""How often each name was asked in this process: every process asks in the same order, so the count tells one
+call's key from the last one's (a process that trains twice in one session must not read the first verdict)."""
+
+
 def as_primary_has_it(name: str, value: str) -> str:
     """`value` as process 0 has it, on every process: for what only process 0 can find out (whether it holds the
     run directory's lock), so that every process goes on or stops alike."""
     if jax.process_count() == 1:
         return value
-    key = f"xlatrain/primary/{name}"
+    _asked[name] += 1
+    key = f"xlatrain/primary/{name}/{_asked[name]}"
     if is_primary():
         compat.key_value_set(key, value.encode())
         return value
