@@ -88,3 +88,37 @@ def test_an_entry_cut_short_is_replaced_instead_of_failing_every_later_start(tmp
     assert "UserWarning" not in cut.stderr and entry.stat().st_size > 0
     third = start("third")
     assert _loaded_from_cache(third) == _loaded_from_cache(cut) + 1 and "compile cache" not in third.stderr
+
+
+def test_entries_the_file_system_refuses_are_said_once_and_removed(tmp_path, monkeypatch):
+    """JAX warns for every entry it cannot write (a full disk: each compilation of the run); xlatrain says it
+    once, and removes what the refused write left."""
+    import errno
+    import os
+
+    import jax
+    from jax._src import compilation_cache
+
+    from xlatrain import compat
+
+    def full_disk(cache_key, *args):
+        (tmp_path / f"{cache_key}-cache").write_bytes(b"cut sh")
+        if cache_key == "other":
+            raise ValueError("not the file system")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(compilation_cache, "put_executable_and_time", full_disk)
+    previous = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    said = []
+    try:
+        compat.report_unwritable_cache_entries(said.append)
+        for key in ("jit_init-1", "jit_train_step-2"):
+            compilation_cache.put_executable_and_time(key, "module", None, None, 1)
+        with pytest.raises(ValueError, match="not the file system"):  # JAX's own warning reports it
+            compilation_cache.put_executable_and_time("other", "module", None, None, 1)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+    assert said == [f"compile cache {tmp_path}: entries cannot be written (No space left on device); compilations "
+                    "are not cached until there is room (said once)"]
+    assert [p.name for p in tmp_path.iterdir()] == ["other-cache"]

@@ -117,6 +117,37 @@ def drop_unreadable_cache_entries(report: Callable[[str], None]) -> None:
     compilation_cache.get_executable_and_time = read_or_drop
 
 
+def report_unwritable_cache_entries(report: Callable[[str], None]) -> None:
+    """Around JAX's write of a cache entry: a file system that refuses it (full, read-only) is reported once per
+    process instead of in JAX's warning for every entry, and the entry it cut short is removed (a later start
+    would read it); compilations go on as without the cache. Installed once per process; other errors keep JAX's
+    warning, and jax_raise_persistent_cache_errors still raises."""
+    from jax._src import compilation_cache
+
+    write = compilation_cache.put_executable_and_time
+    if getattr(write, "reports_unwritable_entries", False):
+        return
+    reported = False
+
+    @wraps(write)
+    def write_or_report(cache_key: str, *args: Any, **kwargs: Any) -> None:
+        nonlocal reported
+        try:
+            write(cache_key, *args, **kwargs)
+        except OSError as err:
+            if jax.config.jax_raise_persistent_cache_errors or not jax.config.jax_compilation_cache_dir:
+                raise
+            directory = Path(jax.config.jax_compilation_cache_dir)
+            (directory / f"{cache_key}{CACHE_ENTRY_SUFFIX}").unlink(missing_ok=True)
+            if not reported:
+                reported = True
+                report(f"compile cache {directory}: entries cannot be written ({err.strerror or first_line(err)}); "
+                       "compilations are not cached until there is room (said once)")
+
+    write_or_report.reports_unwritable_entries = True  # type: ignore[attr-defined]
+    compilation_cache.put_executable_and_time = write_or_report
+
+
 @contextlib.contextmanager
 def backend_compile_listener(callback: Callable[[str, float], None], on_cache_hit: Callable[[], None]
                              ) -> Iterator[None]:

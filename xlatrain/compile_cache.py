@@ -48,6 +48,7 @@ def use_compile_cache(setting: str) -> Path | None:
                             "write, or set trainer.compile_cache=off")
     compat.set_persistent_compile_cache(path)
     compat.drop_unreadable_cache_entries(warn)
+    compat.report_unwritable_cache_entries(warn)
     if path is not None and MIN_COMPILE_TIME_ENV not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return path
