@@ -99,6 +99,15 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+def test_what_a_first_start_leaves_before_its_run_exists_is_started_again(tmp_path):
+    """A first start stopped while it compiled leaves the lock and an empty checkpoints/ (launch also logs/)."""
+    run_dir = tmp_path / "stopped"
+    for directory in ("checkpoints", "logs"):
+        (run_dir / directory).mkdir(parents=True)
+    (run_dir / ".lock").touch()
+    assert losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "stopped").final_step == 2
+
+
 HOLD_RUN_DIR = """import sys, time
 from pathlib import Path
 from xlatrain.run_dir import exclusive_run_dir
