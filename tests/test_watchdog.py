@@ -1,7 +1,13 @@
-"""The watchdog's judgement (pure) and the start-up agreement check, without processes."""
+"""The watchdog's judgement (pure) and the processes' agreements (start-up, stopping), without processes."""
 
+from types import SimpleNamespace
+
+import jax
+import pytest
+
+from xlatrain import compat
 from xlatrain.config import Config, DistributedConfig, StallTimeouts, flatten
-from xlatrain.distributed import disagreements
+from xlatrain.distributed import StopAgreement, as_primary_has_it, check_processes_agree, disagreements
 from xlatrain.watchdog import Observer, coordinator_lost, verdict
 
 CONFIG = DistributedConfig(stall_timeout={"training": 30, "hook": 5}, heartbeat_timeout=10)
@@ -98,3 +104,38 @@ def test_disagreements_name_the_rank_and_the_differing_keys():
                                  config_hash="x")])
     assert found == ["rank 2 (host c) differs from rank 0 (host a): jax 0.12.0 vs 0.10.2, local_devices 2 vs 4, "
                      "seed=3 vs 0"]
+
+
+@pytest.fixture
+def process_0_of_2(monkeypatch) -> dict[str, bytes]:
+    """Process 0 of two, over an in-memory key-value store in which process 1 publishes what process 0 does."""
+    store: dict[str, bytes] = {}
+
+    def publish(key: str, value: bytes) -> None:
+        store[key] = value
+        if key.endswith("/0"):
+            store[key[:-1] + "1"] = value
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(compat, "key_value_set", publish)
+    monkeypatch.setattr(compat, "key_value_get", lambda key, timeout_s=0: store[key])
+    monkeypatch.setattr(compat, "key_value_dir_get",
+                        lambda prefix: [(k, v) for k, v in store.items() if k.startswith(prefix)])
+    return store
+
+
+def test_a_second_run_in_one_distributed_session_reads_nothing_the_first_published(process_0_of_2):
+    first = StopAgreement(SimpleNamespace(requested=True))
+    assert [first.should_stop(boundary) for boundary in (1, 2, 3)] == [False, False, True]
+    second = StopAgreement(SimpleNamespace(requested=False))
+    assert not any(second.should_stop(boundary) for boundary in range(1, 10))
+
+    written = set(process_0_of_2)
+    check_processes_agree(Config())
+    first_facts = set(process_0_of_2) - written
+    check_processes_agree(Config(seed=3))
+    assert len(first_facts) == 2 and not first_facts & (set(process_0_of_2) - written - first_facts)
+
+    assert as_primary_has_it("verdict", "refused") == "refused"
+    assert as_primary_has_it("verdict", "") == ""

@@ -63,9 +63,16 @@ def host_name() -> str:
     return socket.gethostname()
 
 
-_asked = collections.Counter()
-"""How often each name was asked in this process: every process asks in the same order, so the count tells one
-call's key from the last one's (a process that trains twice in one session must not read the first verdict)."""
+_calls = collections.Counter()
+"""How often each exchange was begun in this process: every process begins them in the same order."""
+
+
+def exchange_key(name: str) -> str:
+    """A key-value-store prefix of its own for this call's exchange called `name`: the count of earlier ones tells
+    it from them, so a process that trains twice in one jax.distributed session never reads what the first run
+    published (its start facts, its stop request, its verdicts)."""
+    _calls[name] += 1
+    return f"xlatrain/{name}/{_calls[name]}/"
 
 
 def as_primary_has_it(name: str, value: str) -> str:
@@ -73,8 +80,7 @@ def as_primary_has_it(name: str, value: str) -> str:
     run directory's lock), so that every process goes on or stops alike."""
     if jax.process_count() == 1:
         return value
-    _asked[name] += 1
-    key = f"xlatrain/primary/{name}/{_asked[name]}"
+    key = exchange_key(f"primary/{name}")
     if is_primary():
         compat.key_value_set(key, value.encode())
         return value
@@ -114,8 +120,9 @@ def check_processes_agree(config: Config) -> None:
     """Every process publishes its start facts and reads everyone's; a mismatch is one error on every process."""
     if jax.process_count() == 1:
         return
-    compat.key_value_set(f"xlatrain/start/{jax.process_index()}", json.dumps(start_facts(config)).encode())
-    facts = [json.loads(compat.key_value_get(f"xlatrain/start/{rank}", START_TIMEOUT_S))
+    prefix = exchange_key("start")
+    compat.key_value_set(f"{prefix}{jax.process_index()}", json.dumps(start_facts(config)).encode())
+    facts = [json.loads(compat.key_value_get(f"{prefix}{rank}", START_TIMEOUT_S))
              for rank in range(jax.process_count())]
     problems = disagreements(facts)
     if problems:
@@ -139,13 +146,14 @@ class StopAgreement:
         self.stop = stop
         self.processes = jax.process_count()
         self.published = False
+        self.prefix = exchange_key("stop") if self.processes > 1 else ""
 
     def should_stop(self, boundary: int) -> bool:
         """Called once per boundary, after its results of the previous boundary were read."""
         if self.processes == 1:
             return self.stop.requested
         if self.stop.requested and not self.published:
-            compat.key_value_set(f"xlatrain/stop/{jax.process_index()}", str(boundary).encode())
+            compat.key_value_set(f"{self.prefix}{jax.process_index()}", str(boundary).encode())
             self.published = True
-        requested_at = [int(value) for _, value in compat.key_value_dir_get("xlatrain/stop/")]
+        requested_at = [int(value) for _, value in compat.key_value_dir_get(self.prefix)]
         return any(at + self.LAG <= boundary for at in requested_at)
