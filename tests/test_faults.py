@@ -333,3 +333,29 @@ def test_a_checkpoint_of_other_shapes_is_refused_naming_them_and_is_not_moved_as
                        r"shapes changed since the run was written .* Nothing was moved aside"):
         train(load_config(None, [*run, "trainer.steps=6"]), echo=lambda _: None)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4"]
+
+
+def test_a_resume_on_data_that_changed_since_says_so_once(tmp_path, capsys):
+    """Same shapes, other examples: the checkpoint restores, but the run cannot continue exactly."""
+    import numpy as np
+
+    from xlatrain.config import load_config
+    from xlatrain.trainer import train
+
+    def resume_with(rows, shift=0.0, steps=2):
+        rng = np.random.default_rng(0)
+        inputs = rng.normal(size=(64, 4)).astype(np.float32) + shift
+        np.savez(tmp_path / "data.npz", inputs=inputs[:rows], targets=rng.integers(0, 3, 64).astype(np.int32)[:rows])
+        train(load_config(None, [*run, f"trainer.steps={steps}"]), echo=lambda _: None)
+        return [line for line in capsys.readouterr().err.splitlines() if "the data is not what" in line]
+
+    run = ["model.name=mlp", "model.hidden=[8]", "data.source=arrays", f"data.path={tmp_path / 'data.npz'}",
+           "batch.global_size=8", "trainer.progress=false", *STEPS, f"trainer.run_dir={tmp_path / 'run'}"]
+    assert resume_with(64) == []
+    assert resume_with(64, steps=4) == []
+    fewer, = resume_with(40, steps=6)
+    assert "data.path=" in fewer and "58 training and 6 held-out examples then, 36 and 4 now" in fewer
+    assert "goes on from step 4" in fewer and "put back the data it was written with" in fewer
+    assert resume_with(40, steps=8) == []
+    edited, = resume_with(40, shift=1.0, steps=10)
+    assert "as many examples, but sampled ones differ" in edited

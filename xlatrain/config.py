@@ -650,6 +650,10 @@ class Derived:
     model_flops_per_step: float | None = None
     """Matmul and convolution FLOPs of one step's forward and backward over the global batch, counted on the
     jaxpr (lowering/flops.py); None until the model is built, or when a while loop hides a trip count."""
+    data_examples: tuple[int, int] | None = None
+    """Training and held-out examples of the run's data; with data_digest (of sampled examples) saved in the run's
+    config.yaml, so that a resume on data that changed since says so (xlatrain/data/identity.py)."""
+    data_digest: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}

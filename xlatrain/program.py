@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from xlatrain import compat
 from xlatrain.compile_cache import use_compile_cache
 from xlatrain.config import Config, Derived, derive
+from xlatrain.data.identity import data_identity
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
@@ -321,6 +322,8 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
     if config.collectives.impl == "custom":
         prepare_custom_collectives(mesh)
     dataset = open_dataset(config.data, config.model.loss)
+    examples, digest = data_identity(dataset)
+    derived = dataclasses.replace(derived, data_examples=examples, data_digest=digest)
     policy = resolve_policy(config.precision, config.collectives.dtype)
     model = build_model(config.model, dataset.spec, policy.compute, config.seed, derived.data_parallel,
                         derived.scan_layers)

@@ -161,18 +161,21 @@ def pinned_partition(run_dir: Path) -> tuple[int, ...] | None:
     """The block partition a pipelined run chose at its first start (config.yaml's derived.pipeline_partition),
     so that its checkpoints are read back into the same stages whatever `partition: auto` would choose now;
     None for a new run or one that is not pipelined."""
-    saved_path = run_dir / CONFIG_FILE
-    if not saved_path.is_file():
-        return None
-    derived = _read_mapping(saved_path).get("derived")
-    partition = derived.get("pipeline_partition") if isinstance(derived, dict) else None
+    partition = saved_derived(run_dir).get("pipeline_partition")
     if partition is None:
         return None
     if not (isinstance(partition, list) and partition
             and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in partition)):
-        raise UserError(f"{saved_path}: derived.pipeline_partition={partition!r} is not a list of block counts; "
-                        "restore the file from the run's first start, or move the run directory aside")
+        raise UserError(f"{run_dir / CONFIG_FILE}: derived.pipeline_partition={partition!r} is not a list of block "
+                        "counts; restore the file from the run's first start, or move the run directory aside")
     return tuple(partition)
+
+
+def saved_derived(run_dir: Path) -> dict:
+    """The derived values config.yaml holds ({} for a new run): what the run was when it was last started."""
+    saved_path = run_dir / CONFIG_FILE
+    derived = _read_mapping(saved_path).get("derived") if saved_path.is_file() else None
+    return derived if isinstance(derived, dict) else {}
 
 
 def _read_mapping(saved_path: Path) -> dict:

@@ -19,6 +19,7 @@ from xlatrain.bottlenecks import BottleneckRules, Finding, Interval, Knobs
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
 from xlatrain.checkpoint import Checkpoints
 from xlatrain.config import Config
+from xlatrain.data.identity import data_change
 from xlatrain.data.loader import (
     DeviceLoader,
     eval_batches,
@@ -35,7 +36,14 @@ from xlatrain.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.peaks import peak_per_device
 from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
-from xlatrain.run_dir import CHECKPOINTS_DIR, exclusive_run_dir, open_run_dir, pinned_partition, save_run_config
+from xlatrain.run_dir import (
+    CHECKPOINTS_DIR,
+    exclusive_run_dir,
+    open_run_dir,
+    pinned_partition,
+    save_run_config,
+    saved_derived,
+)
 from xlatrain.run_summary import SUMMARY_FILE, RunSummary
 from xlatrain.state import with_shardings
 from xlatrain.stop import StopSignals, stop_signals
@@ -284,6 +292,12 @@ class _Run:
         state, data_state, step = restored
         self.progress.last_checkpoint = step
         self.echo(f"  resuming from checkpoint at step {step} (verified)")
+        d = self.program.derived
+        change = data_change(self.config.data, saved_derived(self.run_dir), d.data_examples, d.data_digest)
+        if change and is_primary():
+            warn(f"the data is not what this run was written with ({change}): the run goes on from step {step} on "
+                 "the data as it is now, so it does not continue exactly (the examples it reads next and its held-out "
+                 "set may differ); to continue it exactly, put back the data it was written with")
         return state, data_state, step
 
     def _loader(self, data_state: dict | None) -> DeviceLoader:
