@@ -359,3 +359,22 @@ def test_a_resume_on_data_that_changed_since_says_so_once(tmp_path, capsys):
     assert resume_with(40, steps=8) == []
     edited, = resume_with(40, shift=1.0, steps=10)
     assert "as many examples, but sampled ones differ" in edited
+
+
+def test_what_a_library_prints_after_a_failure_already_reported_is_dropped_and_nothing_else(monkeypatch):
+    import threading
+
+    from xlatrain import errors
+
+    printed = []
+    monkeypatch.setattr(errors, "_dropping", set())
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: printed.append(("unraisable", args.exc_value)))
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(("thread", args.exc_value)))
+    follow_up = RuntimeError("Event loop is closed")
+    errors.drop_follow_up_errors("library", lambda args: args.exc_value is follow_up, threads=True)
+    errors.drop_follow_up_errors("library", lambda args: True, threads=True)  # once per name: ignored
+    other = ValueError("a bug of its own")
+    for hook in (sys.unraisablehook, threading.excepthook):
+        hook(SimpleNamespace(exc_value=follow_up))
+        hook(SimpleNamespace(exc_value=other))
+    assert printed == [("unraisable", other), ("thread", other)]

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -23,7 +22,7 @@ import orbax.checkpoint as ocp
 
 from xlatrain import compat
 from xlatrain.distributed import is_primary
-from xlatrain.errors import UserError, first_line
+from xlatrain.errors import UserError, drop_follow_up_errors, first_line
 from xlatrain.fingerprints import tree_fingerprints
 
 
@@ -216,23 +215,14 @@ def _io_failure(err: Exception) -> str | None:
 def _quiet_abandoned_io() -> None:
     """After orbax's restore or save raises on the first array it cannot read or write, the I/O still in flight
     ends later, each printing its own error with the whole TensorStore spec (hundreds of lines) as an unraisable
-    exception: the coroutine was left unawaited, or its result reached the event loop after it closed. The failure
-    is already reported in one line, so from then on those are dropped; every other unraisable exception is
-    printed as before."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_abandoned_io", False):
-        return
+    exception: the coroutine was left unawaited, or its result reached the event loop after it closed."""
+    drop_follow_up_errors("orbax-abandoned-io", _from_abandoned_io)
 
-    def hook(unraisable: Any) -> None:
-        code = getattr(unraisable.object, "cr_code", None)
-        from_orbax = code is not None and "orbax" in Path(code.co_filename).parts
-        loop_closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == (
-            "Event loop is closed")
-        if not (from_orbax or loop_closed):
-            previous(unraisable)
 
-    hook.drops_abandoned_io = True
-    sys.unraisablehook = hook
+def _from_abandoned_io(unraisable: Any) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)
+    return (code is not None and "orbax" in Path(code.co_filename).parts) or (
+        isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed")
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:

@@ -4,7 +4,8 @@ way a warning reaches them."""
 import contextlib
 import errno
 import sys
-from typing import Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 
 class UserError(Exception):
@@ -36,3 +37,29 @@ def file_system_refusals_named(where: object = None) -> Iterator[None]:
         place = err.filename or (f"a file in {where}" if where is not None else "a file")
         raise UserError(f"{place} could not be written ({err.strerror}): make room or repair the file system, then "
                         "run the same command again") from None
+
+
+_dropping: set[str] = set()
+
+
+def drop_follow_up_errors(name: str, is_follow_up: Callable[[Any], bool], *, threads: bool = False) -> None:
+    """From now on, drop the unraisable exceptions (and with `threads`, the uncaught exceptions of threads) that
+    `is_follow_up` picks out of their hook's arguments: what a library prints, often hundreds of lines, about a
+    failure xlatrain has already reported in one line. Every other one is printed as before; installed once per
+    name."""
+    if name in _dropping:
+        return
+    _dropping.add(name)
+    previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
+
+    def unraisable(args: Any) -> None:
+        if not is_follow_up(args):
+            previous_unraisable(args)
+
+    def thread(args: Any) -> None:
+        if not is_follow_up(args):
+            previous_thread(args)
+
+    sys.unraisablehook = unraisable
+    if threads:
+        threading.excepthook = thread

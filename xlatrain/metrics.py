@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
-import threading
 from pathlib import Path
 from traceback import walk_tb
-from types import TracebackType
 from typing import Any, Iterator
 
 from tensorboardX import SummaryWriter
 
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, drop_follow_up_errors
 from xlatrain.jsonl import open_for_append, read_records, write_records
 
 
@@ -61,22 +58,12 @@ class MetricsWriter:
 
 def _quiet_tensorboard_at_exit() -> None:
     """After the file system refused a write, tensorboardX's exit handler retries its flush and its writer thread
-    finds its queue closed: each would print a traceback for what the error already said. Those two are dropped;
-    every other unraisable or thread exception is printed as before."""
-    previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
+    finds its queue closed: each would print a traceback for what the error already said."""
+    drop_follow_up_errors("tensorboardx-at-exit", _from_tensorboard, threads=True)
 
-    def from_tensorboard(traceback: TracebackType | None) -> bool:
-        return any("tensorboardX" in Path(frame.f_code.co_filename).parts for frame, _ in walk_tb(traceback))
 
-    def unraisable(args: Any) -> None:
-        if not from_tensorboard(args.exc_traceback):
-            previous_unraisable(args)
-
-    def thread(args: Any) -> None:
-        if not from_tensorboard(args.exc_traceback):
-            previous_thread(args)
-
-    sys.unraisablehook, threading.excepthook = unraisable, thread
+def _from_tensorboard(hook_args: Any) -> bool:
+    return any("tensorboardX" in Path(frame.f_code.co_filename).parts for frame, _ in walk_tb(hook_args.exc_traceback))
 
 
 class DiscardedMetrics:
