@@ -258,7 +258,11 @@ def test_a_save_the_file_system_refuses_midway_is_one_line_and_any_other_failure
     checkpoints.wait_until_written()
     failures = iter([ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0" in OCDBT database at local file '
                                 "...: Failed to write 16 bytes to file 12: No space left on device "
-                                "[os_error_code='28']"), ValueError("an orbax bug")])
+                                "[os_error_code='28']"),
+                     ValueError('NOT_FOUND: Error writing "step/0" in OCDBT database at local file "/x/2.orbax-'
+                                'checkpoint-tmp/ocdbt.process_0/": Error reading Byte range [0, 398) of local file '
+                                '"/x/d/43b25f39"'),  # the directory was removed while it was written
+                     ValueError("an orbax bug")])
 
     def fail():
         raise next(failures)
@@ -269,8 +273,50 @@ def test_a_save_the_file_system_refuses_midway_is_one_line_and_any_other_failure
                        r"left on device\); the newest one written, 1, is kept"):
         checkpoints.save(3, {"w": jnp.ones(4)}, {"position": 3})
     checkpoints._in_flight = 3
+    with pytest.raises(CheckpointNotWritten, match=r"checkpoint 3 could not be written to .*/checkpoints \(No such "
+                       r"file or directory\)"):
+        checkpoints.wait_until_written()
+    checkpoints._in_flight = 4
     with pytest.raises(ValueError, match="an orbax bug"):
         checkpoints.wait_until_written()
+
+
+def test_orbax_logs_of_a_write_the_file_system_refused_are_dropped_and_others_kept(tmp_path, caplog):
+    import logging
+
+    from xlatrain.checkpoint import Checkpoints
+
+    Checkpoints(tmp_path / "checkpoints", keep=1).close()  # installs the filter
+    absl = logging.getLogger("absl")
+    for failure in (FileNotFoundError(2, "No such file or directory"), ValueError("an orbax bug")):
+        try:
+            raise failure
+        except Exception:
+            absl.error("Save Finalize thread (save_finalize) failed.", exc_info=True)
+    absl.error("an error without an exception")
+    assert [(r.message, r.exc_info and type(r.exc_info[1])) for r in caplog.records if r.name == "absl"] == [
+        ("Save Finalize thread (save_finalize) failed.", ValueError), ("an error without an exception", None)]
+
+
+def test_the_error_that_stopped_a_run_is_reported_and_the_save_it_left_unwritten_is_said_too(tmp_path, monkeypatch,
+                                                                                             capsys):
+    from xlatrain.checkpoint import Checkpoints
+    from xlatrain.config import load_config
+    from xlatrain.trainer import train
+
+    def refused(self):
+        if self._in_flight is not None:
+            raise self._not_written(self._in_flight, "No space left on device")
+
+    def fail_at_step_3(boundary):
+        if boundary.step == 3:
+            raise RuntimeError("a hook failed")
+
+    monkeypatch.setattr(Checkpoints, "wait_until_written", refused)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        train(load_config(None, [*DIGITS_MLP, *STEPS, "trainer.steps=4", f"trainer.run_dir={tmp_path / 'run'}"]),
+              hooks=[fail_at_step_3], echo=lambda _: None)
+    assert "xlatrain: warning: checkpoint 2 could not be written" in capsys.readouterr().err
 
 
 def test_a_log_line_the_file_system_refuses_stops_the_run_in_one_line(tmp_path, monkeypatch):

@@ -81,6 +81,52 @@ def test_a_run_that_died_before_its_first_checkpoint_logs_its_steps_once_when_st
     assert [r["step"] for r in read_metrics(logged) if "loss" in r] == [1, 2, 3]
 
 
+def _remove(run_dir):
+    import shutil
+
+    shutil.rmtree(run_dir)
+
+
+def _empty(run_dir):
+    for path in run_dir.iterdir():
+        if path.name != ".lock":
+            shutil_remove(path)
+
+
+def shutil_remove(path):
+    import shutil
+
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _replace(run_dir):
+    run_dir.rename(run_dir.with_name("moved"))
+    run_dir.mkdir()
+
+
+@pytest.mark.parametrize(("change", "said", "left"), [(_remove, "was removed", None), (_empty, "lost its config.yaml",
+                                                                                        [".lock"]),
+                                                      (_replace, "was replaced by another directory", [])])
+def test_a_run_directory_removed_or_replaced_while_training_stops_the_run_before_it_writes_there(
+        tmp_path, change, said, left):
+    from xlatrain.errors import UserError
+
+    run_dir = tmp_path / "run"
+
+    def change_at_step_3(boundary):  # once checkpoint 2, written in the background, is in place
+        while boundary.step == 3 and not (run_dir / "checkpoints" / "2").is_dir():
+            time.sleep(0.01)
+        if boundary.step == 3:
+            change(run_dir)
+
+    config = load_config(None, [*DIGITS_MLP, "trainer.steps=6", "trainer.checkpoint_every=2",
+                                f"trainer.run_dir={run_dir}"])
+    with pytest.raises(UserError, match=rf"^trainer.run_dir='{run_dir}' {said} while the run trained; the run stops "
+                       "without writing checkpoint 4: restore the directory to resume the run, or start it over$"):
+        train(config, hooks=[change_at_step_3], echo=lambda _: None)
+    assert (sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else None) == left
+
+
 def test_run_dir_of_another_config_is_refused(tmp_path):
     from xlatrain.errors import UserError
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -53,9 +54,23 @@ def _register_array_handler() -> None:
         absl.setLevel(level)
 
 
+@functools.cache
+def _drop_orbax_logs_of_refused_writes() -> None:
+    """orbax logs a failed background write as an ERROR with its traceback, from each thread it passes through,
+    while the training goes on; xlatrain waits for every save it starts, and reports the ones the file system
+    refused in one line (CheckpointNotWritten). Those records are dropped; any other failure is logged as before."""
+    def refused_write(record: logging.LogRecord) -> bool:
+        failure = record.exc_info[1] if record.exc_info else None
+        return not (record.levelno >= logging.ERROR and isinstance(failure, Exception)
+                    and _io_failure(failure) is not None)
+
+    logging.getLogger("absl").addFilter(refused_write)
+
+
 class Checkpoints:
     def __init__(self, directory: Path, keep: int):
         _register_array_handler()
+        _drop_orbax_logs_of_refused_writes()
         self.directory = directory.resolve()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -101,7 +116,10 @@ class Checkpoints:
             raise self._not_written(step, reason) from None
 
     def _not_written(self, step: int, reason: str) -> CheckpointNotWritten:
-        kept = self.all_steps()
+        try:
+            kept = self.all_steps()
+        except OSError:  # the directory itself is gone
+            kept = []
         return CheckpointNotWritten(
             f"checkpoint {step} could not be written to {self.directory} ({reason}); "
             + (f"the newest one written, {kept[-1]}, is kept" if kept else "none was written before it")
@@ -199,6 +217,8 @@ class Checkpoints:
 
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_FILE_GONE = re.compile(r"^NOT_FOUND: .* local file ")
+"""TensorStore's status for a file of the checkpoint that was removed while orbax wrote it (it names no errno)."""
 
 
 def _io_failure(err: Exception) -> str | None:
@@ -207,6 +227,8 @@ def _io_failure(err: Exception) -> str | None:
     code = _OS_ERROR_CODE.search(str(err))
     if code is not None:
         return os.strerror(int(code.group(1)))
+    if _FILE_GONE.match(str(err)):
+        return os.strerror(errno.ENOENT)
     if isinstance(err, OSError):
         return err.strerror or first_line(err)
     return None
@@ -215,14 +237,25 @@ def _io_failure(err: Exception) -> str | None:
 def _quiet_abandoned_io() -> None:
     """After orbax's restore or save raises on the first array it cannot read or write, the I/O still in flight
     ends later, each printing its own error with the whole TensorStore spec (hundreds of lines) as an unraisable
-    exception: the coroutine was left unawaited, or its result reached the event loop after it closed."""
+    exception or an asyncio task's unretrieved exception: the coroutine was left unawaited, or its result reached
+    the event loop after it closed."""
     drop_follow_up_errors("orbax-abandoned-io", _from_abandoned_io)
+    _drop_abandoned_task_logs()
 
 
 def _from_abandoned_io(unraisable: Any) -> bool:
     code = getattr(unraisable.object, "cr_code", None)
-    return (code is not None and "orbax" in Path(code.co_filename).parts) or (
-        isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed")
+    return (code is not None and "orbax" in Path(code.co_filename).parts) or _abandoned(unraisable.exc_value)
+
+
+@functools.cache
+def _drop_abandoned_task_logs() -> None:
+    logging.getLogger("asyncio").addFilter(lambda record: not (record.exc_info and _abandoned(record.exc_info[1])))
+
+
+def _abandoned(err: BaseException | None) -> bool:
+    loop_closed = isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+    return loop_closed or (isinstance(err, Exception) and _io_failure(err) is not None)
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:

@@ -116,6 +116,35 @@ def save_run_config(config: Config, derived: Derived) -> None:
     compat.barrier("xlatrain-run-dir-ready")
 
 
+def directory_identity(run_dir: Path) -> tuple[int, int]:
+    """(device, inode) of the run directory once its run has started: a directory removed and made again, or
+    another moved into its place, has another."""
+    info = run_dir.stat()
+    return info.st_dev, info.st_ino
+
+
+def check_still_there(run_dir: Path, identity: tuple[int, int], step: int, *, agreed: bool = True) -> None:
+    """Before a checkpoint is written: the run directory is still the one the run started in and still holds its
+    config.yaml; otherwise the run stops here, so that nothing is written into a directory that is no longer this
+    run's (orbax would make a new one and fill it with checkpoints of no run). `agreed`: process 0 looks and every
+    process follows it; without, this process looks for itself (after a failure of its own)."""
+    gone = _gone(run_dir, identity) if is_primary() or not agreed else ""
+    if agreed:
+        gone = as_primary_has_it("run-dir-still-there", gone)
+    if gone:
+        raise UserError(f"trainer.run_dir={str(run_dir)!r} {gone} while the run trained; the run stops without "
+                        f"writing checkpoint {step}: restore the directory to resume the run, or start it over")
+
+
+def _gone(run_dir: Path, identity: tuple[int, int]) -> str:
+    try:
+        if directory_identity(run_dir) != identity:
+            return "was replaced by another directory"
+        return "" if (run_dir / CONFIG_FILE).is_file() else f"lost its {CONFIG_FILE}"
+    except FileNotFoundError:
+        return "was removed"
+
+
 def _with_horizon(config: Config, steps: int) -> Config:
     return config.model_copy(update={"optimizer": config.optimizer.model_copy(update={"decay_steps": steps})})
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from xlatrain import compat, cpu_devices
 from xlatrain.bottlenecks import BottleneckRules, Finding, Interval, Knobs
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
-from xlatrain.checkpoint import Checkpoints
+from xlatrain.checkpoint import CheckpointNotWritten, Checkpoints
 from xlatrain.config import Config
 from xlatrain.data.identity import data_change
 from xlatrain.data.loader import (
@@ -29,7 +29,7 @@ from xlatrain.data.loader import (
     train_iterator,
 )
 from xlatrain.distributed import StopAgreement, check_processes_agree, host_name, is_primary
-from xlatrain.errors import warn
+from xlatrain.errors import first_line, warn
 from xlatrain.lowering.compile import FIRST_COMPILATION, CompileLog
 from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
@@ -38,6 +38,9 @@ from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import (
     CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    check_still_there,
+    directory_identity,
     exclusive_run_dir,
     open_run_dir,
     pinned_partition,
@@ -135,14 +138,24 @@ class _Run:
 
     def execute(self) -> TrainResult:
         try:
-            return self._execute()
-        finally:
-            self.checkpoints.close()
+            result = self._execute()
+        except BaseException:
+            try:  # the error that stopped the run is the one to report; a save it left unfinished is said too
+                self.checkpoints.close()
+            except CheckpointNotWritten as err:
+                warn(str(err))
+            except Exception as err:
+                warn(f"the checkpoint in flight when the run stopped was not written ({type(err).__name__}: "
+                     f"{first_line(err)})")
+            raise
+        self.checkpoints.close()
+        return result
 
     def _execute(self) -> TrainResult:
         with self.compile_log.phase("state"), self.progress.during("compiling"):
             state, data_state, start = self._initial_state()
         save_run_config(self.config, self.program.derived)
+        self.run_dir_identity = directory_identity(self.run_dir)
         result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log, summary=self.summary)
         self.summary.start_step = self.summary.final_step = start
         if start >= self.trainer.steps:
@@ -255,10 +268,15 @@ class _Run:
         return out
 
     def _save(self, step: int, state: Any, loader: DeviceLoader) -> None:
+        check_still_there(self.run_dir, self.run_dir_identity, step)
         # orbax copies the state to the host itself
         with compat.allow_transfers(), self.compile_log.phase("checkpoints"), \
                 self.progress.during("checkpointing"), self.breakdown.spending("checkpoint"):
-            self.checkpoints.save(step, state, loader.state())
+            try:
+                self.checkpoints.save(step, state, loader.state())
+            except CheckpointNotWritten:  # when the directory went away while it was written, that is the reason
+                check_still_there(self.run_dir, self.run_dir_identity, step, agreed=False)
+                raise
         self.progress.last_checkpoint = step
         self.closures.device_to_host_bytes += sum(x.addressable_data(0).nbytes for x in jax.tree.leaves(state))
 
@@ -277,7 +295,7 @@ class _Run:
         self.breakdown.cut()
         s.time_breakdown = {k: round(v, 4) for k, v in self.breakdown.session.items()}
         s.findings = self.rules.as_records()
-        if is_primary():
+        if is_primary() and (self.run_dir / CONFIG_FILE).is_file():  # else the run directory is gone: say nothing there
             try:
                 s.append_to(self.run_dir)
             except OSError as err:
