@@ -1,5 +1,6 @@
 """Data parallel vs one device, gradient accumulation, exact resume, signals, non-finite losses, compiles."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,22 +82,12 @@ def test_a_run_that_died_before_its_first_checkpoint_logs_its_steps_once_when_st
     assert [r["step"] for r in read_metrics(logged) if "loss" in r] == [1, 2, 3]
 
 
-def _remove(run_dir):
-    import shutil
-
-    shutil.rmtree(run_dir)
-
-
 def _empty(run_dir):
     for path in run_dir.iterdir():
-        if path.name != ".lock":
-            shutil_remove(path)
-
-
-def shutil_remove(path):
-    import shutil
-
-    shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.name != ".lock":
+            path.unlink()
 
 
 def _replace(run_dir):
@@ -104,8 +95,8 @@ def _replace(run_dir):
     run_dir.mkdir()
 
 
-@pytest.mark.parametrize(("change", "said", "left"), [(_remove, "was removed", None), (_empty, "lost its config.yaml",
-                                                                                        [".lock"]),
+@pytest.mark.parametrize(("change", "said", "left"), [(shutil.rmtree, "was removed", None),
+                                                      (_empty, "lost its config.yaml", [".lock"]),
                                                       (_replace, "was replaced by another directory", [])])
 def test_a_run_directory_removed_or_replaced_while_training_stops_the_run_before_it_writes_there(
         tmp_path, change, said, left):
