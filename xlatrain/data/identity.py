@@ -39,8 +39,7 @@ def data_change(config: DataConfig, saved: dict, examples: tuple[int, int], dige
             or (list(examples) == then and digest == then_digest):
         return None
     named = f"data.source={config.source}" + (f", data.path={config.path!r}" if getattr(config, "path", None) else "")
-    if list(examples) != list(then):
+    if list(examples) != then:
         return (f"{named}: {then[0]} training and {then[1]} held-out examples then, {examples[0]} and "
                 f"{examples[1]} now")
     return f"{named}: as many examples, but sampled ones differ (digest {then_digest} then, {digest} now)"
-
