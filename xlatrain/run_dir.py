@@ -128,7 +128,7 @@ def check_still_there(run_dir: Path, identity: tuple[int, int], step: int, *, ag
     config.yaml; otherwise the run stops here, so that nothing is written into a directory that is no longer this
     run's (orbax would make a new one and fill it with checkpoints of no run). `agreed`: process 0 looks and every
     process follows it; without, this process looks for itself (after a failure of its own)."""
-    gone = _gone(run_dir, identity) if is_primary() or not agreed else ""
+    gone = run_dir_gone(run_dir, identity) if is_primary() or not agreed else ""
     if agreed:
         gone = as_primary_has_it("run-dir-still-there", gone)
     if gone:
@@ -136,7 +136,8 @@ def check_still_there(run_dir: Path, identity: tuple[int, int], step: int, *, ag
                         f"writing checkpoint {step}: restore the directory to resume the run, or start it over")
 
 
-def _gone(run_dir: Path, identity: tuple[int, int]) -> str:
+def run_dir_gone(run_dir: Path, identity: tuple[int, int]) -> str:
+    """How the run directory stopped being the one of `identity` holding its run ("" while it still is)."""
     try:
         if directory_identity(run_dir) != identity:
             return "was replaced by another directory"

@@ -38,12 +38,12 @@ from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import (
     CHECKPOINTS_DIR,
-    CONFIG_FILE,
     check_still_there,
     directory_identity,
     exclusive_run_dir,
     open_run_dir,
     pinned_partition,
+    run_dir_gone,
     save_run_config,
     saved_derived,
 )
@@ -295,7 +295,7 @@ class _Run:
         self.breakdown.cut()
         s.time_breakdown = {k: round(v, 4) for k, v in self.breakdown.session.items()}
         s.findings = self.rules.as_records()
-        if is_primary() and (self.run_dir / CONFIG_FILE).is_file():  # else the run directory is gone: say nothing there
+        if is_primary() and not run_dir_gone(self.run_dir, self.run_dir_identity):  # else nothing is written there
             try:
                 s.append_to(self.run_dir)
             except OSError as err:
