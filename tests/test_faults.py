@@ -381,8 +381,9 @@ def test_a_checkpoint_of_other_shapes_is_refused_naming_them_and_is_not_moved_as
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4"]
 
 
-def test_a_resume_on_data_that_changed_since_says_so_once(tmp_path, capsys):
-    """Same shapes, other examples: the checkpoint restores, but the run cannot continue exactly."""
+def test_a_resume_on_data_other_than_its_checkpoint_was_trained_on_says_so(tmp_path, capsys):
+    """Same shapes, other examples: the checkpoint restores, but the run cannot continue exactly. What counts is the
+    data the resumed checkpoint was trained on, not what the start before it saw."""
     import numpy as np
 
     from xlatrain.config import load_config
@@ -399,11 +400,14 @@ def test_a_resume_on_data_that_changed_since_says_so_once(tmp_path, capsys):
            "batch.global_size=8", "trainer.progress=false", *STEPS, f"trainer.run_dir={tmp_path / 'run'}"]
     assert resume_with(64) == []
     assert resume_with(64, steps=4) == []
-    fewer, = resume_with(40, steps=6)
+    fewer, = resume_with(40, steps=4)  # nothing to train: checkpoint 4 stays the one trained on 64 rows
     assert "data.path=" in fewer and "58 training and 6 held-out examples then, 36 and 4 now" in fewer
-    assert "goes on from step 4" in fewer and "put back the data it was written with" in fewer
-    assert resume_with(40, steps=8) == []
-    edited, = resume_with(40, shift=1.0, steps=10)
+    assert "checkpoint 4 was trained on" in fewer and "put back the data it was trained on" in fewer
+    assert resume_with(64, steps=6) == []  # checkpoint 4's data again, though the start before saw other data
+    again, = resume_with(40, steps=8)
+    assert "goes on from step 6" in again
+    assert resume_with(40, steps=10) == []  # checkpoint 8 was trained on these 40 rows
+    edited, = resume_with(40, shift=1.0, steps=12)
     assert "as many examples, but sampled ones differ" in edited
 
 

@@ -82,15 +82,16 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, data_state: dict) -> None:
+    def save(self, step: int, state: Any, data_state: dict, trained_on: dict | None = None) -> None:
         """Starts an asynchronous save, once the one before it is written; orbax writes to a temporary directory
-        and renames it when done. Raises CheckpointNotWritten when this save or the one before it failed."""
+        and renames it when done. Raises CheckpointNotWritten when this save or the one before it failed.
+        `trained_on` (JSON) says what data the state was trained on; `data_trained_on(step)` reads it back."""
         self.wait_until_written()
         needed, free = sum(leaf.nbytes for leaf in jax.tree.leaves(state)), shutil.disk_usage(self.directory).free
         if free < needed:  # refused before orbax starts: a write that fails midway is hundreds of lines of its logs
             raise self._not_written(step, f"its {needed / 2**20:.1f} MiB do not fit in the {free / 2**20:.1f} MiB "
                                           "free there")
-        integrity = {"fingerprints": tree_fingerprints(state)}
+        integrity = {"fingerprints": tree_fingerprints(state), "data": trained_on or {}}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                                   integrity=ocp.args.JsonSave(integrity))
         with self._writing(step):
@@ -194,6 +195,13 @@ class Checkpoints:
             items["integrity"] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored.state, restored.data, restored.integrity["fingerprints"] if has_integrity else None
+
+    def data_trained_on(self, step: int) -> dict:
+        """What `save` was told of the data at `step`; {} for a checkpoint written before xlatrain recorded it."""
+        if not (self.directory / str(step) / "integrity").is_dir():
+            return {}
+        restored = self._manager.restore(step, args=ocp.args.Composite(integrity=ocp.args.JsonRestore()))
+        return restored.integrity.get("data", {})
 
     def _move_aside(self, step: int) -> Path:
         compat.barrier(f"xlatrain-checkpoint-{step}-moving-aside")

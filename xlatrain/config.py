@@ -651,8 +651,8 @@ class Derived:
     """Matmul and convolution FLOPs of one step's forward and backward over the global batch, counted on the
     jaxpr (lowering/flops.py); None until the model is built, or when a while loop hides a trip count."""
     data_examples: tuple[int, int] | None = None
-    """Training and held-out examples of the run's data; with data_digest (of sampled examples) saved in the run's
-    config.yaml, so that a resume on data that changed since says so (xlatrain/data/identity.py)."""
+    """Training and held-out examples of the data at this start; with data_digest (of sampled examples) saved with
+    each checkpoint, so that a resume on data that changed since says so (xlatrain/data/identity.py)."""
     data_digest: str | None = None
 
     def as_dict(self) -> dict[str, Any]:

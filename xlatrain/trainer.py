@@ -19,7 +19,7 @@ from xlatrain.bottlenecks import BottleneckRules, Finding, Interval, Knobs
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
 from xlatrain.checkpoint import CheckpointNotWritten, Checkpoints
 from xlatrain.config import Config
-from xlatrain.data.identity import data_change
+from xlatrain.data.identity import data_change, identity_record
 from xlatrain.data.loader import (
     DeviceLoader,
     eval_batches,
@@ -45,7 +45,6 @@ from xlatrain.run_dir import (
     pinned_partition,
     run_dir_gone,
     save_run_config,
-    saved_derived,
 )
 from xlatrain.run_summary import SUMMARY_FILE, RunSummary
 from xlatrain.state import with_shardings
@@ -126,6 +125,7 @@ class _Run:
         self.stop_agreement = StopAgreement(stop)
         self.progress = progress
         self.checkpoints = Checkpoints(self.run_dir / CHECKPOINTS_DIR, self.trainer.keep_checkpoints)
+        self.data_identity = identity_record(program.derived.data_examples, program.derived.data_digest)
         self.compile_log = compile_log
         self.hooks = hooks
         self.breakdown = TimeBreakdown()
@@ -273,7 +273,7 @@ class _Run:
         with compat.allow_transfers(), self.compile_log.phase("checkpoints"), \
                 self.progress.during("checkpointing"), self.breakdown.spending("checkpoint"):
             try:
-                self.checkpoints.save(step, state, loader.state())
+                self.checkpoints.save(step, state, loader.state(), self.data_identity)
             except CheckpointNotWritten:  # when the directory went away while it was written, that is the reason
                 check_still_there(self.run_dir, self.run_dir_identity, step, agreed=False)
                 raise
@@ -310,12 +310,11 @@ class _Run:
         state, data_state, step = restored
         self.progress.last_checkpoint = step
         self.echo(f"  resuming from checkpoint at step {step} (verified)")
-        d = self.program.derived
-        change = data_change(self.config.data, saved_derived(self.run_dir), d.data_examples, d.data_digest)
+        change = data_change(self.config.data, self.checkpoints.data_trained_on(step), self.data_identity)
         if change and is_primary():
-            warn(f"the data is not what this run was written with ({change}): the run goes on from step {step} on "
-                 "the data as it is now, so it does not continue exactly (the examples it reads next and its held-out "
-                 "set may differ); to continue it exactly, put back the data it was written with")
+            warn(f"the data is not what checkpoint {step} was trained on ({change}): the run goes on from step {step} "
+                 "on the data as it is now, so it does not continue exactly (the examples it reads next and its "
+                 "held-out set may differ); to continue it exactly, put back the data it was trained on")
         return state, data_state, step
 
     def _loader(self, data_state: dict | None) -> DeviceLoader:

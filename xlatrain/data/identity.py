@@ -1,5 +1,5 @@
-"""What a run's data was when the run was written (its example counts and a digest of sampled examples), saved in
-config.yaml, so that a resume on data that changed since says so: it cannot continue the run exactly."""
+"""What data a run was trained on (its example counts and a digest of sampled examples), saved with each
+checkpoint, so that a resume on data that changed since says so: it cannot continue the run exactly."""
 
 from __future__ import annotations
 
@@ -31,15 +31,18 @@ def _sampled(count: int) -> np.ndarray:
     return np.unique(np.linspace(0, count - 1, min(count, SAMPLED_EXAMPLES)).round().astype(np.int64))
 
 
-def data_change(config: DataConfig, saved: dict, examples: tuple[int, int], digest: str) -> str | None:
-    """How the data differs from what config.yaml's `derived` recorded when the run was written, or None (also when
-    it recorded nothing: a run written before xlatrain kept its data's identity)."""
-    then, then_digest = saved.get("data_examples"), saved.get("data_digest")
-    if not (isinstance(then, list) and len(then) == 2 and isinstance(then_digest, str)) \
-            or (list(examples) == then and digest == then_digest):
+def identity_record(examples: tuple[int, int], digest: str) -> dict:
+    """The JSON a checkpoint keeps of data_identity's values."""
+    return {"examples": list(examples), "digest": digest}
+
+
+def data_change(config: DataConfig, then: dict, now: dict) -> str | None:
+    """How the data differs between two identity_records (from the checkpoint a run resumes, and of the data now), or
+    None (also for then = {}: a checkpoint written before xlatrain kept its data's identity)."""
+    if not then or then == now:
         return None
     named = f"data.source={config.source}" + (f", data.path={config.path!r}" if getattr(config, "path", None) else "")
-    if list(examples) != then:
-        return (f"{named}: {then[0]} training and {then[1]} held-out examples then, {examples[0]} and "
-                f"{examples[1]} now")
-    return f"{named}: as many examples, but sampled ones differ (digest {then_digest} then, {digest} now)"
+    (train, held_out), (train_now, held_out_now) = then["examples"], now["examples"]
+    if (train, held_out) != (train_now, held_out_now):
+        return f"{named}: {train} training and {held_out} held-out examples then, {train_now} and {held_out_now} now"
+    return f"{named}: as many examples, but sampled ones differ (digest {then['digest']} then, {now['digest']} now)"
