@@ -1,7 +1,10 @@
 """`xlatrain train` end to end in a real process: logs, TensorBoard files, saved config, resume."""
 
 import json
+import subprocess
+import sys
 
+import pytest
 import yaml
 from conftest import run_cli
 
@@ -40,6 +43,20 @@ def test_train_writes_metrics_tensorboard_config_and_checkpoints(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r][-2:] == [30, 35]
     report = run_cli("report", str(run_dir))
     assert report.returncode == 0 and report.stdout.count("\nsession ") == 1, report.stderr  # two sessions trained
+
+
+def test_a_start_writes_tensorboard_events_without_importing_torch(tmp_path):
+    """tensorboardX imports torch where it is installed (1.5 s of every start here), only to accept its tensors;
+    xlatrain logs numbers. torch stays importable for a model that needs it."""
+    pytest.importorskip("torch")
+    code = ("import sys; from pathlib import Path; import xlatrain.cli, xlatrain.trainer; "
+            "from xlatrain.metrics import MetricsWriter; "
+            f"w = MetricsWriter(Path({str(tmp_path)!r}), 0); w.write({{'step': 1, 'loss': 0.5}}); w.close(); "
+            "assert 'torch' not in sys.modules, 'torch imported'; import torch; print(torch.ones(2).sum().item())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "2.0", result.stderr[-2000:]
+    events, = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    assert b"loss" in events.read_bytes()
 
 
 def test_lower_json_is_one_object():

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 from traceback import walk_tb
 from typing import Any, Iterator
-
-from tensorboardX import SummaryWriter
 
 from xlatrain.errors import UserError, drop_follow_up_errors
 from xlatrain.jsonl import open_for_append, read_records, write_records
@@ -28,7 +27,7 @@ class MetricsWriter:
             if self.path.exists():
                 _drop_records_after(self.path, start_step)
             self._file = open_for_append(self.path)
-            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+            self._tensorboard = _summary_writer()(str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         with self._refused_as(f"at step {record['step']}"):
@@ -54,6 +53,20 @@ class MetricsWriter:
             raise LogNotWritten(f"{self.path} or its TensorBoard events could not be written {when} "
                                 f"({err.strerror or err}): make room or repair the directory, then run the same "
                                 "command to resume from the newest checkpoint") from None
+
+
+def _summary_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without torch where nothing has imported it yet: tensorboardX imports
+    torch, when installed, only to accept its tensors (1.5 s of every start here), and xlatrain logs numbers."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects where it is absent
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _quiet_tensorboard_at_exit() -> None:
