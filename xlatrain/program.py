@@ -250,6 +250,10 @@ class Program:
     def gradients(self, state: TrainState, batch: dict) -> tuple[Any, dict]:
         """One batch's gradients as the train step computes them (synchronised over the replicas, unscaled,
         float32, in the state's parameter layout) and the metric sums: for checks against a reference."""
+        return self.compiled_gradients(state, batch)(state, batch)
+
+    def compiled_gradients(self, state: TrainState, batch: dict) -> Any:
+        """`gradients`' compiled program for such arguments: its HLO is the train step's without the update."""
         gradient_step = make_gradient_step(self.model, self.config.model.loss, self.policy,
                                            replicas=self._replicas(), compute_params=self._gather_params,
                                            gradients=self._pipelined(self._remat_name).get("gradients"))
@@ -257,7 +261,7 @@ class Program:
         def fn(state: TrainState, batch: dict) -> tuple[Any, dict]:
             return gradient_step(state, batch)[:2]
 
-        return jax.jit(self._per_device(fn, out_specs=(self.specs.params, P()), steps=1))(state, batch)
+        return jax.jit(self._per_device(fn, out_specs=(self.specs.params, P()), steps=1)).lower(state, batch).compile()
 
     def _per_device(self, step: Any, out_specs: Any = None, steps: int | None = None, batch_spec: P | None = None,
                     ) -> Any:
