@@ -38,8 +38,9 @@ def identity_record(examples: tuple[int, int], digest: str) -> dict:
 
 def data_change(config: DataConfig, then: dict, now: dict) -> str | None:
     """How the data differs between two identity_records (from the checkpoint a run resumes, and of the data now), or
-    None (also for then = {}: a checkpoint written before xlatrain kept its data's identity)."""
-    if not then or then == now:
+    None (also when `then` is none: {} from a checkpoint written before xlatrain kept its data's identity)."""
+    examples = then.get("examples") if isinstance(then, dict) else None
+    if then == now or not (isinstance(examples, list) and len(examples) == 2 and isinstance(then.get("digest"), str)):
         return None
     named = f"data.source={config.source}" + (f", data.path={config.path!r}" if getattr(config, "path", None) else "")
     (train, held_out), (train_now, held_out_now) = then["examples"], now["examples"]
