@@ -100,7 +100,7 @@ def test_a_checkpoint_written_before_model_state_existed_restores(tmp_path, devi
     old_layout = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "model_state"}
     checkpoints = Checkpoints(tmp_path / "checkpoints", 3)
     checkpoints.save(5, old_layout, {"position": 7})
-    restored, data = checkpoints.restore(5, with_shardings(program.abstract_state, program.specs, program.mesh))
+    restored, data, _ = checkpoints.restore(5, with_shardings(program.abstract_state, program.specs, program.mesh))
     checkpoints.close()
     assert data == {"position": 7} and restored.model_state == {}
     np.testing.assert_array_equal(jax.tree.leaves(restored.params)[0], jax.tree.leaves(state.params)[0])

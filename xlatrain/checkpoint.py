@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -67,6 +67,14 @@ def _drop_orbax_logs_of_refused_writes() -> None:
     logging.getLogger("absl").addFilter(refused_write)
 
 
+class Restored(NamedTuple):
+    state: Any
+    data: dict
+    """The data position."""
+    trained_on: dict
+    """What `Checkpoints.save` was told of the data; {} for a checkpoint written before xlatrain recorded it."""
+
+
 class Checkpoints:
     def __init__(self, directory: Path, keep: int):
         _register_array_handler()
@@ -85,7 +93,7 @@ class Checkpoints:
     def save(self, step: int, state: Any, data_state: dict, trained_on: dict | None = None) -> None:
         """Starts an asynchronous save, once the one before it is written; orbax writes to a temporary directory
         and renames it when done. Raises CheckpointNotWritten when this save or the one before it failed.
-        `trained_on` (JSON) says what data the state was trained on; `data_trained_on(step)` reads it back."""
+        `trained_on` (JSON) says what data the state was trained on; `restore` reads it back."""
         self.wait_until_written()
         needed, free = sum(leaf.nbytes for leaf in jax.tree.leaves(state)), shutil.disk_usage(self.directory).free
         if free < needed:  # refused before orbax starts: a write that fails midway is hundreds of lines of its logs
@@ -127,15 +135,14 @@ class Checkpoints:
             + ": make room or repair the directory, then run the same command to resume")
 
     def restore_newest_verified(self, abstract_state: Any,
-                                warn: Callable[[str], None]) -> tuple[Any, dict, int] | None:
-        """(state, data position, step) of the newest checkpoint that restores and verifies; those newer that do
+                                warn: Callable[[str], None]) -> tuple[Restored, int] | None:
+        """What the newest checkpoint that restores and verifies holds, and its step; those newer that do
         not are moved aside with one warning each. None when there is no checkpoint; a UserError when none
         verifies."""
         moved = []
         for step in reversed(self.all_steps()):
             try:
-                state, data = self.restore(step, abstract_state)
-                return state, data, step
+                return self.restore(step, abstract_state), step
             except CorruptCheckpoint as err:
                 destination = self._move_aside(step)
                 moved.append(destination.name)
@@ -167,12 +174,12 @@ class Checkpoints:
                             "follow, such as data.path's inputs); resume with those it was written with, or choose "
                             "a new trainer.run_dir. Nothing was moved aside")
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """The state (placed in the shardings that `abstract_state` carries) and the data position, verified
-        against the saved fingerprints."""
+    def restore(self, step: int, abstract_state: Any) -> Restored:
+        """The state (placed in the shardings that `abstract_state` carries), verified against the saved
+        fingerprints, with the data position and what data it was trained on."""
         self._check_layout(step, abstract_state)
         try:
-            state, data, saved = self._restore(step, abstract_state)
+            state, data, integrity = self._restore(step, abstract_state)
             written = state
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
             _quiet_abandoned_io()
@@ -180,28 +187,22 @@ class Checkpoints:
             if legacy is None:
                 raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
             try:
-                written, data, saved = self._restore(step, legacy)
+                written, data, integrity = self._restore(step, legacy)
             except Exception:
                 raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
             state = abstract_state.replace(**written, model_state={})
-        if saved is not None:  # the fingerprints follow the tree as it was written
-            _verify(written, saved)
-        return state, data
+        if integrity:  # the fingerprints follow the tree as it was written
+            _verify(written, integrity["fingerprints"])
+        return Restored(state, data, integrity.get("data", {}))
 
-    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict | None]:
+    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
+        """The state, the data position, and the integrity record ({} for a checkpoint written before it)."""
         items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
         has_integrity = (self.directory / str(step) / "integrity").is_dir()
         if has_integrity:  # checkpoints written before fingerprints existed restore unverified
             items["integrity"] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        return restored.state, restored.data, restored.integrity["fingerprints"] if has_integrity else None
-
-    def data_trained_on(self, step: int) -> dict:
-        """What `save` was told of the data at `step`; {} for a checkpoint written before xlatrain recorded it."""
-        if not (self.directory / str(step) / "integrity").is_dir():
-            return {}
-        restored = self._manager.restore(step, args=ocp.args.Composite(integrity=ocp.args.JsonRestore()))
-        return restored.integrity.get("data", {})
+        return restored.state, restored.data, restored.integrity if has_integrity else {}
 
     def _move_aside(self, step: int) -> Path:
         compat.barrier(f"xlatrain-checkpoint-{step}-moving-aside")

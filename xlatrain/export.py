@@ -39,7 +39,7 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
         if step not in available:
             raise UserError(f"export --torch: {str(run_dir)!r} has no checkpoint at step {step}; it has "
                             f"{available or 'none'}")
-        state, _ = checkpoints.restore(step, with_shardings(program.abstract_state, program.specs, program.mesh))
+        state = checkpoints.restore(step, with_shardings(program.abstract_state, program.specs, program.mesh)).state
     except CorruptCheckpoint as err:
         raise UserError(f"export --torch: checkpoint {checkpoints.directory / str(step)} is unusable ({err}); "
                         f"export another one with --step (this run has {available})") from None

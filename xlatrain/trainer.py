@@ -307,10 +307,10 @@ class _Run:
         restored = self.checkpoints.restore_newest_verified(abstract, warn=warn)
         if restored is None:
             return self.program.create_state(), None, 0
-        state, data_state, step = restored
+        (state, data_state, trained_on), step = restored
         self.progress.last_checkpoint = step
         self.echo(f"  resuming from checkpoint at step {step} (verified)")
-        change = data_change(self.config.data, self.checkpoints.data_trained_on(step), self.data_identity)
+        change = data_change(self.config.data, trained_on, self.data_identity)
         if change and is_primary():
             warn(f"the data is not what checkpoint {step} was trained on ({change}): the run goes on from step {step} "
                  "on the data as it is now, so it does not continue exactly (the examples it reads next and its "
