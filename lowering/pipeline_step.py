@@ -12,7 +12,9 @@ With `remat: full` a chunk's backward recomputes its forward from that activatio
 (lowering/residuals.py: the matmuls' results) until the backward slot, which only runs the pullback. Either
 way the last chunk's backward starts from the scaled loss, exactly as the unpipelined step's `grad` does, and
 every chunk is differentiated with respect to its parameters cast to the compute dtype (the cast's transpose
-takes the gradient back to float32).
+takes the gradient back to float32). Each kind of chunk (first, middle, last) is traced with its VJP once
+(`TracedChunk`), and every action evaluates that program: the model's Python runs three times per step's trace,
+not once per kind of action.
 
 Gradients come out float32, summed over microbatches (and gradient-accumulation rounds): the blocks' on
 their own stage, the rest (embeddings, head) summed over the stages; the loss sums likewise.
@@ -30,6 +32,7 @@ from xlatrain.lowering.residuals import ResidualLayout, buffer_counts, empty_buf
 from xlatrain.lowering.split_backward import BackwardSplit, abstract_value, split_pullback
 from xlatrain.lowering.step import loss_sums
 
+from xlatrain import compat
 from xlatrain.mesh import STAGE
 from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys, split_blocks
 from xlatrain.pipeline.layout import StageLayout
@@ -128,35 +131,75 @@ def vjp_of(kind: str, fn: Callable, inputs: tuple, keep: bool = False) -> tuple:
     return ((out, *aux) if aux else out), pullback
 
 
-def residual_layouts(parts: BlockParts, policy: Policy, loss: str, cb: Tree, cr: dict, x: Any, micro_j: dict,
-                     keys: Any, active: Any) -> dict[str, ResidualLayout]:
-    """What each kind of chunk keeps from its forward slot to its backward slot with remat: none; any argument
-    may be abstract (jax.ShapeDtypeStruct)."""
-    arguments = (cb, cr, x, micro_j, keys, active, SCALAR, SCALAR)
-    return {kind: ResidualLayout.of(_pullback_of(parts, policy, loss, kind), arguments, data=(2, 3, 4, 5))
-            for kind in KINDS}
+def chunk_arguments(cb: Tree, cr: dict, x: Any, micro_j: dict, keys: Any, active: Any, scale: Any = SCALAR,
+                    total_weight: Any = SCALAR) -> tuple:
+    """What a traced chunk takes (`TracedChunk`), in its order; the microbatch's data are at DATA_ARGUMENTS."""
+    return cb, cr, x, micro_j, keys, active, scale, total_weight
 
 
-def backward_splits(parts: BlockParts, policy: Policy, loss: str, cb: Tree, cr: dict, x: Any, micro_j: dict,
-                    keys: Any, active: Any) -> dict[str, BackwardSplit]:
-    """Each kind of chunk's backward split into B and W (lowering/split_backward.py), from abstract arguments."""
-
-    def split(kind):
-        abstract = abstract_value(_pullback_of(parts, policy, loss, kind), cb, cr, x, micro_j, keys, active, SCALAR,
-                                  SCALAR)
-        return split_pullback(abstract, SCALAR if kind == "last" else x)
-
-    return {kind: split(kind) for kind in KINDS}
+DATA_ARGUMENTS = (2, 3, 4, 5)
 
 
-def _pullback_of(parts: BlockParts, policy: Policy, loss: str, kind: str) -> Callable:
-    """(cb, cr, x, micro_j, keys, active, scale, total_weight) -> that kind of chunk's pullback."""
+@dataclass(frozen=True)
+class TracedChunk:
+    """One kind of chunk's forward and VJP (`vjp_of`), traced once: (chunk_arguments) -> (output, pullback).
+    Every slot that runs that kind evaluates this program instead of tracing the model and differentiating it
+    again, which took most of a pipelined step's tracing time (a step's slot runs up to nine actions)."""
 
-    def pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
-        functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
-        return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x), keep=True)[1]
+    program: Any
+    """The closed jaxpr, from the arguments' leaves to those of (output, pullback)."""
+    arguments: Any
+    results: Any
 
-    return pullback
+    @staticmethod
+    def of(fn: Callable, arguments: tuple) -> TracedChunk:
+        leaves, tree = jax.tree.flatten(arguments)
+        results = []
+
+        def flat(*leaves):
+            out, result_tree = jax.tree.flatten(fn(*jax.tree.unflatten(tree, leaves)))
+            results.append(result_tree)
+            return out
+
+        abstract = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+        return TracedChunk(jax.make_jaxpr(flat)(*abstract), tree, results[0])
+
+    def __call__(self, *arguments: Any) -> tuple:
+        leaves, tree = jax.tree.flatten(arguments)
+        if tree != self.arguments:
+            raise AssertionError(f"a chunk traced with arguments {self.arguments} is run with {tree}")
+        return jax.tree.unflatten(self.results, compat.evaluate(self.program, leaves))
+
+
+def trace_chunks(parts: BlockParts, policy: Policy, loss: str, arguments: tuple, keep: bool,
+                 ) -> dict[str, TracedChunk]:
+    """Each kind of chunk traced from `arguments` (chunk_arguments; any may be abstract). `keep`: with
+    remat: none, its pullback's residuals are kept from the forward slot to the backward slot."""
+
+    def traced(kind):
+        def forward_and_pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
+            functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
+            return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x), keep)
+
+        return TracedChunk.of(forward_and_pullback, arguments)
+
+    return {kind: traced(kind) for kind in KINDS}
+
+
+def residual_layouts(chunks: dict[str, TracedChunk], arguments: tuple) -> dict[str, ResidualLayout]:
+    """What each kind of chunk keeps from its forward slot to its backward slot with remat: none."""
+    return {kind: ResidualLayout.of(_pullback(chunk), arguments, data=DATA_ARGUMENTS) for kind, chunk in chunks.items()}
+
+
+def backward_splits(chunks: dict[str, TracedChunk], arguments: tuple) -> dict[str, BackwardSplit]:
+    """Each kind of chunk's backward split into B and W (lowering/split_backward.py)."""
+    x = arguments[2]
+    return {kind: split_pullback(abstract_value(_pullback(chunk), *arguments), SCALAR if kind == "last" else x)
+            for kind, chunk in chunks.items()}
+
+
+def _pullback(chunk: TracedChunk) -> Callable:
+    return lambda *arguments: chunk(*arguments)[1]
 
 
 class SlotInputs(NamedTuple):
@@ -342,12 +385,13 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         starts = jnp.asarray(layout.starts)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
         cr = compute(rest)
-        first_chunk = (parts, policy, loss, compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
-                       jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
-                       None if active_blocks is None else active_blocks[0])
-        layouts = residual_layouts(*first_chunk) if keep_residuals else {}
+        arguments = chunk_arguments(compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
+                                    jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
+                                    None if active_blocks is None else active_blocks[0])
+        traced = trace_chunks(parts, policy, loss, arguments, keep_residuals)
+        layouts = residual_layouts(traced, arguments) if keep_residuals else {}
         kept_counts = buffer_counts(list(layouts.values()))
-        splits = backward_splits(*first_chunk) if slots.splits_backward else {}
+        splits = backward_splits(traced, arguments) if slots.splits_backward else {}
         stash_counts = buffer_counts([split.stash_layout for split in splits.values()])
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
         one = jnp.ones((), jnp.float32)
@@ -365,9 +409,10 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                                 cotangents[at["cotangent_read"]], jax.tree.map(lambda x: x[j], micro), j,
                                 starts[chunk], None if active_blocks is None else active_blocks[chunk])
 
-            def functions(i):
+            def run_chunk(kind, i, x):
+                """(output, pullback) of the chunk on microbatch i: its dropout keys derived here, in the action."""
                 keys = chunk_keys(jax.random.fold_in(key, i.microbatch), i.start)
-                return chunk_functions(parts, policy, loss, i.micro, keys, i.active, scale, total_weight)
+                return traced[kind](i.cb, i.cr, x, i.micro, keys, i.active, scale, total_weight)
 
             def add(totals, grad_blocks=None, grad_rest=None, sums=None):
                 g_blocks, g_rest, s = totals
@@ -381,16 +426,15 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
 
             def forward_of(kind, state, i, x):
                 """(output, state): the output, and with remat: none the state keeping what its backward needs."""
-                fn, chunk_in = functions(i)[kind], chunk_inputs(kind, i.cb, i.cr, x)
+                out, pullback = run_chunk(kind, i, x)
                 if not keep_residuals:
-                    return fn(*chunk_in), state
-                out, pullback = vjp_of(kind, fn, chunk_in, keep=True)
+                    return out, state
                 kept = pack(layouts[kind].kept_from(pullback), kept_counts)
                 return out, state._replace(residuals=write(state.residuals, at["residual_write"], kept))
 
             def pullback_of(kind, state, i, x):
                 """The chunk's pullback: from its recomputed forward, or from the residuals its forward kept."""
-                pullback = vjp_of(kind, functions(i)[kind], chunk_inputs(kind, i.cb, i.cr, x), keep_residuals)[1]
+                pullback = run_chunk(kind, i, x)[1]
                 if not keep_residuals:
                     return pullback
                 kept = {name: pool[at["residual_read"]] for name, pool in state.residuals.items()}

@@ -15,18 +15,19 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from xlatrain.lowering.pipeline_step import (
     KINDS,
     backward_splits,
+    chunk_arguments,
     chunk_functions,
-    chunk_inputs,
     residual_layouts,
-    vjp_of,
+    trace_chunks,
 )
-from xlatrain.lowering.residuals import buffer_counts, unpack
+from xlatrain.lowering.residuals import ResidualLayout, buffer_counts, unpack
 
 from xlatrain import compat
 from xlatrain.models.blocks import BLOCKS, BlockParts, split_blocks
@@ -58,53 +59,42 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
     def cast_blocks(count: int) -> dict:
         return abstract_chunk(unrolled, abstract_params, micro, policy, count)[0]
 
-    def functions(micro_j, keys, scales):
-        return chunk_functions(unrolled, policy, loss, micro_j, keys, None, *scales)
-
     def keys_for(count: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((count, 2), jnp.uint32)
 
     @cache
+    def traced(count: int) -> tuple:
+        """A chunk of `count` blocks: its arguments, each kind traced as the step traces it, and with remat:
+        none what each kind keeps and how a split backward divides it."""
+        arguments = chunk_arguments(cast_blocks(count), cr, x, micro, keys_for(count), None, *scales)
+        chunks = trace_chunks(unrolled, policy, loss, arguments, keep=remat == "none")
+        layouts = residual_layouts(chunks, arguments) if remat == "none" else {}
+        return arguments, chunks, layouts, backward_splits(chunks, arguments) if schedule.splits_backward else {}
+
+    @cache
     def action_flops(kind: str, count: int, action: str) -> float:
-        cb, keys = cast_blocks(count), keys_for(count)
-        backward = action != "F"
+        arguments, chunks, layouts, splits = traced(count)
+        run = chunks[kind]
         cotangent = scalar if kind == "last" else x
-
-        def forward(cb, cr, x, micro_j, keys, scales):
-            return functions(micro_j, keys, scales)[kind](*chunk_inputs(kind, cb, cr, x))
-
-        def vjp(cb, cr, x, micro_j, keys, scales, keep):
-            return vjp_of(kind, functions(micro_j, keys, scales)[kind], chunk_inputs(kind, cb, cr, x), keep)
-
-        def recompute_and_pull(cb, cr, x, micro_j, keys, scales, dy):
-            return vjp(cb, cr, x, micro_j, keys, scales, keep=False)[1](dy)
-
         if remat == "full":
-            if backward:
-                return _flops(recompute_and_pull, cb, cr, x, micro, keys, scales, cotangent)
-            return _flops(forward, cb, cr, x, micro, keys, scales)
-        layout = residual_layouts(unrolled, policy, loss, cb, cr, x, micro, keys, None)[kind]
+            if action == "F":
+                return _flops(lambda *a: run(*a)[0], *arguments)
+            return _flops(lambda *a: run(*a[:-1])[1](a[-1]), *arguments, cotangent)
+        layout = layouts[kind]
+        if action == "F":
+            return _flops(lambda *a: _kept_by(layout, *run(*a)), *arguments)
 
-        def forward_keeping(cb, cr, x, micro_j, keys, scales):
-            out, pullback = vjp(cb, cr, x, micro_j, keys, scales, keep=True)
-            return out, layout.kept_from(pullback)
+        def pullback(*a):
+            """The pullback from the kept residuals (the last argument), as the backward slot runs it."""
+            return layout.with_kept(run(*a[:-1])[1], unpack(a[-1], layout))
 
-        def pullback(cb, cr, x, micro_j, keys, scales, kept):
-            """The pullback from the kept residuals, as the backward slot runs it."""
-            pullback = vjp(cb, cr, x, micro_j, keys, scales, keep=True)[1]
-            return layout.with_kept(pullback, unpack(kept, layout))
-
-        if not backward:
-            return _flops(forward_keeping, cb, cr, x, micro, keys, scales)
         kept = {name: jax.ShapeDtypeStruct((n,), name) for name, n in layout.counts().items()}
-        if not schedule.splits_backward:
-            return _flops(lambda *a: pullback(*a[:-1])(a[-1]), cb, cr, x, micro, keys, scales, kept, cotangent)
-        split = backward_splits(unrolled, policy, loss, cb, cr, x, micro, keys, None)[kind]
+        if not splits:
+            return _flops(lambda *a: pullback(*a[:-1])(a[-1]), *arguments, kept, cotangent)
+        split = splits[kind]
         if action == "B":
-            return _flops(lambda *a: split.b(pullback(*a[:-1]), a[-1]), cb, cr, x, micro, keys, scales, kept,
-                          cotangent)
-        return _flops(lambda *a: split.w(pullback(*a[:-1]), a[-1]), cb, cr, x, micro, keys, scales, kept,
-                      split.split.stash_shapes())
+            return _flops(lambda *a: split.b(pullback(*a[:-1]), a[-1]), *arguments, kept, cotangent)
+        return _flops(lambda *a: split.w(pullback(*a[:-1]), a[-1]), *arguments, kept, split.split.stash_shapes())
 
     chunks = len(partition)
     pipelined = 0.0
@@ -118,13 +108,18 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
     def whole_model(cb, cr, micro_j, keys, scales):
         def scaled_loss(cb, cr):
             embedded = unrolled.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute))
-            return functions(micro_j, keys, scales)["last"](cb, cr, embedded)[0]
+            return chunk_functions(unrolled, policy, loss, micro_j, keys, None, *scales)["last"](cb, cr, embedded)[0]
 
         return jax.grad(scaled_loss, argnums=(0, 1))(cb, cr)
 
     layers = sum(partition)
     unpipelined = schedule.microbatches * _flops(whole_model, cast_blocks(layers), cr, micro, keys_for(layers), scales)
     return PipelineWork(pipelined, unpipelined)
+
+
+def _kept_by(layout: ResidualLayout, output: Any, pullback: Any) -> tuple:
+    """What a forward slot keeps with remat: none: its output and its pullback's kept residuals."""
+    return output, layout.kept_from(pullback)
 
 
 def _flops(fn, *args) -> float:
@@ -139,9 +134,10 @@ def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
     width = max(partition)
     cb, cr, x = abstract_chunk(parts, abstract_params, micro, policy, width)
     active = None if len(set(partition)) == 1 else jax.ShapeDtypeStruct((), jnp.int32)
-    chunk = (parts, policy, loss, cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32), active)
-    layouts = ([split.stash_layout for split in backward_splits(*chunk).values()] if stash
-               else list(residual_layouts(*chunk).values()))
+    arguments = chunk_arguments(cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32), active)
+    chunks = trace_chunks(parts, policy, loss, arguments, keep=True)
+    layouts = ([split.stash_layout for split in backward_splits(chunks, arguments).values()] if stash
+               else list(residual_layouts(chunks, arguments).values()))
     return sum(count * jnp.dtype(name).itemsize for name, count in buffer_counts(layouts).items())
 
 

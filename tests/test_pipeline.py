@@ -25,6 +25,7 @@ from xlatrain.config import load_config
 from xlatrain.data.loader import make_global
 from xlatrain.errors import UserError
 from xlatrain.mesh import eval_batch_sharding, train_batch_sharding
+from xlatrain.models.blocks import BlockParts
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.partition import ModelCosts, PieceCost, auto_partition
 from xlatrain.pipeline.schedule import build, chunk_at
@@ -405,6 +406,20 @@ def test_run_when_runs_its_action_only_when_active_and_inside_its_loop():
     np.testing.assert_allclose(jax.jit(step)(zeros, True, x), np.tanh(8.0) * np.ones((16, 16)), rtol=1e-6)
     hlo = jax.jit(step).lower(zeros, True, x).compile().as_text()
     assert "dot_general" not in hlo[hlo.index("ENTRY"):]  # the matmul stays in the loop's body
+
+
+@pytest.mark.parametrize("schedule,remat", [("zb1p", "none"), ("1f1b", "full")])
+def test_a_pipelined_step_traces_the_models_blocks_once_per_kind_of_chunk(schedule, remat, devices, monkeypatch):
+    """Each kind of chunk (first, middle, last) is traced with its VJP once; the slots' actions (here up to nine
+    kinds of them) evaluate those traced programs instead of running the model's Python again."""
+    program = program_for([*ZERO_BUBBLE_CASES["zb1p", "p2-m=p"], f"parallel.pipeline.schedule={schedule}",
+                           f"parallel.pipeline.remat={remat}"])
+    state, batch = program.create_state(), token_batch(program)
+    traced = []
+    run = BlockParts.run
+    monkeypatch.setattr(BlockParts, "run", lambda self, *args, **kwargs: traced.append(1) or run(self, *args, **kwargs))
+    program.compiled_gradients(state, batch)
+    assert len(traced) == 3
 
 
 @pytest.mark.slow

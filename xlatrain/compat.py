@@ -210,6 +210,14 @@ def outputs_reading(fn: Callable, args: tuple, watched: tuple[int, ...]) -> list
     return result
 
 
+def evaluate(closed_jaxpr: Any, inputs: list[Any]) -> list[Any]:
+    """The outputs of a closed jaxpr (from jax.make_jaxpr) on `inputs`, its equations bound into the current
+    trace with their name stacks."""
+    from jax.extend.core import jaxpr_as_fun
+
+    return list(jaxpr_as_fun(closed_jaxpr)(*inputs))
+
+
 def bind_equation(eqn: Any, inputs: list[Any]) -> list[Any]:
     """Run one equation of a jaxpr on `inputs` (values or tracers, one per eqn.invars, literals included), as
     jax's own interpreter (`jax.core.eval_jaxpr`) does, keeping the equation's name stack."""
