@@ -148,7 +148,8 @@ class TracedChunk:
 
     program: Any
     """The closed jaxpr, from the arguments' leaves to those of (output, pullback)."""
-    arguments: Any
+    arguments: tuple
+    """The arguments it was traced with, abstract (jax.ShapeDtypeStruct leaves)."""
     results: Any
 
     @staticmethod
@@ -162,12 +163,13 @@ class TracedChunk:
             return out
 
         abstract = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
-        return TracedChunk(jax.make_jaxpr(flat)(*abstract), tree, results[0])
+        return TracedChunk(jax.make_jaxpr(flat)(*abstract), jax.tree.unflatten(tree, abstract), results[0])
 
     def __call__(self, *arguments: Any) -> tuple:
         leaves, tree = jax.tree.flatten(arguments)
-        if tree != self.arguments:
-            raise AssertionError(f"a chunk traced with arguments {self.arguments} is run with {tree}")
+        if tree != jax.tree.structure(self.arguments):
+            raise AssertionError(f"a chunk traced with arguments {jax.tree.structure(self.arguments)} is run with "
+                                 f"{tree}")
         return jax.tree.unflatten(self.results, compat.evaluate(self.program, leaves))
 
 
@@ -186,15 +188,16 @@ def trace_chunks(parts: BlockParts, policy: Policy, loss: str, arguments: tuple,
     return {kind: traced(kind) for kind in KINDS}
 
 
-def residual_layouts(chunks: dict[str, TracedChunk], arguments: tuple) -> dict[str, ResidualLayout]:
+def residual_layouts(chunks: dict[str, TracedChunk]) -> dict[str, ResidualLayout]:
     """What each kind of chunk keeps from its forward slot to its backward slot with remat: none."""
-    return {kind: ResidualLayout.of(_pullback(chunk), arguments, data=DATA_ARGUMENTS) for kind, chunk in chunks.items()}
+    return {kind: ResidualLayout.of(_pullback(chunk), chunk.arguments, data=DATA_ARGUMENTS)
+            for kind, chunk in chunks.items()}
 
 
-def backward_splits(chunks: dict[str, TracedChunk], arguments: tuple) -> dict[str, BackwardSplit]:
+def backward_splits(chunks: dict[str, TracedChunk]) -> dict[str, BackwardSplit]:
     """Each kind of chunk's backward split into B and W (lowering/split_backward.py)."""
-    x = arguments[2]
-    return {kind: split_pullback(abstract_value(_pullback(chunk), *arguments), SCALAR if kind == "last" else x)
+    return {kind: split_pullback(abstract_value(_pullback(chunk), *chunk.arguments),
+                                 SCALAR if kind == "last" else chunk.arguments[2])
             for kind, chunk in chunks.items()}
 
 
@@ -389,9 +392,9 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
                                     jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
                                     None if active_blocks is None else active_blocks[0])
         traced = trace_chunks(parts, policy, loss, arguments, keep_residuals)
-        layouts = residual_layouts(traced, arguments) if keep_residuals else {}
+        layouts = residual_layouts(traced) if keep_residuals else {}
         kept_counts = buffer_counts(list(layouts.values()))
-        splits = backward_splits(traced, arguments) if slots.splits_backward else {}
+        splits = backward_splits(traced) if slots.splits_backward else {}
         stash_counts = buffer_counts([split.stash_layout for split in splits.values()])
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
         one = jnp.ones((), jnp.float32)

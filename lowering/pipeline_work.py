@@ -64,17 +64,18 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
 
     @cache
     def traced(count: int) -> tuple:
-        """A chunk of `count` blocks: its arguments, each kind traced as the step traces it, and with remat:
-        none what each kind keeps and how a split backward divides it."""
+        """A chunk of `count` blocks: each kind traced as the step traces it, and with remat: none what each kind
+        keeps and how a split backward divides it."""
         arguments = chunk_arguments(cast_blocks(count), cr, x, micro, keys_for(count), None, *scales)
         chunks = trace_chunks(unrolled, policy, loss, arguments, keep=remat == "none")
-        layouts = residual_layouts(chunks, arguments) if remat == "none" else {}
-        return arguments, chunks, layouts, backward_splits(chunks, arguments) if schedule.splits_backward else {}
+        layouts = residual_layouts(chunks) if remat == "none" else {}
+        return chunks, layouts, backward_splits(chunks) if schedule.splits_backward else {}
 
     @cache
     def action_flops(kind: str, count: int, action: str) -> float:
-        arguments, chunks, layouts, splits = traced(count)
+        chunks, layouts, splits = traced(count)
         run = chunks[kind]
+        arguments = run.arguments
         cotangent = scalar if kind == "last" else x
         if remat == "full":
             if action == "F":
@@ -136,8 +137,8 @@ def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
     active = None if len(set(partition)) == 1 else jax.ShapeDtypeStruct((), jnp.int32)
     arguments = chunk_arguments(cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32), active)
     chunks = trace_chunks(parts, policy, loss, arguments, keep=True)
-    layouts = ([split.stash_layout for split in backward_splits(chunks, arguments).values()] if stash
-               else list(residual_layouts(chunks, arguments).values()))
+    layouts = ([split.stash_layout for split in backward_splits(chunks).values()] if stash
+               else list(residual_layouts(chunks).values()))
     return sum(count * jnp.dtype(name).itemsize for name, count in buffer_counts(layouts).items())
 
 
