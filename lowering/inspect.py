@@ -93,7 +93,7 @@ def step_report(lowered: Any, compiled: Any, params: int) -> dict[str, Any]:
 
 
 def dump(lowered: Any, compiled: Any, directory: Path, name: str) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Writes the step's StableHLO and optimised HLO text into `directory` (which exists)."""
     paths = [directory / f"{name}.stablehlo.mlir", directory / f"{name}.optimized.hlo.txt"]
     paths[0].write_text(lowered.as_text())
     paths[1].write_text(compiled.as_text())

@@ -52,6 +52,16 @@ def test_dump_writes_stablehlo_and_optimised_hlo(tmp_path):
     assert "all-reduce" in (tmp_path / "train_step.optimized.hlo.txt").read_text()
 
 
+def test_a_dump_directory_that_cannot_be_made_is_one_line_before_anything_compiles(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("kept")
+    result = run_cli("lower", *DIGITS_MLP, "--dump", str(taken / "hlo"))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"xlatrain: error: lower: --dump {str(taken / 'hlo')!r}: cannot make that directory (Not a directory); name "
+        "a directory you can write"]
+    assert taken.read_text() == "kept"
+
+
 @pytest.mark.parametrize("text, expected", [
     ("%a = f32[256,128]{1,0} all-reduce(f32[256,128]{1,0} %x), replica_groups={}", [("all-reduce", 1, 131072)]),
     # XLA:GPU's asynchronous starts: (operands, results) but all-reduce's, which holds its results only

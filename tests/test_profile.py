@@ -49,3 +49,37 @@ def test_a_window_outside_the_run_is_a_config_error(window, message):
 def test_a_malformed_step_window_is_one_line():
     result = run_cli("profile", *DIGITS_MLP, "--steps", "0:2")
     assert result.returncode == 2 and "'0:2' is not A:B with 1 <= A <= B" in result.stderr, result.stderr
+
+
+def test_a_trace_the_file_system_refuses_is_a_warning_and_leaves_no_partial_trace(tmp_path, monkeypatch, capsys):
+    import jax
+
+    from xlatrain.profiling import TRACE_SESSIONS, ProfileWindow
+
+    sessions = tmp_path / "profile" / TRACE_SESSIONS
+    (sessions / "2026_11_27_10_00_00").mkdir(parents=True)  # an earlier session's trace: kept
+    failures = iter([jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: {sessions}/2026_11_28_10_00_00/vm.xplane.pb; "
+                                                "No space left on device"),
+                     jax.errors.JaxRuntimeError("INTERNAL: a profiler bug")])
+
+    def stop_trace():
+        (sessions / "2026_11_28_10_00_00").mkdir(exist_ok=True)
+        (sessions / "2026_11_28_10_00_00" / "vm.xplane.pb").write_bytes(b"trunc")
+        raise next(failures)
+
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *args, **kwargs: None)
+    monkeypatch.setattr(jax.profiler, "stop_trace", stop_trace)
+    said = []
+    window = ProfileWindow((2, 3), tmp_path, said.append)
+    window.before_dispatch(2, 2)
+    window.close()
+    assert capsys.readouterr().err.splitlines() == [
+        f"xlatrain: warning: the profile of steps 2..3 could not be written to {tmp_path / 'profile'} (No space left "
+        "on device); its partial trace is removed, the training is not affected: make room, then trace again with "
+        "`xlatrain profile`"]
+    assert [p.name for p in sessions.iterdir()] == ["2026_11_27_10_00_00"] and said == []
+
+    window = ProfileWindow((2, 3), tmp_path, said.append)
+    window.before_dispatch(1, 2)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="a profiler bug"):
+        window.close()

@@ -103,6 +103,11 @@ def test_compile_budget_is_one_line_and_the_causes_go_to_the_report(tmp_path):
 def test_report_of_a_directory_without_a_summary_is_a_clear_error(tmp_path):
     result = run_cli("report", str(tmp_path))
     assert result.returncode == 2 and "summary.jsonl not found" in result.stderr
+    (tmp_path / "summary.jsonl").write_text('{"session": ')  # torn by a kill: dropped
+    result = run_cli("report", str(tmp_path))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"xlatrain: error: report: {tmp_path / 'summary.jsonl'} holds no session summary yet (a run writes one as "
+        "each session ends)"]
 
 
 def test_bucket_lengths_are_validated():

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import sys
 import time
 import traceback
@@ -264,6 +265,8 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
 
     if args.devices is not None and not args.target:
         raise UserError("lower: --devices counts the GPUs of --target; without --target the devices are this host's")
+    if args.dump:
+        _make_dump_directory(args.dump)
     config, target, devices = (_gpu_target(config_path, overrides, args) if args.target
                                else (_config_with_cpu_devices(config_path, overrides), None, None))
     with _refused_by_target(target):
@@ -287,6 +290,17 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     else:
         print(_format_report(report, program.derived.devices))
     return 0
+
+
+def _make_dump_directory(path: Path) -> None:
+    """--dump's directory, made before the compile whose text goes there, so that a bad one fails at once."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"lower: --dump {str(path)!r}: cannot make that directory ({err.strerror}); name a directory "
+                        "you can write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"lower: --dump {str(path)!r} is not writable; name a directory you can write")
 
 
 @contextlib.contextmanager
@@ -391,13 +405,17 @@ def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Name
 def _profile(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     """`xlatrain train` of steps 1..B into RUN_DIR-profile-<time>, never into the config's own run."""
     from xlatrain.config import load_config
+    from xlatrain.profiling import PROFILE_DIR, TRACE_SESSIONS
 
     config = load_config(config_path, overrides)
     first, last = args.steps
     k = config.trainer.steps_per_sync
     run_dir = claim_profile_dir(config.run_dir(), time.strftime('%Y%m%d-%H%M%S'))
-    return _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
+    code = _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
                                 f"trainer.profile_steps=[{first},{last}]", f"trainer.run_dir={run_dir}"], args)
+    if code == 0 and not any((run_dir / PROFILE_DIR / TRACE_SESSIONS).glob("*/*.xplane.pb")):
+        raise UserError(f"profile: no trace was written to {run_dir / PROFILE_DIR} (the warning above says why)")
+    return code
 
 
 def claim_profile_dir(run_dir: Path, stamp: str) -> Path:

@@ -75,6 +75,15 @@ def set_cpu_device_count(count: int) -> None:
                         "xlatrain.cpu_devices.apply_cpu_devices(config) before any JAX operation")
 
 
+def abandon_profile() -> None:
+    """Forget a jax.profiler trace whose stop_trace raised while writing it: jax leaves it registered as
+    running, and a later start_trace in this process would be refused."""
+    from jax._src import profiler
+
+    with profiler._profile_state.lock:
+        profiler._profile_state.reset()
+
+
 def set_persistent_compile_cache(path: Path | None) -> None:
     """JAX reads its cache directory once, at the first compilation after a reset; None turns the cache off."""
     from jax.experimental.compilation_cache import compilation_cache

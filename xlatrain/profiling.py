@@ -10,12 +10,21 @@ ops read as the forward (`jvp(forward)`, as jax names it under differentiation),
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 
+from xlatrain import compat
+from xlatrain.errors import warn
+
 PROFILE_DIR = "profile"
+TRACE_SESSIONS = Path("plugins", "profile")
+"""Where under its log directory jax.profiler writes each trace, in a folder named by the time it stopped."""
+_REFUSALS = {os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)}
 
 
 class ProfileWindow:
@@ -31,6 +40,7 @@ class ProfileWindow:
         self.echo = echo
         self.tracing = False
         self.done = False
+        self._sessions_before: set[Path] = set()
 
     def touches(self, first: int, last: int) -> bool:
         """Whether steps `first`..`last` overlap the traced steps."""
@@ -47,6 +57,7 @@ class ProfileWindow:
             self.done = True
         elif last >= a:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._sessions_before = set(self._sessions())
             jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
             self.tracing = True
 
@@ -59,8 +70,38 @@ class ProfileWindow:
         """Stop and write the trace (also when the run stops early)."""
         if not self.tracing:
             return
-        jax.profiler.stop_trace()
         self.tracing, self.done = False, True
+        try:
+            jax.profiler.stop_trace()
+        except (OSError, jax.errors.JaxRuntimeError) as err:
+            reason = _file_system_refusal(err)
+            if reason is None:
+                raise
+            self._abandon(reason)
+            return
         self.echo(f"  profile of steps {self.steps[0]}..{self.steps[1]} written to {self.directory}: open it with "
                   f"`tensorboard --logdir {self.directory}` (profile tab), or load its perfetto_trace.json.gz "
                   "at ui.perfetto.dev")
+
+
+    def _abandon(self, reason: str) -> None:
+        """A trace the file system refused: what it left is removed (a truncated trace would not open), the
+        run's training is not affected."""
+        compat.abandon_profile()
+        for partial in set(self._sessions()) - self._sessions_before:
+            shutil.rmtree(partial, ignore_errors=True)
+        warn(f"the profile of steps {self.steps[0]}..{self.steps[1]} could not be written to {self.directory} "
+             f"({reason}); its partial trace is removed, the training is not affected: make room, then trace again "
+             "with `xlatrain profile`")
+
+    def _sessions(self) -> list[Path]:
+        sessions = self.directory / TRACE_SESSIONS
+        return list(sessions.iterdir()) if sessions.is_dir() else []
+
+
+def _file_system_refusal(err: Exception) -> str | None:
+    """Why writing the trace failed, when the file system refused it (jax's profiler reports that as a runtime
+    error naming the errno's text); None for any other failure, which keeps its traceback."""
+    if isinstance(err, OSError):
+        return err.strerror if err.strerror in _REFUSALS else None
+    return next((reason for reason in sorted(_REFUSALS) if reason in str(err)), None)

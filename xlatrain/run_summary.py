@@ -79,11 +79,14 @@ def read_summaries(run_dir: Path) -> list[RunSummary]:
         raise UserError(f"report: {path} not found; give the run directory of a finished or stopped "
                         "`xlatrain train` (trainer.run_dir)")
     try:
-        return [RunSummary(**record) for record in read_records(path)]
+        summaries = [RunSummary(**record) for record in read_records(path)]
     except UserError as err:
         raise UserError(f"report: {err}") from None
     except TypeError as err:
         raise UserError(f"report: {path} is not a summary written by xlatrain ({err})") from None
+    if not summaries:
+        raise UserError(f"report: {path} holds no session summary yet (a run writes one as each session ends)")
+    return summaries
 
 
 def format_report(run_dir: Path) -> str:
