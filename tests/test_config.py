@@ -95,6 +95,20 @@ def test_mesh_does_not_match_devices(capsys, devices):
     assert "--xla_force_host_platform_device_count=4" in err
 
 
+def test_a_mesh_that_does_not_match_the_devices_of_several_processes_names_the_launch_not_cpu_devices():
+    from types import SimpleNamespace
+
+    from xlatrain.config import MeshConfig, resolve_data_parallel
+
+    devices = [SimpleNamespace(platform="cpu", process_index=i, id=i) for i in range(3)]
+    with pytest.raises(UserError) as refused:
+        resolve_data_parallel(MeshConfig(data=2), devices)
+    message = str(refused.value)
+    assert "mesh.data=2 needs 2 devices but 3 cpu device(s) are present" in message
+    assert "start 2 devices over the processes (3 now): with `xlatrain launch`, --nproc x --devices-per-proc" in message
+    assert "mesh.cpu_devices" not in message
+
+
 def test_logical_rules_merge_over_defaults_and_name_real_mesh_axes(capsys):
     rules = load_config(None, ["parallel.logical_rules.embed=null"]).parallel.logical_rules
     assert rules["embed"] is None and rules["mlp"] == "data"

@@ -723,12 +723,16 @@ def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
     platform = devices[0].platform if devices else "cpu"
     found = ", ".join(str(d) for d in devices[:8]) + (" ..." if len(devices) > 8 else "")
     wanted = (mesh.data if mesh.data != -1 else max(data, 1)) * stages
-    how = (
-        f"set mesh.cpu_devices={wanted} (or, where the environment sets the count, "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted}) to get that many CPU devices"
-        if platform == "cpu"
-        else "choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=0,1,2,3)"
-    )
+    processes = len({d.process_index for d in devices})
+    if processes > 1:  # mesh.cpu_devices is for one process; each process's own count makes the total
+        how = (f"start {wanted} devices over the processes ({processes} now): with `xlatrain launch`, --nproc x "
+               "--devices-per-proc" + (", or choose each host's GPUs with CUDA_VISIBLE_DEVICES" if platform != "cpu"
+                                       else ", elsewhere XLA_FLAGS=--xla_force_host_platform_device_count in each"))
+    elif platform == "cpu":
+        how = (f"set mesh.cpu_devices={wanted} (or, where the environment sets the count, "
+               f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted}) to get that many CPU devices")
+    else:
+        how = "choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=0,1,2,3)"
     if stages == 1:
         asked, fix = f"mesh.data={mesh.data} needs {mesh.data}", f"Set mesh.data={present} (or -1 for all)"
     elif mesh.data == -1:
