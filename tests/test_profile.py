@@ -83,3 +83,17 @@ def test_a_trace_the_file_system_refuses_is_a_warning_and_leaves_no_partial_trac
     window.before_dispatch(1, 2)
     with pytest.raises(jax.errors.JaxRuntimeError, match="a profiler bug"):
         window.close()
+
+
+def test_a_session_resumed_inside_the_window_says_which_steps_it_traced(tmp_path, monkeypatch):
+    import jax
+
+    from xlatrain.profiling import ProfileWindow
+
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *args, **kwargs: None)
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+    said = []
+    window = ProfileWindow((2, 5), tmp_path, said.append)
+    window.before_dispatch(4, 4)  # resumed from the checkpoint of step 3
+    window.after_boundary(5, state=None)
+    assert said[0].startswith(f"  profile of steps 4..5 written to {tmp_path / 'profile'}:"), said

@@ -34,6 +34,7 @@ class ProfileWindow:
 
     def __init__(self, steps: tuple[int, int] | None, run_dir: Path, echo: Callable[[str], None]):
         self.steps = steps
+        self.first_traced = steps[0] if steps else None  # later when a resumed session starts inside the window
         # Processes of one host would write the same <host>.xplane.pb: each but the first has its own folder.
         index = jax.process_index()
         self.directory = run_dir / PROFILE_DIR / (f"process-{index}" if index else "")
@@ -58,6 +59,7 @@ class ProfileWindow:
         elif last >= a:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._sessions_before = set(self._sessions())
+            self.first_traced = max(a, first)
             jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
             self.tracing = True
 
@@ -79,7 +81,7 @@ class ProfileWindow:
                 raise
             self._abandon(reason)
             return
-        self.echo(f"  profile of steps {self.steps[0]}..{self.steps[1]} written to {self.directory}: open it with "
+        self.echo(f"  profile of steps {self.first_traced}..{self.steps[1]} written to {self.directory}: open it with "
                   f"`tensorboard --logdir {self.directory}` (profile tab), or load its perfetto_trace.json.gz "
                   "at ui.perfetto.dev")
 
@@ -90,7 +92,7 @@ class ProfileWindow:
         compat.abandon_profile()
         for partial in set(self._sessions()) - self._sessions_before:
             shutil.rmtree(partial, ignore_errors=True)
-        warn(f"the profile of steps {self.steps[0]}..{self.steps[1]} could not be written to {self.directory} "
+        warn(f"the profile of steps {self.first_traced}..{self.steps[1]} could not be written to {self.directory} "
              f"({reason}); its partial trace is removed, the training is not affected: make room, then trace again "
              "with `xlatrain profile`")
 
