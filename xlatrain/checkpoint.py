@@ -55,16 +55,20 @@ def _register_array_handler() -> None:
 
 
 @functools.cache
+def _drop_logged_failures(logger: str, is_dropped: Callable[[BaseException], bool]) -> None:
+    """From now on, `logger`'s records whose exception `is_dropped` picks out are dropped; every other record is
+    logged as before. Installed once per logger and rule."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[1] is not None and is_dropped(record.exc_info[1]))
+
+    logging.getLogger(logger).addFilter(keep)
+
+
 def _drop_orbax_logs_of_refused_writes() -> None:
     """orbax logs a failed background write as an ERROR with its traceback, from each thread it passes through,
     while the training goes on; xlatrain waits for every save it starts, and reports the ones the file system
     refused in one line (CheckpointNotWritten). Those records are dropped; any other failure is logged as before."""
-    def refused_write(record: logging.LogRecord) -> bool:
-        failure = record.exc_info[1] if record.exc_info else None
-        return not (record.levelno >= logging.ERROR and isinstance(failure, Exception)
-                    and _io_failure(failure) is not None)
-
-    logging.getLogger("absl").addFilter(refused_write)
+    _drop_logged_failures("absl", _refused_write)
 
 
 class Restored(NamedTuple):
@@ -249,7 +253,7 @@ def _quiet_abandoned_io() -> None:
     exception or an asyncio task's unretrieved exception: the coroutine was left unawaited, or its result reached
     the event loop after it closed."""
     drop_follow_up_errors("orbax-abandoned-io", _from_abandoned_io)
-    _drop_abandoned_task_logs()
+    _drop_logged_failures("asyncio", _abandoned)
 
 
 def _from_abandoned_io(unraisable: Any) -> bool:
@@ -257,14 +261,13 @@ def _from_abandoned_io(unraisable: Any) -> bool:
     return (code is not None and "orbax" in Path(code.co_filename).parts) or _abandoned(unraisable.exc_value)
 
 
-@functools.cache
-def _drop_abandoned_task_logs() -> None:
-    logging.getLogger("asyncio").addFilter(lambda record: not (record.exc_info and _abandoned(record.exc_info[1])))
+def _refused_write(err: BaseException) -> bool:
+    return isinstance(err, Exception) and _io_failure(err) is not None
 
 
 def _abandoned(err: BaseException | None) -> bool:
     loop_closed = isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
-    return loop_closed or (isinstance(err, Exception) and _io_failure(err) is not None)
+    return loop_closed or (err is not None and _refused_write(err))
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
