@@ -57,8 +57,8 @@ def test_a_dump_directory_that_cannot_be_made_is_one_line_before_anything_compil
     taken.write_text("kept")
     result = run_cli("lower", *DIGITS_MLP, "--dump", str(taken / "hlo"))
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        f"xlatrain: error: lower: --dump {str(taken / 'hlo')!r}: cannot make that directory (Not a directory); name "
-        "a directory you can write"]
+        f"xlatrain: error: lower: --dump: cannot create {taken / 'hlo'} (Not a directory); name a directory you can "
+        "write"]
     assert taken.read_text() == "kept"
 
 

@@ -7,14 +7,13 @@ import argparse
 import contextlib
 import itertools
 import json
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from xlatrain.errors import UserError, file_system_refusals_named, first_line
+from xlatrain.errors import UserError, file_system_refusals_named, first_line, make_writable_directory
 
 if TYPE_CHECKING:
     from xlatrain.gpu_targets import GpuTarget
@@ -265,8 +264,8 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
 
     if args.devices is not None and not args.target:
         raise UserError("lower: --devices counts the GPUs of --target; without --target the devices are this host's")
-    if args.dump:
-        _make_dump_directory(args.dump)
+    if args.dump:  # made before the compile whose text goes there, so that a bad one fails at once
+        make_writable_directory(args.dump, "lower: --dump")
     config, target, devices = (_gpu_target(config_path, overrides, args) if args.target
                                else (_config_with_cpu_devices(config_path, overrides), None, None))
     with _refused_by_target(target):
@@ -290,17 +289,6 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     else:
         print(_format_report(report, program.derived.devices))
     return 0
-
-
-def _make_dump_directory(path: Path) -> None:
-    """--dump's directory, made before the compile whose text goes there, so that a bad one fails at once."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"lower: --dump {str(path)!r}: cannot make that directory ({err.strerror}); name a directory "
-                        "you can write") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(f"lower: --dump {str(path)!r} is not writable; name a directory you can write")
 
 
 @contextlib.contextmanager

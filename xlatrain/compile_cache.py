@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 
 from xlatrain import compat
-from xlatrain.errors import UserError, warn
+from xlatrain.errors import make_writable_directory, warn
 
 MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
@@ -38,14 +38,7 @@ def use_compile_cache(setting: str) -> Path | None:
     """Point JAX's persistent cache at the directory (created if missing) before anything compiles."""
     path = cache_dir(setting)
     if path is not None:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UserError(f"trainer.compile_cache={setting!r}: cannot create {path} ({err.strerror}); name a "
-                            "directory you can write, or set trainer.compile_cache=off") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UserError(f"trainer.compile_cache={setting!r}: {path} is not writable; name a directory you can "
-                            "write, or set trainer.compile_cache=off")
+        make_writable_directory(path, f"trainer.compile_cache={setting!r}", ", or set trainer.compile_cache=off")
     compat.set_persistent_compile_cache(path)
     compat.drop_unreadable_cache_entries(warn)
     compat.report_unwritable_cache_entries(warn)

@@ -3,8 +3,10 @@ way a warning reaches them."""
 
 import contextlib
 import errno
+import os
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 
@@ -37,6 +39,18 @@ def file_system_refusals_named(where: object = None) -> Iterator[None]:
         place = err.filename or (f"a file in {where}" if where is not None else "a file")
         raise UserError(f"{place} could not be written ({err.strerror}): make room or repair the file system, then "
                         "run the same command again") from None
+
+
+def make_writable_directory(path: Path, named: str, otherwise: str = "") -> None:
+    """Creates the directory the user `named` (with its parents) and checks it can be written, before anything
+    is computed for it: else one UserError, which ends with `otherwise` (another way out) when given."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"{named}: cannot create {path} ({err.strerror}); name a directory you can write"
+                        f"{otherwise}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{named}: {path} is not writable; name a directory you can write{otherwise}")
 
 
 _dropping: set[str] = set()
