@@ -76,3 +76,12 @@ def test_overrides_may_stand_between_a_commands_options():
         result = run_cli(*argv)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [
             f"xlatrain: error: unrecognized arguments: {argv[-1]} (see xlatrain --help)"], result.stderr
+
+
+def test_an_import_that_fails_as_train_starts_keeps_its_own_traceback(tmp_path, monkeypatch):
+    """A broken install is xlatrain's to show as it is: its ImportError, not a NameError of the handler."""
+    from xlatrain.cli import main
+
+    monkeypatch.setitem(sys.modules, "xlatrain.trainer", None)
+    with pytest.raises(ImportError, match="xlatrain.trainer"):
+        main(["train", f"trainer.run_dir={tmp_path / 'run'}"])

@@ -11,8 +11,9 @@ import pytest
 from conftest import DIGITS_MLP, REPO, TINY_GPT
 
 from xlatrain.config import load_config
+from xlatrain.errors import NonFiniteLoss
 from xlatrain.metrics import read_metrics
-from xlatrain.trainer import NonFiniteLoss, train
+from xlatrain.trainer import train
 
 
 def losses(overrides, tmp_path, name, devices=None):

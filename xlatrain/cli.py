@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from xlatrain.errors import UserError, file_system_refusals_named, first_line, make_writable_directory
+from xlatrain.errors import NonFiniteLoss, UserError, file_system_refusals_named, first_line, make_writable_directory
 
 if TYPE_CHECKING:
     from xlatrain.gpu_targets import GpuTarget
@@ -186,7 +186,7 @@ def _train(config_path: str | None, overrides: list[str], _args: argparse.Namesp
     with stop_signals():
         try:
             from xlatrain.distributed import initialize
-            from xlatrain.trainer import NonFiniteLoss, train
+            from xlatrain.trainer import train
 
             config = _config_with_cpu_devices(config_path, overrides)
             initialize(config.distributed)

@@ -16,6 +16,10 @@ class UserError(Exception):
     exit_code = 2
 
 
+class NonFiniteLoss(Exception):
+    """The loss or gradient norm became inf/NaN with trainer.on_nonfinite=stop."""
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message ("" when it has none), for one-line errors."""
     lines = str(err).splitlines()

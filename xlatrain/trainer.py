@@ -29,7 +29,7 @@ from xlatrain.data.loader import (
     train_iterator,
 )
 from xlatrain.distributed import StopAgreement, check_processes_agree, host_name, is_primary
-from xlatrain.errors import first_line, warn
+from xlatrain.errors import NonFiniteLoss, first_line, warn
 from xlatrain.lowering.compile import FIRST_COMPILATION, CompileLog
 from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 from xlatrain.metrics import DiscardedMetrics, MetricsWriter
@@ -51,10 +51,6 @@ from xlatrain.state import with_shardings
 from xlatrain.stop import StopSignals, stop_signals
 from xlatrain.time_breakdown import TimeBreakdown, fractions
 from xlatrain.watchdog import Progress, watching
-
-
-class NonFiniteLoss(Exception):
-    """The loss or gradient norm became inf/NaN with trainer.on_nonfinite=stop."""
 
 
 @dataclass
