@@ -85,3 +85,15 @@ def test_an_import_that_fails_as_train_starts_keeps_its_own_traceback(tmp_path, 
     monkeypatch.setitem(sys.modules, "xlatrain.trainer", None)
     with pytest.raises(ImportError, match="xlatrain.trainer"):
         main(["train", f"trainer.run_dir={tmp_path / 'run'}"])
+
+
+def test_ctrl_c_in_a_command_that_trains_nothing_is_one_line_and_the_shells_status(monkeypatch, capsys):
+    from xlatrain import config
+    from xlatrain.cli import main
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(config, "load_config", interrupted)
+    assert main(["config"]) == 130
+    assert capsys.readouterr().err == "xlatrain: interrupted\n"

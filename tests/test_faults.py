@@ -428,3 +428,14 @@ def test_what_a_library_prints_after_a_failure_already_reported_is_dropped_and_n
         hook(SimpleNamespace(exc_value=follow_up))
         hook(SimpleNamespace(exc_value=other))
     assert printed == [("unraisable", other), ("thread", other)]
+
+
+@pytest.mark.parametrize("stopped_code, expected", [(0, 0), (None, 128 + signal.SIGTERM)])
+def test_start_up_that_outlives_the_grace_period_exits_with_the_commands_line_and_status(monkeypatch, stopped_code,
+                                                                                           expected):
+    from xlatrain import stop as stop_module
+
+    exits = []
+    monkeypatch.setattr(stop_module, "_exit_now", lambda message, code: exits.append((message, code)))
+    stop_module._exit_if_still_starting(StopSignals("what stopped", stopped_code), signal.SIGTERM)
+    assert exits == [("SIGTERM: what stopped", expected)]

@@ -1,6 +1,13 @@
 """`xlatrain parity`: identical computations agree, a changed hyperparameter is caught at its first step."""
 
-from conftest import DIGITS_MLP
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import DIGITS_MLP, REPO
 
 from xlatrain.cli import main
 from xlatrain.parity import compare
@@ -39,3 +46,30 @@ def test_compare_reports_the_first_step_beyond_tolerance():
 def test_too_many_configs_is_a_user_error(capsys):
     assert main(["parity", "a.yaml", "b.yaml", "c.yaml"]) == 2
     assert "at most two configs" in capsys.readouterr().err
+
+
+def _parity_until(tmp_path, appears: str, sig: int):
+    """`xlatrain parity` in a real process, sent `sig` once its scratch directory holds `appears`."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "xlatrain.cli", "parity", "examples/configs/digits_mlp.yaml", "--a", "mesh.data=1",
+         "--b", "mesh.data=2", "--steps", "5000"], cwd=REPO, env={**os.environ, "TMPDIR": str(scratch)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(scratch.glob(f"xlatrain-parity-*/{appears}")) and time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=120)
+    return process.returncode, out, err, scratch
+
+
+@pytest.mark.parametrize("appears, sig", [("A", "SIGTERM"), ("A/metrics.jsonl", "SIGINT")],
+                         ids=["before-the-first-step", "while-a-side-trains"])
+def test_a_stop_signal_ends_parity_with_no_verdict_and_no_traceback(tmp_path, appears, sig):
+    code, out, err, scratch = _parity_until(tmp_path, appears, getattr(signal, sig))
+    assert code == 128 + getattr(signal, sig), (code, err)
+    assert err.strip().splitlines() == [f"xlatrain: {sig}: parity stopped before its comparison ended; nothing "
+                                        "compared"], err
+    assert "divergence" not in out and list(scratch.iterdir()) == []  # the scratch runs went with it

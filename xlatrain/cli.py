@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import signal
 import sys
 import time
 import traceback
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"xlatrain: error: {err}", file=sys.stderr)
         return err.exit_code
+    except KeyboardInterrupt:  # Ctrl-C in a command that trains nothing (train and parity stop on their own)
+        print("xlatrain: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -323,7 +327,28 @@ def _gpu_target(config_path: str | None, overrides: list[str], args: argparse.Na
     return config, target, compat.compile_only_gpus(target.config_text, count, target.label)
 
 
+PARITY_STOPPED = "parity stopped before its comparison ended; nothing compared"
+
+
 def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
+    """A stop signal ends parity at the next step boundary of the side training (at once before its first
+    step), with no verdict: the exit status is the shell's for a process the signal ended, never 0 or 1."""
+    from xlatrain.stop import StoppedBeforeFirstStep, stop_signals
+
+    with stop_signals(PARITY_STOPPED, stopped_code=None) as stop:
+        try:
+            code = _compare_sides(args)
+        except (Exception, StoppedBeforeFirstStep):
+            if not stop.requested:
+                raise
+    if not stop.requested:
+        return code
+    signum = stop.received[0]
+    print(f"xlatrain: {signal.Signals(signum).name}: {PARITY_STOPPED}", file=sys.stderr)
+    return 128 + signum
+
+
+def _compare_sides(args: argparse.Namespace) -> int:
     from xlatrain.config import load_config
     from xlatrain.cpu_devices import apply_cpu_devices
     from xlatrain.parity import run_parity

@@ -86,7 +86,12 @@ def side_devices(config: Config) -> list:
     return devices if config.mesh.data == -1 else devices[: config.mesh.data * config.mesh.stage]
 
 
+class SideStopped(Exception):
+    """A stop signal ended a side before its last step: there is nothing to compare."""
+
+
 def trajectory(config: Config) -> dict[int, dict]:
     """Per-step metrics of one side."""
-    train(config, devices=side_devices(config), echo=lambda _: None)
+    if train(config, devices=side_devices(config), echo=lambda _: None).interrupted:
+        raise SideStopped(f"a stop signal ended the side in {config.run_dir()} before step {config.trainer.steps}")
     return {r["step"]: r for r in read_metrics(config.run_dir() / "metrics.jsonl") if "loss" in r}

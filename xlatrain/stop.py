@@ -33,7 +33,11 @@ class StoppedBeforeFirstStep(BaseException):
 
 
 class StopSignals:
-    def __init__(self) -> None:
+    """`stopped`, `stopped_code`: what a command says, and its exit status (None: 128 + the signal's number, the
+    shell's convention for a process a signal ended), when start-up does not end within the grace period."""
+
+    def __init__(self, stopped: str = STOPPED_BEFORE_FIRST_STEP, stopped_code: int | None = 0) -> None:
+        self.stopped, self.stopped_code = stopped, stopped_code
         self.received: list[int] = []
         self.in_loop = False
         self.start_up_deadline: threading.Timer | None = None
@@ -73,13 +77,14 @@ _current: StopSignals | None = None
 
 
 @contextmanager
-def stop_signals() -> Iterator[StopSignals]:
-    """Install the handlers (main thread only; elsewhere signals stay as they are). Nested uses share one."""
+def stop_signals(stopped: str = STOPPED_BEFORE_FIRST_STEP, stopped_code: int | None = 0) -> Iterator[StopSignals]:
+    """Install the handlers (main thread only; elsewhere signals stay as they are). Nested uses share the
+    outermost, with its `stopped` and `stopped_code` (StopSignals)."""
     global _current
     if _current is not None or threading.current_thread() is not threading.main_thread():
-        yield _current if _current is not None else StopSignals()
+        yield _current if _current is not None else StopSignals(stopped, stopped_code)
         return
-    stop = _current = StopSignals()
+    stop = _current = StopSignals(stopped, stopped_code)
     previous = {sig: signal.signal(sig, stop._handle) for sig in STOP_SIGNALS}
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
@@ -109,14 +114,16 @@ def _watch(read_end: int, stop: StopSignals) -> None:
                 if seen >= 2:
                     _exit_now(f"second {name}: exiting now, without saving", 128 + signum)
                 if not stop.in_loop and stop.start_up_deadline is None:
-                    stop.start_up_deadline = threading.Timer(START_UP_GRACE_S, _exit_if_still_starting, (stop, name))
+                    stop.start_up_deadline = threading.Timer(START_UP_GRACE_S, _exit_if_still_starting,
+                                                             (stop, signum))
                     stop.start_up_deadline.daemon = True
                     stop.start_up_deadline.start()
 
 
-def _exit_if_still_starting(stop: StopSignals, name: str) -> None:
+def _exit_if_still_starting(stop: StopSignals, signum: int) -> None:
     if not stop.in_loop:
-        _exit_now(f"{name}: {STOPPED_BEFORE_FIRST_STEP}", 0)
+        code = 128 + signum if stop.stopped_code is None else stop.stopped_code
+        _exit_now(f"{signal.Signals(signum).name}: {stop.stopped}", code)
 
 
 def _exit_now(message: str, code: int) -> None:
