@@ -97,3 +97,26 @@ def test_a_session_resumed_inside_the_window_says_which_steps_it_traced(tmp_path
     window.before_dispatch(4, 4)  # resumed from the checkpoint of step 3
     window.after_boundary(5, state=None)
     assert said[0].startswith(f"  profile of steps 4..5 written to {tmp_path / 'profile'}:"), said
+
+
+@pytest.mark.parametrize("signalled", [False, True])
+def test_xlatrain_profile_that_wrote_no_trace_fails_unless_a_stop_signal_ended_it(tmp_path, monkeypatch, capsys,
+                                                                                   signalled):
+    import signal
+
+    from xlatrain import cli, stop
+
+    def train_without_tracing(*_args):
+        if signalled:
+            stop._current.received.append(signal.SIGTERM)  # stopped before the first step
+        return 0
+
+    monkeypatch.setattr(cli, "_train", train_without_tracing)
+    code = cli.main(["profile", *DIGITS_MLP, f"trainer.run_dir={tmp_path / 'run'}", "--steps", "2:3"])
+    error = capsys.readouterr().err
+    if signalled:
+        assert code == 0 and error == ""
+    else:
+        [run_dir] = tmp_path.glob("run-profile-*")
+        assert code == 2 and error == (f"xlatrain: error: profile: no trace was written to {run_dir / 'profile'} "
+                                       "(the warning above says why)\n")

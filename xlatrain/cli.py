@@ -419,14 +419,16 @@ def _profile(config_path: str | None, overrides: list[str], args: argparse.Names
     """`xlatrain train` of steps 1..B into RUN_DIR-profile-<time>, never into the config's own run."""
     from xlatrain.config import load_config
     from xlatrain.profiling import PROFILE_DIR, TRACE_SESSIONS
+    from xlatrain.stop import stop_signals
 
     config = load_config(config_path, overrides)
     first, last = args.steps
     k = config.trainer.steps_per_sync
     run_dir = claim_profile_dir(config.run_dir(), time.strftime('%Y%m%d-%H%M%S'))
-    code = _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
-                                f"trainer.profile_steps=[{first},{last}]", f"trainer.run_dir={run_dir}"], args)
-    if code == 0 and not any((run_dir / PROFILE_DIR / TRACE_SESSIONS).glob("*/*.xplane.pb")):
+    with stop_signals() as stop:
+        code = _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
+                                    f"trainer.profile_steps=[{first},{last}]", f"trainer.run_dir={run_dir}"], args)
+    if code == 0 and not stop.requested and not any((run_dir / PROFILE_DIR / TRACE_SESSIONS).glob("*/*.xplane.pb")):
         raise UserError(f"profile: no trace was written to {run_dir / PROFILE_DIR} (the warning above says why)")
     return code
 
