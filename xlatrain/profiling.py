@@ -85,7 +85,6 @@ class ProfileWindow:
                   f"`tensorboard --logdir {self.directory}` (profile tab), or load its perfetto_trace.json.gz "
                   "at ui.perfetto.dev")
 
-
     def _abandon(self, reason: str) -> None:
         """A trace the file system refused: what it left is removed (a truncated trace would not open), the
         run's training is not affected."""
