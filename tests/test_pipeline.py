@@ -393,6 +393,26 @@ def test_remat_auto_keeps_residuals_only_when_xlas_memory_analysis_of_the_step_f
     assert (report["remat"], report["residual_buffers"], report["remat_reason"]) == ("full", 0, tight.remat.reason)
 
 
+def test_a_zero_bubble_schedule_keeps_residuals_unless_told_otherwise_and_auto_refuses_a_step_that_does_not_fit(
+        devices):
+    """zb1p and zbv cannot recompute residuals: left unset, remat is none; auto checks that the step fits and,
+    where it does not, says so instead of falling back to recomputing."""
+    zero_bubble = ["mesh.stage=2", "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=zb1p"]
+    assert load_config(None, [*TINY_GPT, *PIPELINE, *zero_bubble]).parallel.pipeline.remat == "none"
+    assert load_config(None, [*TINY_GPT, *PIPELINE, "mesh.stage=2"]).parallel.pipeline.remat == "full"
+    roomy = program_for([*zero_bubble, "parallel.pipeline.remat=auto"])
+    assert roomy.remat.remat == "none" and "within a CPU device's share of the host's" in roomy.remat.reason
+    needed = peak_memory_bytes(roomy.train_step.first.compiled)
+    tight = program_for([*zero_bubble, "parallel.pipeline.remat=auto",
+                         f"parallel.pipeline.memory_budget_bytes={needed - 1}"])
+    with pytest.raises(UserError, match=(
+            rf"parallel.pipeline.remat=auto: schedule=zb1p cannot recompute its residuals, and keeping residuals "
+            rf"needs .* = {needed:,} bytes per device by XLA's memory analysis of the step, more than "
+            rf"parallel.pipeline.memory_budget_bytes \(.* = {needed - 1:,} bytes\): cut the batch into more "
+            rf"parallel.pipeline.microbatches")):
+        tight.remat
+
+
 def test_run_when_runs_its_action_only_when_active_and_inside_its_loop():
     """A slot's action is a while loop of zero or one trips; XLA must not hoist its work out of the loop, where
     it would run in every slot whether active or not."""
@@ -580,9 +600,10 @@ ERRORS = {
                             "memory_budget_bytes is read by remat=auto only, and remat=full is fixed"),
     "batch-split": (["mesh.stage=2", "parallel.pipeline.microbatches=3"], "not divisible by batch.microbatches 1 x "
                     "parallel.pipeline.microbatches 3"),
-    "zero-bubble-recomputing": (["mesh.stage=2", "parallel.pipeline.schedule=zb1p", "parallel.pipeline.remat=auto"],
-                                "schedule=zb1p runs each backward as B and W from the forward's residuals: set "
-                                "parallel.pipeline.remat=none (not auto)"),
+    "zero-bubble-recomputing": (["mesh.stage=2", "parallel.pipeline.schedule=zb1p", "parallel.pipeline.remat=full"],
+                                "schedule=zb1p runs each backward as B and W from the forward's residuals, so it "
+                                "cannot recompute them: set parallel.pipeline.remat=none or auto, or leave it unset "
+                                "(not full)"),
     "zbv-three-chunks": (["mesh.stage=2", "model.layers=6", "parallel.pipeline.schedule=zbv",
                           "parallel.pipeline.remat=none", "parallel.pipeline.virtual_stages=3"],
                          "schedule=zbv places exactly 2 chunks per stage in a V"),

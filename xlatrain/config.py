@@ -288,6 +288,8 @@ def _positive_ints(value: Any) -> bool:
 
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
+ZERO_BUBBLE = ("zb1p", "zbv")
+"""The schedules whose backward is B and W, both run from the forward's residuals."""
 
 
 class PipelineConfig(Strict):
@@ -297,9 +299,9 @@ class PipelineConfig(Strict):
     """gpipe: every forward, then every backward. 1f1b: one forward one backward, at most mesh.stage
     microbatches of activations per stage. interleaved: 1f1b over virtual_stages model chunks per stage.
     zb1p: zero-bubble ZB-H1, 1f1b with each backward split into the input gradient (B) and the weight
-    gradients (W), which fill the cool-down bubble; 1f1b's memory (needs remat: none). zbv: zero-bubble ZB-V,
+    gradients (W), which fill the cool-down bubble; 1f1b's memory (keeps residuals: remat none). zbv: ZB-V,
     two chunks per stage placed in a V (stage i holds chunks i and 2 x mesh.stage - 1 - i, so the first and
-    the last chunk share stage 0), B and W split as in zb1p; 1f1b's memory (needs remat: none)."""
+    the last chunk share stage 0), B and W split as in zb1p; 1f1b's memory (keeps residuals: remat none)."""
     microbatches: PositiveInt | None = None
     """Pipeline microbatches each gradient-accumulation microbatch is split into; null = 2 x mesh.stage."""
     virtual_stages: PositiveInt | None = None
@@ -308,13 +310,22 @@ class PipelineConfig(Strict):
     """auto: blocks per chunk chosen from XLA's cost and memory analysis; or a list of block counts, one per
     chunk (mesh.stage x virtual_stages of them), in model order."""
     remat: Literal["none", "full", "auto"] = "full"
-    """full: each chunk's backward recomputes its forward from the stored input activation (~1.33x the model's
-    work). none: the forward keeps the chunk's residuals (what its VJP saves) until the backward, which only
-    runs the pullback: the model's work, for more memory (residuals of every microbatch in flight). auto: none
-    when XLA's memory analysis of the step compiled with none fits memory_budget_bytes, full otherwise."""
+    """full (the default; none for zb1p and zbv, whose B and W run from the residuals and cannot recompute them):
+    each chunk's backward recomputes its forward from the stored input activation (~1.33x the model's work).
+    none: the forward keeps the chunk's residuals (what its VJP saves) until the backward, which only runs the
+    pullback: the model's work, for more memory (residuals of every microbatch in flight). auto: none when XLA's
+    memory analysis of the step compiled with none fits memory_budget_bytes, full otherwise (zb1p, zbv: an
+    error naming both sizes)."""
     memory_budget_bytes: PositiveInt | None = None
     """What one device may use (remat: auto only); null = the device's memory (a CPU device: its share of the
     host's RAM)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _zero_bubble_keeps_residuals_by_default(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "remat" not in value and value.get("schedule") in ZERO_BUBBLE:
+            return {**value, "remat": "none"}
+        return value
 
     @field_validator("partition", mode="before")
     @classmethod
@@ -330,7 +341,7 @@ class PipelineConfig(Strict):
 
     def splits_backward(self) -> bool:
         """Whether the schedule runs each backward as B and W (a zero-bubble schedule)."""
-        return self.schedule in ("zb1p", "zbv")
+        return self.schedule in ZERO_BUBBLE
 
     def microbatches_for(self, stages: int) -> int:
         return self.microbatches if self.microbatches is not None else 2 * stages
@@ -586,9 +597,10 @@ class Config(Strict):
         if pipe.schedule == "interleaved" and v < 2:
             raise ValueError("parallel.pipeline.schedule=interleaved needs virtual_stages >= 2 (model chunks per "
                              "stage); use schedule=1f1b for one chunk per stage")
-        if pipe.splits_backward() and pipe.remat != "none":
+        if pipe.splits_backward() and pipe.remat == "full":
             raise ValueError(f"parallel.pipeline.schedule={pipe.schedule} runs each backward as B and W from the "
-                             f"forward's residuals: set parallel.pipeline.remat=none (not {pipe.remat})")
+                             "forward's residuals, so it cannot recompute them: set parallel.pipeline.remat=none "
+                             "or auto, or leave it unset (not full)")
         if pipe.memory_budget_bytes is not None and pipe.remat != "auto":
             raise ValueError(f"parallel.pipeline.memory_budget_bytes is read by remat=auto only, and remat="
                              f"{pipe.remat} is fixed: set remat=auto, or drop memory_budget_bytes")

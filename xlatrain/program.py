@@ -127,7 +127,8 @@ class Program:
             return configured(pipe.remat)
         budget, source = ((pipe.memory_budget_bytes, "parallel.pipeline.memory_budget_bytes")
                           if pipe.memory_budget_bytes is not None else device_memory(self.mesh))
-        return choose_remat(lambda: peak_memory_bytes(self._train_step_for("none").first.compiled), budget, source)
+        return choose_remat(lambda: peak_memory_bytes(self._train_step_for("none").first.compiled), budget, source,
+                            zero_bubble=pipe.schedule if pipe.splits_backward() else None)
 
     def _train_step_for(self, remat: str) -> StepExecutables:
         if remat not in self._train_steps:
