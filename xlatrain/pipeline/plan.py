@@ -86,8 +86,9 @@ class PipelinePlan:
 
     def remat_line(self, remat: RematChoice | str, count_work: bool) -> str:
         if isinstance(remat, str):
+            otherwise = "an error: B and W cannot recompute" if self.slots.splits_backward else "full"
             return ("remat            auto: chosen when the train step compiles (none if XLA's memory analysis of "
-                    "the step keeping residuals fits the budget, else full)")
+                    f"the step keeping residuals fits the budget, else {otherwise})")
         done = f"; XLA FLOPs per step {self.count_work(remat.remat).ratio:.2f}x the unpipelined model's" \
             if count_work else ""
         if remat.remat == "none" and self.slots.splits_backward:
