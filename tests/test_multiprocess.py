@@ -177,6 +177,20 @@ def test_launch_stops_the_others_when_a_rank_dies(tmp_path):
     assert err.strip().splitlines()[-1].startswith("xlatrain launch: error: rank 1 was killed by SIGKILL")
 
 
+@pytest.mark.parametrize("codes, named", [([-signal.SIGABRT, -signal.SIGKILL], 1), ([2, -signal.SIGABRT], 1),
+                                          ([-signal.SIGSEGV, -signal.SIGKILL], 0), ([3, 2], 0), ([0, None], None)])
+def test_the_launcher_names_the_rank_whose_failure_came_first_not_its_peers_reaction(codes, named):
+    """A rank killed from outside over one that aborted (jax's coordination client aborts a process whose peer
+    vanished, often before the launcher's next poll), over one that exited with an error code."""
+    from types import SimpleNamespace
+
+    from xlatrain.launch import _first_failure
+
+    ranks = [SimpleNamespace(index=i, process=SimpleNamespace(returncode=code)) for i, code in enumerate(codes)]
+    failed = _first_failure(ranks)
+    assert (failed.index if failed else None) == named
+
+
 @pytest.mark.slow
 def test_the_watchdog_names_a_killed_rank_and_the_last_checkpoint_resumes(tmp_path):
     run_dir = tmp_path / "run"

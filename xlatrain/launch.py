@@ -178,9 +178,11 @@ def _supervise(ranks: list[Rank], logs: Path) -> int:
 
 
 def _first_failure(ranks: list[Rank]) -> Rank | None:
-    """A rank that failed, preferring one killed by a signal: its peers' failures are usually the consequence."""
+    """A rank that failed, preferring one killed by a signal, then one that aborted: its peers' failures are
+    usually the consequence, and an abort is how jax's coordination client ends a process whose peer vanished."""
     failed = [r for r in ranks if r.process.returncode not in (None, 0)]
-    return min(failed, key=lambda r: (r.process.returncode >= 0, r.index), default=None)
+    return min(failed, key=lambda r: (r.process.returncode >= 0, r.process.returncode == -signal.SIGABRT, r.index),
+               default=None)
 
 
 def _send(ranks: list[Rank], sig: int) -> None:
