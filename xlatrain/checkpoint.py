@@ -261,13 +261,13 @@ def _from_abandoned_io(unraisable: Any) -> bool:
     return (code is not None and "orbax" in Path(code.co_filename).parts) or _abandoned(unraisable.exc_value)
 
 
-def _refused_write(err: BaseException) -> bool:
+def _refused_write(err: BaseException | None) -> bool:
     return isinstance(err, Exception) and _io_failure(err) is not None
 
 
 def _abandoned(err: BaseException | None) -> bool:
     loop_closed = isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
-    return loop_closed or (err is not None and _refused_write(err))
+    return loop_closed or _refused_write(err)
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:

@@ -31,6 +31,10 @@ def warn(message: str) -> None:
     print(f"xlatrain: warning: {message}", file=sys.stderr, flush=True)
 
 
+# The errors whose fix is the user's (make room, repair or remount the file system), not a bug to trace back.
+FILE_SYSTEM_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 @contextlib.contextmanager
 def file_system_refusals_named(where: object = None) -> Iterator[None]:
     """A file system that is full or read-only, met anywhere inside, is one UserError naming the file (or the
@@ -38,7 +42,7 @@ def file_system_refusals_named(where: object = None) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        if err.errno not in FILE_SYSTEM_REFUSALS:
             raise
         place = err.filename or (f"a file in {where}" if where is not None else "a file")
         raise UserError(f"{place} could not be written ({err.strerror}): make room or repair the file system, then "

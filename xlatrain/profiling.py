@@ -19,12 +19,12 @@ from typing import Any, Callable
 import jax
 
 from xlatrain import compat
-from xlatrain.errors import warn
+from xlatrain.errors import FILE_SYSTEM_REFUSALS, warn
 
 PROFILE_DIR = "profile"
 TRACE_SESSIONS = Path("plugins", "profile")
 """Where under its log directory jax.profiler writes each trace, in a folder named by the time it stopped."""
-_REFUSALS = {os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)}
+_REFUSALS = {os.strerror(code) for code in (*FILE_SYSTEM_REFUSALS, errno.EACCES)}
 
 
 class ProfileWindow:
