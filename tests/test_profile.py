@@ -10,6 +10,7 @@ from conftest import DIGITS_MLP, run_cli
 from xlatrain.cli import claim_profile_dir
 from xlatrain.config import load_config
 from xlatrain.errors import UserError
+from xlatrain.profiling import LONG_WINDOW, ProfileWindow
 
 
 def test_xlatrain_profile_traces_the_steps_in_a_fresh_run_directory(tmp_path):
@@ -120,3 +121,13 @@ def test_xlatrain_profile_that_wrote_no_trace_fails_unless_a_stop_signal_ended_i
         [run_dir] = tmp_path.glob("run-profile-*")
         assert code == 2 and error == (f"xlatrain: error: profile: no trace was written to {run_dir / 'profile'} "
                                        "(the warning above says why)\n")
+
+
+@pytest.mark.parametrize(("steps", "warned"), [((3, 5), False), ((1, LONG_WINDOW), False),
+                                               ((1, LONG_WINDOW + 1), True), ((1, 100_000), True)])
+def test_a_window_long_enough_to_fill_host_memory_is_warned_about(tmp_path, capsys, steps, warned):
+    ProfileWindow(steps, tmp_path, print)
+    err = capsys.readouterr().err
+    assert ("host memory until the last one" in err) == warned
+    if warned:
+        assert f"traces {steps[1]:,} steps" in err and "e.g. [1, 3]" in err

@@ -25,6 +25,9 @@ PROFILE_DIR = "profile"
 TRACE_SESSIONS = Path("plugins", "profile")
 """Where under its log directory jax.profiler writes each trace, in a folder named by the time it stopped."""
 _REFUSALS = {os.strerror(code) for code in (*FILE_SYSTEM_REFUSALS, errno.EACCES)}
+LONG_WINDOW = 100
+"""More traced steps than this earn a warning: jax's profiler holds every event of the window in host memory
+until it stops (about 0.5 MB a step for the default GPT: a 10-step trace wrote 4.6 MB)."""
 
 
 class ProfileWindow:
@@ -34,6 +37,10 @@ class ProfileWindow:
 
     def __init__(self, steps: tuple[int, int] | None, run_dir: Path, echo: Callable[[str], None]):
         self.steps = steps
+        if steps is not None and steps[1] - steps[0] + 1 > LONG_WINDOW:
+            warn(f"trainer.profile_steps=[{steps[0]}, {steps[1]}] traces {steps[1] - steps[0] + 1:,} steps, and "
+                 "jax's profiler keeps every event of them in host memory until the last one: a long window can "
+                 f"exhaust it, where a few steps show what a step does (e.g. [{steps[0]}, {steps[0] + 2}])")
         self.first_traced = steps[0] if steps else None  # later when a resumed session starts inside the window
         # Processes of one host would write the same <host>.xplane.pb: each but the first has its own folder.
         index = jax.process_index()
