@@ -400,6 +400,8 @@ def test_a_zero_bubble_schedule_keeps_residuals_unless_told_otherwise_and_auto_r
     zero_bubble = ["mesh.stage=2", "parallel.pipeline.microbatches=2", "parallel.pipeline.schedule=zb1p"]
     assert load_config(None, [*TINY_GPT, *PIPELINE, *zero_bubble]).parallel.pipeline.remat == "none"
     assert load_config(None, [*TINY_GPT, *PIPELINE, "mesh.stage=2"]).parallel.pipeline.remat == "full"
+    assert program_for(zero_bubble).remat.reason == ("parallel.pipeline.remat, zb1p's default: its B and W run from "
+                                                     "the kept residuals")
     roomy = program_for([*zero_bubble, "parallel.pipeline.remat=auto"])
     assert roomy.remat.remat == "none" and "within a CPU device's share of the host's" in roomy.remat.reason
     needed = peak_memory_bytes(roomy.train_step.first.compiled)

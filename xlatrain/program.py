@@ -123,12 +123,13 @@ class Program:
         if self.pipeline is None:
             return None
         pipe = self.config.parallel.pipeline
+        zero_bubble = pipe.schedule if pipe.splits_backward() else None
         if pipe.remat != "auto":
-            return configured(pipe.remat)
+            return configured(pipe.remat, zero_bubble)
         budget, source = ((pipe.memory_budget_bytes, "parallel.pipeline.memory_budget_bytes")
                           if pipe.memory_budget_bytes is not None else device_memory(self.mesh))
         return choose_remat(lambda: peak_memory_bytes(self._train_step_for("none").first.compiled), budget, source,
-                            zero_bubble=pipe.schedule if pipe.splits_backward() else None)
+                            zero_bubble)
 
     def _train_step_for(self, remat: str) -> StepExecutables:
         if remat not in self._train_steps:

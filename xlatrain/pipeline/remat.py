@@ -24,7 +24,11 @@ class RematChoice:
         return f"{self.remat} ({self.reason})"
 
 
-def configured(remat: str) -> RematChoice:
+def configured(remat: str, zero_bubble: str | None = None) -> RematChoice:
+    """`zero_bubble`: as in choose_remat; there none is also what the schedule takes when remat is left unset."""
+    if zero_bubble:
+        return RematChoice(remat, f"parallel.pipeline.remat, {zero_bubble}'s default: its B and W run from the "
+                                  "kept residuals")
     return RematChoice(remat, "set by parallel.pipeline.remat")
 
 
