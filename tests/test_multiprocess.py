@@ -120,6 +120,17 @@ def test_processes_that_disagree_name_the_rank_and_the_keys(tmp_path):
         assert "the processes disagree before compiling: rank 1 (host " in err and "seed=7 vs 0" in err
 
 
+def test_xlatrain_profile_over_two_processes_traces_both_into_the_one_directory_process_0_claimed(tmp_path):
+    """Each process claiming its own RUN_DIR-profile-<time> (the second one's -2) made them disagree on
+    trainer.run_dir, a key the user never set."""
+    succeed(start(tmp_path / "run", free_port(), devices=2, program=("-m", "xlatrain.cli", "profile"),
+                  per_rank=lambda i: ["--steps", "2:3"]))
+    claimed = list(tmp_path.glob("run-profile-*"))
+    assert len(claimed) == 1, claimed
+    for traces in (claimed[0] / "profile", claimed[0] / "profile" / "process-1"):
+        assert len(list(traces.glob("plugins/profile/*/*.xplane.pb"))) == 1, traces
+
+
 def test_custom_cpu_collectives_across_processes_need_mpirun(tmp_path):
     outputs = finish(start(tmp_path / "custom", free_port(), ["parallel.mode=shard_map", "collectives.impl=custom"]))
     for returncode, _, err in outputs:

@@ -107,7 +107,8 @@ def test_xlatrain_profile_that_wrote_no_trace_fails_unless_a_stop_signal_ended_i
 
     from xlatrain import cli, stop
 
-    def train_without_tracing(*_args):
+    def train_without_tracing(_config_path, _overrides, _args, once_joined):
+        once_joined()  # claims the directory
         if signalled:
             stop._current.received.append(signal.SIGTERM)  # stopped before the first step
         return 0

@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from xlatrain.errors import NonFiniteLoss, UserError, file_system_refusals_named, first_line, make_writable_directory
 
@@ -184,16 +184,22 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
     return None, args
 
 
-def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
+def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace,
+           once_joined: Callable[[], list[str]] = list) -> int:
+    """`once_joined()`: more overrides, found after this process joined the others (if any)."""
     from xlatrain.stop import STOPPED_BEFORE_FIRST_STEP, StoppedBeforeFirstStep, stop_signals
 
     with stop_signals():
         try:
+            from xlatrain.config import load_config
             from xlatrain.distributed import initialize
             from xlatrain.trainer import train
 
             config = _config_with_cpu_devices(config_path, overrides)
             initialize(config.distributed)
+            more = once_joined()
+            if more:
+                config = load_config(config_path, [*overrides, *more])
             with file_system_refusals_named(config.run_dir()):
                 train(config)
         except StoppedBeforeFirstStep as stop:
@@ -418,18 +424,29 @@ def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Name
 def _profile(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     """`xlatrain train` of steps 1..B into RUN_DIR-profile-<time>, never into the config's own run."""
     from xlatrain.config import load_config
-    from xlatrain.profiling import PROFILE_DIR, TRACE_SESSIONS
+    from xlatrain.distributed import as_primary_has_it, is_primary
+    from xlatrain.profiling import TRACE_SESSIONS, trace_directory
     from xlatrain.stop import stop_signals
 
     config = load_config(config_path, overrides)
     first, last = args.steps
     k = config.trainer.steps_per_sync
-    run_dir = claim_profile_dir(config.run_dir(), time.strftime('%Y%m%d-%H%M%S'))
+    stamp = time.strftime('%Y%m%d-%H%M%S')
+    run_dir = Path()
+
+    def in_a_fresh_directory() -> list[str]:
+        """Process 0 claims the directory and every process of the run takes its name."""
+        nonlocal run_dir
+        claimed = str(claim_profile_dir(config.run_dir(), stamp)) if is_primary() else ""
+        run_dir = Path(as_primary_has_it("profile_dir", claimed))
+        return [f"trainer.run_dir={run_dir}"]
+
     with stop_signals() as stop:
         code = _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
-                                    f"trainer.profile_steps=[{first},{last}]", f"trainer.run_dir={run_dir}"], args)
-    if code == 0 and not stop.requested and not any((run_dir / PROFILE_DIR / TRACE_SESSIONS).glob("*/*.xplane.pb")):
-        raise UserError(f"profile: no trace was written to {run_dir / PROFILE_DIR} (the warning above says why)")
+                                    f"trainer.profile_steps=[{first},{last}]"], args, in_a_fresh_directory)
+    traces = trace_directory(run_dir)
+    if code == 0 and not stop.requested and not any((traces / TRACE_SESSIONS).glob("*/*.xplane.pb")):
+        raise UserError(f"profile: no trace was written to {traces} (the warning above says why)")
     return code
 
 

@@ -42,9 +42,7 @@ class ProfileWindow:
                  "jax's profiler keeps every event of them in host memory until the last one: a long window can "
                  f"exhaust it, where a few steps show what a step does (e.g. [{steps[0]}, {steps[0] + 2}])")
         self.first_traced = steps[0] if steps else None  # later when a resumed session starts inside the window
-        # Processes of one host would write the same <host>.xplane.pb: each but the first has its own folder.
-        index = jax.process_index()
-        self.directory = run_dir / PROFILE_DIR / (f"process-{index}" if index else "")
+        self.directory = trace_directory(run_dir)
         self.echo = echo
         self.tracing = False
         self.done = False
@@ -105,6 +103,13 @@ class ProfileWindow:
     def _sessions(self) -> list[Path]:
         sessions = self.directory / TRACE_SESSIONS
         return list(sessions.iterdir()) if sessions.is_dir() else []
+
+
+def trace_directory(run_dir: Path) -> Path:
+    """Where this process writes its trace: processes of one host would write the same <host>.xplane.pb, so
+    each but the first has its own folder."""
+    index = jax.process_index()
+    return run_dir / PROFILE_DIR / (f"process-{index}" if index else "")
 
 
 def _file_system_refusal(err: Exception) -> str | None:
