@@ -32,11 +32,9 @@ class ResidualLayout:
     @staticmethod
     def of(pullback_of: Callable[..., Callable], args: tuple, data: tuple[int, ...]) -> ResidualLayout:
         """`pullback_of(*args)`: the chunk's pullback; args at positions `data` hold the microbatch's data."""
-        reads = compat.outputs_reading(lambda *a: jax.tree.leaves(pullback_of(*a)), args, data)
-        kept = tuple(bool(r) for r in reads)
-        leaves = jax.eval_shape(lambda *a: jax.tree.leaves(pullback_of(*a)), *args)
-        return ResidualLayout(kept, tuple(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-                                          for leaf, keep in zip(leaves, kept, strict=True) if keep))
+        outputs = compat.outputs_reading(lambda *a: jax.tree.leaves(pullback_of(*a)), args, data)
+        return ResidualLayout(tuple(bool(reads) for reads, _ in outputs),
+                              tuple(shape for reads, shape in outputs if reads))
 
     def counts(self) -> dict[str, int]:
         """Elements per dtype."""

@@ -197,10 +197,11 @@ def used_inputs(fn: Callable, *args: Any) -> list[bool]:
     return [id(v) in read for v in closed.jaxpr.invars]
 
 
-def outputs_reading(fn: Callable, args: tuple, watched: tuple[int, ...]) -> list[bool | None]:
-    """Per flattened output of fn(*args): None when it is one of the inputs itself, else whether computing it
-    reads any input of the args at positions `watched` (jax's dead-code elimination of the traced program, which
-    follows values through loops and branches)."""
+def outputs_reading(fn: Callable, args: tuple,
+                    watched: tuple[int, ...]) -> list[tuple[bool | None, jax.ShapeDtypeStruct]]:
+    """Per flattened output of fn(*args), with its shape and dtype: None when it is one of the inputs itself,
+    else whether computing it reads any input of the args at positions `watched` (jax's dead-code elimination of
+    the traced program, which follows values through loops and branches)."""
     from jax._src.interpreters import partial_eval as pe
 
     closed = jax.make_jaxpr(fn)(*args)
@@ -209,13 +210,14 @@ def outputs_reading(fn: Callable, args: tuple, watched: tuple[int, ...]) -> list
     watched_vars = {i for position in watched for i in range(ends[position] - len(jax.tree.leaves(args[position])),
                                                               ends[position])}
     inputs = {id(v) for v in jaxpr.invars}
-    result: list[bool | None] = []
-    for index, out in enumerate(jaxpr.outvars):
+    result: list[tuple[bool | None, jax.ShapeDtypeStruct]] = []
+    for index, (out, aval) in enumerate(zip(jaxpr.outvars, closed.out_avals, strict=True)):
+        shape = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         if id(out) in inputs:
-            result.append(None)
+            result.append((None, shape))
             continue
         _, used = pe.dce_jaxpr(jaxpr, [i == index for i in range(len(jaxpr.outvars))])
-        result.append(any(used[i] for i in watched_vars))
+        result.append((any(used[i] for i in watched_vars), shape))
     return result
 
 
