@@ -71,6 +71,15 @@ def test_out_of_range(capsys):
     assert "optimizer.lr" in err and "greater than 0" in err
 
 
+@pytest.mark.parametrize("override", ["optimizer.lr=inf", "optimizer.lr=1e400", "optimizer.eps=.nan",
+                                      "optimizer.weight_decay=inf", "optimizer.clip_norm=inf",
+                                      "collectives.timeout_s=inf", "precision.loss_scale.growth_factor=inf"])
+def test_a_number_that_is_not_finite_is_refused(capsys, override):
+    """An infinite learning rate trained to a NaN loss at step 2 instead of failing here."""
+    key = override.split("=")[0]
+    assert f"config: {key}: Input should be a finite number (got " in cli_error(capsys, "config", override)
+
+
 @pytest.mark.parametrize("partition", ["[0,4,2,2]", "abc", "[1.5,2]", "[true,1]"])
 def test_a_malformed_partition_is_one_message(capsys, partition):
     err = cli_error(capsys, "config", "mesh.stage=2", f"parallel.pipeline.partition={partition}")

@@ -30,7 +30,7 @@ DropoutRate = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, allow_inf_nan=False)
 
 
 # --- model -------------------------------------------------------------------------------------
