@@ -51,6 +51,7 @@ from xlatrain.state import (
     ModelDef,
     TrainState,
     check_state_fits,
+    check_step_fits,
     create_state,
     device_memory,
     init_variables,
@@ -160,6 +161,11 @@ class Program:
         """Whether the update sums gradients across devices: not in a pipeline over one data replica, where each
         stage updates its blocks from its own gradients (and only their norm and finiteness are summed)."""
         return self.pipeline is None or self.derived.data_parallel > 1
+
+    def check_steps_fit(self) -> None:
+        """Compiles the train and eval steps, and refuses one that cannot fit a device's memory."""
+        for step in (self.train_step, self.eval_step):
+            check_step_fits(step.name, peak_memory_bytes(step.first.compiled), self.mesh)
 
     def amp_order_problems(self) -> list[str]:
         """The AMP order checked on the compiled (single-step) train program; empty when it holds."""

@@ -115,6 +115,19 @@ def check_state_fits(abstract_sharded: Any, mesh: Mesh) -> None:
                         "(parallel.strategy=zero1/fsdp, mesh.stage)")
 
 
+def check_step_fits(step: str, needed: int, mesh: Mesh) -> None:
+    """Refuse, before it first runs, a compiled step that needs more memory per device than a device has (an
+    oversized batch would otherwise end in an out-of-memory kill, or in XLA's allocation error inside the step).
+    `needed`: XLA's memory analysis of the step, the state and the batch included."""
+    available, where = device_memory(mesh)
+    if available and needed > available:
+        raise UserError(f"config: the {step} needs {needed / 2**30:.1f} GiB per device by XLA's memory analysis "
+                        f"(the train state, the batch and the step's temporaries), more than {where}; lower "
+                        "batch.global_size or the length of an example (data.seq_len), raise batch.microbatches "
+                        "(gradient accumulation), make the model smaller, or shard it (parallel.strategy=zero1/fsdp, "
+                        "mesh.stage)")
+
+
 def verify_replicas_identical(state: Any, specs: Any, mesh: Mesh) -> None:
     """Every replicated leaf must hold the same bits on every device (and every process)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)

@@ -148,6 +148,8 @@ class _Run:
         return result
 
     def _execute(self) -> TrainResult:
+        with self.compile_log.phase("steps"), self.progress.during("compiling"):
+            self.program.check_steps_fit()  # before this start writes config.yaml, so a refused one leaves no run behind
         with self.compile_log.phase("state"), self.progress.during("compiling"):
             state, data_state, start = self._initial_state()
         save_run_config(self.config, self.program.derived)
