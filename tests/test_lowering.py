@@ -20,8 +20,10 @@ def kinds(report):
 
 def test_data_parallel_step_all_reduces_gradients(capsys, devices):
     report = lower_json(capsys, *DIGITS_MLP)
-    assert set(report) == {"params", "flops", "peak_memory_bytes", "collectives", "model_flops", "amp_order",
-                           "loss_scaled", "gradients_synchronised"}
+    assert set(report) == {"params", "flops", "peak_memory_bytes", "device_memory", "collectives", "model_flops",
+                           "amp_order", "loss_scaled", "gradients_synchronised"}
+    assert report["device_memory"]["bytes"] > report["peak_memory_bytes"]
+    assert report["device_memory"]["of"].startswith("a CPU device's share of the host's")
     assert report["amp_order"] == []
     assert report["params"] == 64 * 32 + 32 + 32 * 10 + 10
     # the first layer's input gradient is not needed: forward + both gradients of the second layer, one of the first
@@ -42,6 +44,14 @@ def test_fsdp_step_all_gathers_parameters(capsys, devices):
 def test_single_device_step_has_no_collectives(capsys, devices, monkeypatch):
     monkeypatch.setattr("jax.devices", lambda *a: devices[:1])
     assert lower_json(capsys, *DIGITS_MLP, "mesh.data=1")["collectives"] == []
+
+
+def test_the_report_says_whether_the_step_fits_a_device_as_train_would_hold_it(capsys, devices):
+    assert main(["lower", *DIGITS_MLP]) == 0
+    assert "of a CPU device's share of the host's" in capsys.readouterr().out.split("peak memory")[1].split("\n")[0]
+    assert main(["lower", "data.seq_len=32768", "batch.global_size=8"]) == 0
+    peak = capsys.readouterr().out.split("peak memory")[1].split("\n")[0]
+    assert peak.endswith(": does NOT fit (`xlatrain train` refuses it)"), peak
 
 
 def test_dump_writes_stablehlo_and_optimised_hlo(tmp_path):

@@ -271,6 +271,7 @@ def _config(config_path: str | None, overrides: list[str], _args: argparse.Names
 def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.lowering.inspect import dump, step_report
     from xlatrain.program import build_program
+    from xlatrain.state import device_memory
 
     if args.devices is not None and not args.target:
         raise UserError("lower: --devices counts the GPUs of --target; without --target the devices are this host's")
@@ -285,6 +286,8 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     if target is not None:
         report["target"] = {"asked": target.label, "device_kind": target.device_kind, "devices": len(devices),
                             "memory_bytes": target.memory_bytes}
+    available, where = device_memory(program.mesh)
+    report["device_memory"] = {"bytes": available, "of": where}
     report["model_flops"] = program.derived.model_flops_per_step
     report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None
     report["loss_scaled"] = program.policy.dynamic_scale
@@ -481,10 +484,12 @@ def _report(_config_path: str | None, _overrides: list[str], args: argparse.Name
     return 0
 
 
-def _fits(peak: int, target: dict) -> str:
-    memory = target["memory_bytes"]
-    verdict = "fits" if peak <= memory else "does NOT fit"
-    return f", {peak / memory:.1%} of the {memory / 2**30:.1f} GiB of one {target['device_kind']}: {verdict}"
+def _fits(peak: int, memory: dict) -> str:
+    """Against one device's memory, as `xlatrain train` holds the step before running it."""
+    if not memory["bytes"]:
+        return ""
+    verdict = "fits" if peak <= memory["bytes"] else "does NOT fit (`xlatrain train` refuses it)"
+    return f", {peak / memory['bytes']:.1%} of {memory['of']}: {verdict}"
 
 
 def _format_report(report: dict, devices: int) -> str:
@@ -501,7 +506,7 @@ def _format_report(report: dict, devices: int) -> str:
                                       "and backward over the global batch, counted on the jaxpr with every loop's "
                                       "trip count)" if report["model_flops"] else "not counted (a while loop)"),
              f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)"
-             + (_fits(report["peak_memory_bytes"], target) if target else ""),
+             + _fits(report["peak_memory_bytes"], report["device_memory"]),
              "collectives        " + ("none" if not report["collectives"] else "")]
     lines += [f"  {c['kind']:<26} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
     if "pipeline" in report:

@@ -149,7 +149,7 @@ class _Run:
 
     def _execute(self) -> TrainResult:
         with self.compile_log.phase("steps"), self.progress.during("compiling"):
-            self.program.check_steps_fit()  # before this start writes config.yaml, so a refused one leaves no run behind
+            self.program.check_steps_fit()  # before config.yaml is written: a refused start leaves no run behind
         with self.compile_log.phase("state"), self.progress.during("compiling"):
             state, data_state, start = self._initial_state()
         save_run_config(self.config, self.program.derived)
