@@ -10,7 +10,7 @@ from conftest import REPO, TINY_GPT
 
 from xlatrain import compat
 from xlatrain.config import load_config
-from xlatrain.cpu_devices import count_set_by_environment, plan_cpu_devices
+from xlatrain.cpu_devices import count_set_by_environment, host_memory, plan_cpu_devices
 from xlatrain.errors import UserError
 from xlatrain.metrics import read_metrics
 
@@ -136,3 +136,29 @@ def test_training_over_a_device_per_core_says_so_and_counts_the_dispatch_wait_as
     past_the_warm_up = timing[1]  # steps 11..20: the last interval holds the final checkpoint
     assert past_the_warm_up["time_device"] > 0.5 > past_the_warm_up["time_host"], timing
     assert "bottleneck host-bound" not in result.stdout
+
+
+RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@pytest.mark.parametrize("groups, files, expected", [
+    ("0::/\n", {"memory.max": str(GIB)}, GIB),  # cgroup v2, as a container sees it
+    ("0::/job/42\n", {"job/42/memory.max": str(2 * GIB), "memory.max": "max"}, 2 * GIB),  # v2, a batch job
+    ("4:memory:/process_api/abc\n1:cpu:/\n", {"memory/process_api/abc/memory.limit_in_bytes": str(3 * GIB)},
+     3 * GIB),  # v1
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712"}, RAM),  # v1 without a limit
+    ("0::/\n", {"memory.max": "max"}, RAM),
+    (None, {}, RAM),  # no /proc/self/cgroup
+])
+def test_host_memory_is_what_the_control_group_allows_where_it_caps_the_ram(tmp_path, groups, files, expected):
+    """A container's or a batch job's memory limit is what the out-of-memory killer enforces, not the RAM."""
+    proc = tmp_path / "cgroup"
+    if groups is not None:
+        proc.write_text(groups)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text + "\n")
+    limit, said = host_memory(proc, tmp_path / "fs")
+    assert limit == min(expected, RAM)
+    assert said.endswith(f"the host's {RAM / GIB:.1f} GiB of RAM" + (")" if expected < RAM else ""))
+    assert ("its control group allows" in said) == (expected < RAM)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from xlatrain.config import Config
@@ -92,6 +93,45 @@ def plan_cpu_devices(config: Config, cores: int, available_bytes: int | None, re
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity, which taskset and container cpusets narrow)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def host_memory(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                cgroups: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
+    """The RAM this process may use, and what says so: the machine's, or less where its control group caps it
+    (a container's or a batch job's memory limit, which the kernel's out-of-memory killer enforces)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = f"the host's {ram / 2**30:.1f} GiB of RAM"
+    limits = [limit for limit in map(_limit_in, _memory_limit_files(proc_cgroup, cgroups)) if limit is not None]
+    if limits and min(limits) < ram:
+        return min(limits), f"the {min(limits) / 2**30:.1f} GiB its control group allows (of {host})"
+    return ram, host
+
+
+def _memory_limit_files(proc_cgroup: Path, cgroups: Path) -> list[Path]:
+    """Where this process's memory limit can be read: cgroup v2's memory.max or v1's memory.limit_in_bytes, at
+    the root a container sees and under the process's own group."""
+    files = [cgroups / "memory.max", cgroups / "memory" / "memory.limit_in_bytes"]
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return files
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        group = group.lstrip("/")
+        if controllers == "":
+            files.append(cgroups / group / "memory.max")
+        elif "memory" in controllers.split(","):
+            files.append(cgroups / "memory" / group / "memory.limit_in_bytes")
+    return files
+
+
+def _limit_in(path: Path) -> int | None:
+    """The limit a cgroup file holds; None where it is missing or says there is none ("max")."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def dispatch_waits_for_the_previous_step(devices: list) -> bool:

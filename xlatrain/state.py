@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable
 
 import flax.struct
@@ -15,6 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xlatrain import compat
+from xlatrain.cpu_devices import host_memory
 from xlatrain.errors import UserError
 from xlatrain.fingerprints import fingerprint
 from xlatrain.gpu_targets import resolved_memory
@@ -93,9 +93,8 @@ def device_memory(mesh: Mesh) -> tuple[int | None, str]:
     comes from. CPU devices of one process share the host's RAM."""
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if devices[0].platform == "cpu":
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return ram // len(devices), (f"a CPU device's share of the host's {ram / 2**30:.1f} GiB of RAM "
-                                     f"({len(devices)} devices in this process)")
+        ram, what = host_memory()
+        return ram // len(devices), f"a CPU device's share of {what} ({len(devices)} devices in this process)"
     if compat.is_compile_only(devices[0]):
         limit = resolved_memory(devices[0].device_kind)
         return limit, f"the {limit / 2**30:.1f} GiB of one {devices[0].device_kind} (its target config)"
