@@ -10,7 +10,7 @@ from conftest import REPO, TINY_GPT
 
 from xlatrain import compat
 from xlatrain.config import load_config
-from xlatrain.cpu_devices import count_set_by_environment, host_memory, plan_cpu_devices
+from xlatrain.cpu_devices import available_memory_bytes, count_set_by_environment, host_memory, plan_cpu_devices
 from xlatrain.errors import UserError
 from xlatrain.metrics import read_metrics
 
@@ -162,3 +162,18 @@ def test_host_memory_is_what_the_control_group_allows_where_it_caps_the_ram(tmp_
     assert limit == min(expected, RAM)
     assert said.endswith(f"the host's {RAM / GIB:.1f} GiB of RAM" + (")" if expected < RAM else ""))
     assert ("its control group allows" in said) == (expected < RAM)
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({}, 20 * GIB),  # MemAvailable
+    ({"memory.max": str(4 * GIB), "memory.current": str(GIB)}, 3 * GIB),  # v2: what is left of the limit
+    ({"memory/memory.limit_in_bytes": str(4 * GIB), "memory/memory.usage_in_bytes": str(5 * GIB)}, 0),  # over it
+    ({"memory.max": "max", "memory.current": str(GIB)}, 20 * GIB),
+])
+def test_available_memory_is_what_is_left_of_the_control_groups_limit_where_that_is_less(tmp_path, files, expected):
+    (tmp_path / "meminfo").write_text(f"MemTotal: {64 * GIB // 1024} kB\nMemAvailable: {20 * GIB // 1024} kB\n")
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text + "\n")
+    assert available_memory_bytes(tmp_path / "meminfo", tmp_path / "missing", tmp_path / "fs") == expected
+    assert available_memory_bytes(tmp_path / "missing", tmp_path / "missing", tmp_path / "nothing") is None

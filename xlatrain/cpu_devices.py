@@ -95,38 +95,47 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def host_memory(proc_cgroup: Path = Path("/proc/self/cgroup"),
-                cgroups: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUPS = Path("/sys/fs/cgroup")
+
+
+def host_memory(proc_cgroup: Path = PROC_CGROUP, cgroups: Path = CGROUPS) -> tuple[int, str]:
     """The RAM this process may use, and what says so: the machine's, or less where its control group caps it
     (a container's or a batch job's memory limit, which the kernel's out-of-memory killer enforces)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     host = f"the host's {ram / 2**30:.1f} GiB of RAM"
-    limits = [limit for limit in map(_limit_in, _memory_limit_files(proc_cgroup, cgroups)) if limit is not None]
+    limits = [limit for limit, _ in _control_group_memory(proc_cgroup, cgroups)]
     if limits and min(limits) < ram:
         return min(limits), f"the {min(limits) / 2**30:.1f} GiB its control group allows (of {host})"
     return ram, host
 
 
-def _memory_limit_files(proc_cgroup: Path, cgroups: Path) -> list[Path]:
-    """Where this process's memory limit can be read: cgroup v2's memory.max or v1's memory.limit_in_bytes, at
-    the root a container sees and under the process's own group."""
-    files = [cgroups / "memory.max", cgroups / "memory" / "memory.limit_in_bytes"]
+def _control_group_memory(proc_cgroup: Path, cgroups: Path) -> list[tuple[int, int | None]]:
+    """(limit, usage) of each control group that caps this process's memory: cgroup v2's memory.max and
+    memory.current or v1's memory.limit_in_bytes and memory.usage_in_bytes, at the root a container sees and
+    under the process's own group."""
+    v2, v1 = ("memory.max", "memory.current"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    places = [(cgroups, v2), (cgroups / "memory", v1)]
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        return files
+        lines = []
     for line in lines:
         _, controllers, group = line.split(":", 2)
-        group = group.lstrip("/")
         if controllers == "":
-            files.append(cgroups / group / "memory.max")
+            places.append((cgroups / group.lstrip("/"), v2))
         elif "memory" in controllers.split(","):
-            files.append(cgroups / "memory" / group / "memory.limit_in_bytes")
-    return files
+            places.append((cgroups / "memory" / group.lstrip("/"), v1))
+    found = []
+    for directory, (limit_file, usage_file) in places:
+        limit = _number_in(directory / limit_file)
+        if limit is not None:
+            found.append((limit, _number_in(directory / usage_file)))
+    return found
 
 
-def _limit_in(path: Path) -> int | None:
-    """The limit a cgroup file holds; None where it is missing or says there is none ("max")."""
+def _number_in(path: Path) -> int | None:
+    """The number a cgroup file holds; None where it is missing or says there is no limit ("max")."""
     try:
         text = path.read_text().strip()
     except OSError:
@@ -146,16 +155,18 @@ def dispatch_waits_for_the_previous_step(devices: list) -> bool:
     return devices[0].platform == "cpu" and len(local) > 1 and len(local) >= workers
 
 
-def available_memory_bytes() -> int | None:
-    """The kernel's estimate of memory available without swapping (MemAvailable), or None where unknown."""
+def available_memory_bytes(meminfo: Path = Path("/proc/meminfo"), proc_cgroup: Path = PROC_CGROUP,
+                           cgroups: Path = CGROUPS) -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable), or less where this process's
+    control group leaves less of its limit unused (its usage counts the page cache, so this errs low); None
+    where unknown."""
+    found = [limit - usage for limit, usage in _control_group_memory(proc_cgroup, cgroups) if usage is not None]
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        found += [int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines()
+                  if line.startswith("MemAvailable:")]
     except OSError:
         pass
-    return None
+    return max(min(found), 0) if found else None
 
 
 applied: CpuDevicePlan | None = None
