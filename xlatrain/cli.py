@@ -447,8 +447,10 @@ def _profile(config_path: str | None, overrides: list[str], args: argparse.Names
     with stop_signals() as stop:
         code = _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
                                     f"trainer.profile_steps=[{first},{last}]"], args, in_a_fresh_directory)
+    if code != 0 or stop.requested:
+        return code
     traces = trace_directory(run_dir)
-    if code == 0 and not stop.requested and not any((traces / TRACE_SESSIONS).glob("*/*.xplane.pb")):
+    if not any((traces / TRACE_SESSIONS).glob("*/*.xplane.pb")):
         raise UserError(f"profile: no trace was written to {traces} (the warning above says why)")
     return code
 
