@@ -92,6 +92,10 @@ def test_known_devices_have_datasheet_peaks():
     assert known_peak("NVIDIA L4", "float16") == pytest.approx(121e12)
     assert known_peak("NVIDIA GH200 480GB", "bfloat16") == pytest.approx(989.4e12)
     assert known_peak("Some new accelerator", "bfloat16") is None
+    assert known_peak("NVIDIA A100-SXM4-40GB", "bfloat16") == pytest.approx(312e12)
+    assert known_peak("TPU v5 lite", "bfloat16") == pytest.approx(197e12)
+    # other devices whose names contain a listed one's: not given that one's peak
+    assert known_peak("NVIDIA L40", "bfloat16") is None and known_peak("NVIDIA A10G", "bfloat16") is None
 
 
 def test_metrics_carry_tflops_per_device_and_mfu(tmp_path, devices):

@@ -3,6 +3,7 @@ matmul on CPU (stated as measured: a CPU has no datasheet figure that XLA:CPU co
 
 from __future__ import annotations
 
+import re
 import time
 
 import jax
@@ -29,9 +30,20 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 def known_peak(device_kind: str, dtype: str) -> float | None:
     """FLOP/s of one device of that kind in that compute dtype, from the table; None when not listed."""
     for pattern, peaks in PEAK_TFLOPS:
-        if pattern.lower() in device_kind.lower() and dtype in peaks:
+        if _names(device_kind, pattern) and dtype in peaks:
             return peaks[dtype] * 1e12
     return None
+
+
+def _names(device_kind: str, pattern: str) -> bool:
+    """Whether the pattern's words occur in the device kind as whole words: an L40 or an A10G is not an L4 or an
+    A10 (a wrong peak would misstate MFU; an unknown device says it is not in the table)."""
+    words, wanted = _words(device_kind), _words(pattern)
+    return any(words[i:i + len(wanted)] == wanted for i in range(len(words)))
+
+
+def _words(text: str) -> list[str]:
+    return re.split(r"[\s_-]+", text.strip().lower())
 
 
 def measured_cpu_peak(device: jax.Device, dtype: str, local_devices: int, size: int = 1024) -> float:
