@@ -149,7 +149,7 @@ def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path):
 def test_a_step_too_large_for_memory_is_refused_before_the_run_directory_holds_anything(tmp_path):
     """XLA's memory analysis of the compiled step (here about 90 GiB per device: attention over 32768 tokens)
     against a device's memory: the step would have run into an out-of-memory kill. Refused before config.yaml is
-    written, the same run directory takes the corrected config."""
+    written, so that a corrected config can start in the same run directory."""
     run_dir = tmp_path / "run"
     result = run_cli("train", "data.seq_len=32768", "batch.global_size=8", f"trainer.run_dir={run_dir}")
     assert_one_line_error(result, "config: the train_step needs", "GiB per device by XLA's memory analysis",
