@@ -107,24 +107,28 @@ def check_state_fits(abstract_sharded: Any, mesh: Mesh) -> None:
     it (a mistyped size would otherwise end in an out-of-memory kill without a word)."""
     per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
                      for a in jax.tree.leaves(abstract_sharded))
-    available, where = device_memory(mesh)
-    if available and per_device > available:
-        raise UserError(f"config: the train state (params and optimizer state) needs {per_device / 2**30:.1f} GiB "
-                        f"per device, more than {where}; make the model smaller (model.* sizes), or shard it "
-                        "(parallel.strategy=zero1/fsdp, mesh.stage)")
+    _refuse_beyond_a_device(per_device, mesh, "the train state (params and optimizer state)", "",
+                            "make the model smaller (model.* sizes), or shard it (parallel.strategy=zero1/fsdp, "
+                            "mesh.stage)")
 
 
 def check_step_fits(step: str, needed: int, mesh: Mesh) -> None:
     """Refuse, before it first runs, a compiled step that needs more memory per device than a device has (an
     oversized batch would otherwise end in an out-of-memory kill, or in XLA's allocation error inside the step).
     `needed`: XLA's memory analysis of the step, the state and the batch included."""
+    _refuse_beyond_a_device(needed, mesh, f"the {step}", " by XLA's memory analysis (the train state, the batch "
+                            "and the step's temporaries)", "lower batch.global_size or the length of an example "
+                            "(data.seq_len), raise batch.microbatches (gradient accumulation), make the model "
+                            "smaller, or shard it (parallel.strategy=zero1/fsdp, mesh.stage)")
+
+
+def _refuse_beyond_a_device(needed: int, mesh: Mesh, what: str, counted: str, fixes: str) -> None:
+    """One config error when `what` needs more bytes per device than a device of the mesh has (`counted`: how
+    the need was measured, `fixes`: the settings that shrink it); nothing where the device's memory is unknown."""
     available, where = device_memory(mesh)
     if available and needed > available:
-        raise UserError(f"config: the {step} needs {needed / 2**30:.1f} GiB per device by XLA's memory analysis "
-                        f"(the train state, the batch and the step's temporaries), more than {where}; lower "
-                        "batch.global_size or the length of an example (data.seq_len), raise batch.microbatches "
-                        "(gradient accumulation), make the model smaller, or shard it (parallel.strategy=zero1/fsdp, "
-                        "mesh.stage)")
+        raise UserError(f"config: {what} needs {needed / 2**30:.1f} GiB per device{counted}, more than {where}; "
+                        f"{fixes}")
 
 
 def verify_replicas_identical(state: Any, specs: Any, mesh: Mesh) -> None:
