@@ -5,7 +5,7 @@ import yaml
 from conftest import REPO, run_cli
 
 from xlatrain.cli import main
-from xlatrain.config import Config, derive, load_config
+from xlatrain.config import Config, config_and_derived_to_yaml, derive, load_config
 from xlatrain.errors import UserError
 
 
@@ -49,6 +49,16 @@ def test_per_replica_batch_and_sqrt_scaling(devices):
     derived = derive(config, devices)
     assert derived.global_batch == 32 and derived.per_replica_batch == 4
     assert derived.effective_lr == pytest.approx(0.02)
+
+
+def test_a_runs_config_yaml_with_its_derived_values_is_a_config_to_start_from(tmp_path, devices, capsys):
+    config = load_config(REPO / "examples/configs/digits_mlp.yaml", ["batch.global_size=32", "trainer.steps=9"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config_and_derived_to_yaml(config, derive(config, devices).as_dict()))
+    assert load_config(saved) == config
+    assert "pass a YAML file (e.g. " in cli_error(capsys, "config", str(tmp_path))  # the file it names loads
+    saved.write_text("derived: 3\n")  # not what xlatrain writes: an unknown key, as before
+    assert "unknown key 'derived'" in cli_error(capsys, "config", str(saved))
 
 
 def test_unknown_key_suggests_the_right_one(capsys):

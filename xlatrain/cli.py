@@ -254,14 +254,13 @@ def _launch(config_path: str | None, overrides: list[str], args: argparse.Namesp
 
 def _config(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
     import jax
-    import yaml
 
     from xlatrain import cpu_devices, host_memory
-    from xlatrain.config import config_to_yaml, derive
+    from xlatrain.config import config_and_derived_to_yaml, derive
 
     config = _config_with_cpu_devices(config_path, overrides)
     derived = derive(config, jax.devices())
-    print(config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False), end="")
+    print(config_and_derived_to_yaml(config, derived.as_dict()), end="")
     if jax.default_backend() == "cpu":
         print(f"# CPU devices: {cpu_devices.applied.describe()}")
     print(f"# host memory: {host_memory.applied or 'as the system allocates (set by the xlatrain command only)'}")

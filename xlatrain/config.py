@@ -796,6 +796,15 @@ def config_to_yaml(config: Config) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
 
+DERIVED_SECTION = "derived"
+"""The section after the config in `xlatrain config`'s output and a run's config.yaml: the values computed from
+it (batch sizes, the scan choice, a pipeline's partition...). Reading such a file as a config leaves it out."""
+
+
+def config_and_derived_to_yaml(config: Config, derived: dict[str, Any]) -> str:
+    return config_to_yaml(config) + yaml.safe_dump({DERIVED_SECTION: derived}, sort_keys=False)
+
+
 def _read_yaml(path: Path) -> dict:
     if path.is_dir():
         raise UserError(f"config: {str(path)!r} is a directory; pass a YAML file (e.g. {str(path / 'config.yaml')!r})")
@@ -809,6 +818,8 @@ def _read_yaml(path: Path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"config: {path} must hold a mapping of keys at the top level, not a {type(data).__name__}")
+    if isinstance(data.get(DERIVED_SECTION), dict):  # a run's config.yaml: what it derived is derived again
+        del data[DERIVED_SECTION]
     return data
 
 

@@ -9,11 +9,17 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator
 
-import yaml
-
 from xlatrain import compat
 from xlatrain.atomic import replace_file
-from xlatrain.config import Config, Derived, config_to_yaml, flatten, parse_yaml, validate_config
+from xlatrain.config import (
+    DERIVED_SECTION,
+    Config,
+    Derived,
+    config_and_derived_to_yaml,
+    flatten,
+    parse_yaml,
+    validate_config,
+)
 from xlatrain.distributed import as_primary_has_it, host_name, is_primary
 from xlatrain.errors import UserError, first_line, warn
 
@@ -111,7 +117,7 @@ def save_run_config(config: Config, derived: Derived) -> None:
     start or restore leaves the saved config as it was."""
     if is_primary():
         saved_path = config.run_dir() / CONFIG_FILE
-        text = config_to_yaml(config) + yaml.safe_dump({"derived": derived.as_dict()}, sort_keys=False)
+        text = config_and_derived_to_yaml(config, derived.as_dict())
         replace_file(saved_path, lambda partial: partial.write_text(text))
     compat.barrier("xlatrain-run-dir-ready")
 
@@ -204,7 +210,7 @@ def pinned_partition(run_dir: Path) -> tuple[int, ...] | None:
 def saved_derived(run_dir: Path) -> dict:
     """The derived values config.yaml holds ({} for a new run): what the run was when it was last started."""
     saved_path = run_dir / CONFIG_FILE
-    derived = _read_mapping(saved_path).get("derived") if saved_path.is_file() else None
+    derived = _read_mapping(saved_path).get(DERIVED_SECTION) if saved_path.is_file() else None
     return derived if isinstance(derived, dict) else {}
 
 
@@ -221,7 +227,7 @@ def _read_mapping(saved_path: Path) -> dict:
 
 def _read_saved(saved_path: Path) -> Config:
     saved = _read_mapping(saved_path)
-    saved.pop("derived", None)
+    saved.pop(DERIVED_SECTION, None)
     try:
         return validate_config(saved)
     except UserError as err:
