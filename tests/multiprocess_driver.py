@@ -3,6 +3,7 @@ python tests/multiprocess_driver.py FAULT CONFIG [key=value ...], FAULT one of
   stuck-hook     rank 1 blocks in a hook at step 20
   stuck-loader   rank 1 blocks reading its batch after step 20
   slow-start     rank 1 compiles and checkpoints 6 s slower than rank 0 (no fault: the run must finish)
+  small-host     rank 1's host has 64 KiB of RAM
 """
 
 import sys
@@ -10,7 +11,7 @@ import time
 
 import jax
 
-from xlatrain import checkpoint, trainer
+from xlatrain import checkpoint, state, trainer
 from xlatrain.cli import main
 from xlatrain.data.loader import DeviceLoader
 
@@ -61,6 +62,16 @@ def slow_start() -> None:
     trainer.build_program, checkpoint.Checkpoints.save = slow_build, slow_save
 
 
+def small_host() -> None:
+    real = state.host_memory
+
+    def host_memory():
+        return (64 * 2**10, "a host's 64 KiB of RAM") if jax.process_index() == 1 else real()
+
+    state.host_memory = host_memory
+
+
 if __name__ == "__main__":
-    {"stuck-hook": stuck_hook, "stuck-loader": stuck_loader, "slow-start": slow_start}[sys.argv[1]]()
+    {"stuck-hook": stuck_hook, "stuck-loader": stuck_loader, "slow-start": slow_start,
+     "small-host": small_host}[sys.argv[1]]()
     sys.exit(main(["train", *sys.argv[2:]]))

@@ -263,6 +263,19 @@ def test_no_false_alarm_while_a_rank_compiles_and_checkpoints_slowly(tmp_path):
                   program=("tests/multiprocess_driver.py", "slow-start")))
 
 
+def test_every_process_measures_memory_by_the_smallest_host_and_refuses_alike(tmp_path):
+    """Rank 1 has 16 KiB per device, rank 0 its share of this host: both refuse the state, naming rank 1 (rank 1
+    alone refusing would leave rank 0 waiting for it)."""
+    outputs = finish(start(tmp_path / "run", free_port(), program=("tests/multiprocess_driver.py", "small-host")))
+    for returncode, _, err in outputs:
+        assert returncode == 2, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith("xlatrain: error: config: the train state (params and optimizer "
+                                                       "state) needs ")
+        assert (f"more than a CPU device's share of a host's 64 KiB of RAM (4 devices in this process) on rank 1 "
+                f"(host {socket.gethostname()}), the least of the 2 processes") in err
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
 def slurm_env(rank: int, port: int) -> dict:
     """What srun gives each task (jax derives the coordinator port from the job id)."""
     return {**devices_env(4), "SLURM_JOB_ID": str(port - (65535 - 2**12 + 1)), "SLURM_STEP_NODELIST": "127.0.0.1",

@@ -116,15 +116,20 @@ def disagreements(facts: list[dict[str, Any]]) -> list[str]:
     return found
 
 
+def everyones(name: str, value: Any) -> list[Any]:
+    """Every process's `value` (JSON), in rank order, on every process: each publishes its own and reads all."""
+    if jax.process_count() == 1:
+        return [value]
+    prefix = exchange_key(name)
+    compat.key_value_set(f"{prefix}{jax.process_index()}", json.dumps(value).encode())
+    return [json.loads(compat.key_value_get(f"{prefix}{rank}", START_TIMEOUT_S)) for rank in range(jax.process_count())]
+
+
 def check_processes_agree(config: Config) -> None:
     """Every process publishes its start facts and reads everyone's; a mismatch is one error on every process."""
     if jax.process_count() == 1:
         return
-    prefix = exchange_key("start")
-    compat.key_value_set(f"{prefix}{jax.process_index()}", json.dumps(start_facts(config)).encode())
-    facts = [json.loads(compat.key_value_get(f"{prefix}{rank}", START_TIMEOUT_S))
-             for rank in range(jax.process_count())]
-    problems = disagreements(facts)
+    problems = disagreements(everyones("start", start_facts(config)))
     if problems:
         raise UserError("distributed: the processes disagree before compiling: " + "; ".join(problems)
                         + "; start every process with the same config, xlatrain, jax and device count")

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlatrain import compat
 from xlatrain.cpu_devices import host_memory
+from xlatrain.distributed import everyones, host_name
 from xlatrain.errors import UserError
 from xlatrain.fingerprints import fingerprint
 from xlatrain.gpu_targets import resolved_memory
@@ -89,8 +90,22 @@ def with_shardings(abstract: Any, specs: Any, mesh: Mesh) -> Any:
 
 
 def device_memory(mesh: Mesh) -> tuple[int | None, str]:
-    """What one device of this process may hold (None when the runtime does not say), and where that figure
-    comes from. CPU devices of one process share the host's RAM."""
+    """What one device may hold (None when the runtime does not say), and where that figure comes from. Over
+    several processes, the least any of them has: every process must decide alike, since one refusing a step
+    alone would leave the others waiting for it, and remat: auto choosing apart would give them different
+    programs."""
+    figures = everyones("device_memory", [*_this_process_device_memory(mesh), host_name()])
+    known = [(limit, rank, where, host) for rank, (limit, where, host) in enumerate(figures) if limit]
+    if not known:
+        return None, figures[jax.process_index()][1]
+    least, rank, where, host = min(known)
+    if all(limit == least for limit, *_ in known):
+        return least, where
+    return least, f"{where} on rank {rank} (host {host}), the least of the {len(figures)} processes"
+
+
+def _this_process_device_memory(mesh: Mesh) -> tuple[int | None, str]:
+    """device_memory as this process sees it. CPU devices of one process share the host's RAM."""
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if devices[0].platform == "cpu":
         ram, what = host_memory()
