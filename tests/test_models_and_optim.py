@@ -8,6 +8,7 @@ import optax
 import pytest
 from conftest import DIGITS_MLP, REPO
 from flax import nnx
+from xlatrain.lowering.step import cross_entropy_with_integer_labels
 
 from xlatrain.config import derive, load_config
 from xlatrain.data.spec import DataSpec
@@ -90,6 +91,25 @@ def test_the_token_embeddings_gradient_sums_in_float32_and_sorting_changes_no_bi
     assert not np.array_equal(takes[jnp.bfloat16], rows_f32)
     grads, flat = jax.random.normal(jax.random.PRNGKey(3), (200, 16)), ids.reshape(-1)
     np.testing.assert_array_equal(sorted_rows(grads, flat, 300), scatter_rows(grads, flat, 300))
+
+
+def test_the_cross_entropy_is_optaxs_without_the_scatter_of_its_take():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 11)) * 5
+    labels = jax.random.randint(jax.random.PRNGKey(1), (4, 8), 0, 11)
+    weights = jax.random.uniform(jax.random.PRNGKey(2), (4, 8))  # a mask's weights: the cotangent is not constant
+    theirs = optax.losses.softmax_cross_entropy_with_integer_labels
+
+    def gradient(cross_entropy):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(cross_entropy(x, labels) * w)))
+
+    np.testing.assert_array_equal(cross_entropy_with_integer_labels(logits, labels), theirs(logits, labels))
+    np.testing.assert_array_equal(gradient(cross_entropy_with_integer_labels)(logits, weights),
+                                  gradient(theirs)(logits, weights))
+    def scatters(cross_entropy):
+        return gradient(cross_entropy).lower(logits, weights).as_text().count('"stablehlo.scatter"')
+
+    # both scatter the label logits' gradient into the logits'; optax's `.take(0)` adds a second scatter
+    assert (scatters(theirs), scatters(cross_entropy_with_integer_labels)) == (2, 1)
 
 
 def test_dropout_only_with_a_key():
