@@ -264,8 +264,8 @@ def test_no_false_alarm_while_a_rank_compiles_and_checkpoints_slowly(tmp_path):
 
 
 def test_every_process_measures_memory_by_the_smallest_host_and_refuses_alike(tmp_path):
-    """Rank 1 has 16 KiB per device, rank 0 its share of this host: both refuse the state, naming rank 1 (rank 1
-    alone refusing would leave rank 0 waiting for it)."""
+    """Rank 1 has 16 KiB per device, rank 0 its share of this host: both refuse the state with the reason, naming
+    rank 1 (rank 1 alone refusing would end rank 0 with "rank 1 failed")."""
     outputs = finish(start(tmp_path / "run", free_port(), program=("tests/multiprocess_driver.py", "small-host")))
     for returncode, _, err in outputs:
         assert returncode == 2, err[-2000:]

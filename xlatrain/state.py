@@ -91,9 +91,8 @@ def with_shardings(abstract: Any, specs: Any, mesh: Mesh) -> Any:
 
 def device_memory(mesh: Mesh) -> tuple[int | None, str]:
     """What one device may hold (None when the runtime does not say), and where that figure comes from. Over
-    several processes, the least any of them has: every process must decide alike, since one refusing a step
-    alone would leave the others waiting for it, and remat: auto choosing apart would give them different
-    programs."""
+    several processes, the least any of them has: every process must decide alike (remat: auto choosing apart
+    would give them different programs, and a refusal by one alone reaches the others only as its failure)."""
     figures = everyones("device_memory", [*_this_process_device_memory(mesh), host_name()])
     known = [(limit, rank, where, host) for rank, (limit, where, host) in enumerate(figures) if limit]
     if not known:
