@@ -270,7 +270,6 @@ def _config(config_path: str | None, overrides: list[str], _args: argparse.Names
 def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.lowering.inspect import dump, step_report
     from xlatrain.program import build_program
-    from xlatrain.state import device_memory
 
     if args.devices is not None and not args.target:
         raise UserError("lower: --devices counts the GPUs of --target; without --target the devices are this host's")
@@ -285,7 +284,7 @@ def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespa
     if target is not None:
         report["target"] = {"asked": target.label, "device_kind": target.device_kind, "devices": len(devices),
                             "memory_bytes": target.memory_bytes}
-    available, where = device_memory(program.mesh)
+    available, where = program.device_memory
     report["device_memory"] = {"bytes": available, "of": where}
     report["model_flops"] = program.derived.model_flops_per_step
     report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None

@@ -48,6 +48,7 @@ from xlatrain.pipeline.remat import RematChoice, choose_remat, configured
 from xlatrain.precision import Policy, resolve_policy
 from xlatrain.sharding import named, param_specs
 from xlatrain.state import (
+    DeviceMemory,
     ModelDef,
     TrainState,
     check_state_fits,
@@ -79,6 +80,8 @@ class Program:
     pipeline: PipelinePlan | None = None
     compile_cache: Path | None = None
     """Where JAX's persistent compilation cache is (trainer.compile_cache), or None when it is off."""
+    device_memory: DeviceMemory = (None, "")
+    """What one device may hold (state.device_memory), measured before anything compiled."""
     _train_steps: dict[str, StepExecutables] = field(default_factory=dict, init=False, repr=False, compare=False)
     """The train step per remat ("full" alone without a pipeline); remat: auto may compile two."""
 
@@ -128,7 +131,7 @@ class Program:
         if pipe.remat != "auto":
             return configured(pipe.remat, zero_bubble)
         budget, source = ((pipe.memory_budget_bytes, "parallel.pipeline.memory_budget_bytes")
-                          if pipe.memory_budget_bytes is not None else device_memory(self.mesh))
+                          if pipe.memory_budget_bytes is not None else self.device_memory)
         return choose_remat(lambda: peak_memory_bytes(self._train_step_for("none").first.compiled), budget, source,
                             zero_bubble)
 
@@ -165,7 +168,7 @@ class Program:
     def check_steps_fit(self) -> None:
         """Compiles the train and eval steps, and refuses one that cannot fit a device's memory."""
         for step in (self.train_step, self.eval_step):
-            check_step_fits(step.name, peak_memory_bytes(step.first.compiled), self.mesh)
+            check_step_fits(step.name, peak_memory_bytes(step.first.compiled), self.device_memory)
 
     def amp_order_problems(self) -> list[str]:
         """The AMP order checked on the compiled (single-step) train program; empty when it holds."""
@@ -360,9 +363,10 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
                                   fixed_param_specs=(split if strategy == "fsdp" else pipeline.layout.param_specs)
                                   if pipeline else None,
                                   fixed_optimizer_specs=split if strategy in ("zero1", "fsdp") else None)
-    check_state_fits(with_shardings(abstract, specs, mesh), mesh)
+    memory = device_memory(mesh)
+    check_state_fits(with_shardings(abstract, specs, mesh), memory)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
-                   CompileBook(config.trainer.compile_budget), pipeline, compile_cache)
+                   CompileBook(config.trainer.compile_budget), pipeline, compile_cache, memory)
 
 
 def replica_state_bytes(config: Config) -> int:

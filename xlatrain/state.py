@@ -89,10 +89,15 @@ def with_shardings(abstract: Any, specs: Any, mesh: Mesh) -> Any:
                         abstract, named(mesh, specs), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
-def device_memory(mesh: Mesh) -> tuple[int | None, str]:
-    """What one device may hold (None when the runtime does not say), and where that figure comes from. Over
-    several processes, the least any of them has: every process must decide alike (remat: auto choosing apart
-    would give them different programs, and a refusal by one alone reaches the others only as its failure)."""
+DeviceMemory = tuple[int | None, str]
+"""What one device may hold (None when the runtime does not say), and where that figure comes from."""
+
+
+def device_memory(mesh: Mesh) -> DeviceMemory:
+    """Over several processes, the least any of them has: every process must decide alike (remat: auto choosing
+    apart would give them different programs, and a refusal by one alone reaches the others only as its
+    failure). They exchange it, so call it before compiling: a process that loads its steps from its compile
+    cache would otherwise wait out the others' compilations."""
     figures = everyones("device_memory", [*_this_process_device_memory(mesh), host_name()])
     known = [(limit, rank, where, host) for rank, (limit, where, host) in enumerate(figures) if limit]
     if not known:
@@ -103,7 +108,7 @@ def device_memory(mesh: Mesh) -> tuple[int | None, str]:
     return least, f"{where} on rank {rank} (host {host}), the least of the {len(figures)} processes"
 
 
-def _this_process_device_memory(mesh: Mesh) -> tuple[int | None, str]:
+def _this_process_device_memory(mesh: Mesh) -> DeviceMemory:
     """device_memory as this process sees it. CPU devices of one process share the host's RAM."""
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     if devices[0].platform == "cpu":
@@ -116,30 +121,30 @@ def _this_process_device_memory(mesh: Mesh) -> tuple[int | None, str]:
     return limit, f"the {limit / 2**30 if limit else 0:.1f} GiB of one {devices[0].device_kind}"
 
 
-def check_state_fits(abstract_sharded: Any, mesh: Mesh) -> None:
+def check_state_fits(abstract_sharded: Any, memory: DeviceMemory) -> None:
     """Refuse, before allocating anything, a train state that alone exceeds the memory of the devices holding
     it (a mistyped size would otherwise end in an out-of-memory kill without a word)."""
     per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
                      for a in jax.tree.leaves(abstract_sharded))
-    _refuse_beyond_a_device(per_device, mesh, "the train state (params and optimizer state)", "",
+    _refuse_beyond_a_device(per_device, memory, "the train state (params and optimizer state)", "",
                             "make the model smaller (model.* sizes), or shard it (parallel.strategy=zero1/fsdp, "
                             "mesh.stage)")
 
 
-def check_step_fits(step: str, needed: int, mesh: Mesh) -> None:
+def check_step_fits(step: str, needed: int, memory: DeviceMemory) -> None:
     """Refuse, before it first runs, a compiled step that needs more memory per device than a device has (an
     oversized batch would otherwise end in an out-of-memory kill, or in XLA's allocation error inside the step).
     `needed`: XLA's memory analysis of the step, the state and the batch included."""
-    _refuse_beyond_a_device(needed, mesh, f"the {step}", " by XLA's memory analysis (the train state, the batch "
+    _refuse_beyond_a_device(needed, memory, f"the {step}", " by XLA's memory analysis (the train state, the batch "
                             "and the step's temporaries)", "lower batch.global_size or the length of an example "
                             "(data.seq_len), raise batch.microbatches (gradient accumulation), make the model "
                             "smaller, or shard it (parallel.strategy=zero1/fsdp, mesh.stage)")
 
 
-def _refuse_beyond_a_device(needed: int, mesh: Mesh, what: str, counted: str, fixes: str) -> None:
-    """One config error when `what` needs more bytes per device than a device of the mesh has (`counted`: how
-    the need was measured, `fixes`: the settings that shrink it); nothing where the device's memory is unknown."""
-    available, where = device_memory(mesh)
+def _refuse_beyond_a_device(needed: int, memory: DeviceMemory, what: str, counted: str, fixes: str) -> None:
+    """One config error when `what` needs more bytes per device than a device has (`counted`: how the need was
+    measured, `fixes`: the settings that shrink it); nothing where the device's memory is unknown."""
+    available, where = memory
     if available and needed > available:
         raise UserError(f"config: {what} needs {needed / 2**30:.1f} GiB per device{counted}, more than {where}; "
                         f"{fixes}")
