@@ -81,7 +81,7 @@ class Program:
     compile_cache: Path | None = None
     """Where JAX's persistent compilation cache is (trainer.compile_cache), or None when it is off."""
     device_memory: DeviceMemory = (None, "")
-    """What one device may hold (state.device_memory), measured before anything compiled."""
+    """What one device may hold (state.device_memory), measured before the steps compile."""
     _train_steps: dict[str, StepExecutables] = field(default_factory=dict, init=False, repr=False, compare=False)
     """The train step per remat ("full" alone without a pipeline); remat: auto may compile two."""
 
