@@ -94,10 +94,10 @@ DeviceMemory = tuple[int | None, str]
 
 
 def device_memory(mesh: Mesh) -> DeviceMemory:
-    """Over several processes, the least any of them has: every process must decide alike (remat: auto choosing
-    apart would give them different programs, and a refusal by one alone reaches the others only as its
-    failure). They exchange it, so call it before the steps compile: a process that loads its steps from its
-    compile cache would otherwise wait out the others' compilations."""
+    """One device's memory; over several processes, the least any has: every process must decide alike
+    (remat: auto choosing apart would give them different programs, and a refusal by one alone reaches the
+    others only as its failure). They exchange it, so call it before the steps compile: a process that loads
+    its steps from its compile cache would otherwise wait out the others' compilations."""
     figures = everyones("device_memory", [*_this_process_device_memory(mesh), host_name()])
     known = [(limit, rank, where, host) for rank, (limit, where, host) in enumerate(figures) if limit]
     if not known:
