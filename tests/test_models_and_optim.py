@@ -105,6 +105,7 @@ def test_the_cross_entropy_is_optaxs_without_the_scatter_of_its_take():
     np.testing.assert_array_equal(cross_entropy_with_integer_labels(logits, labels), theirs(logits, labels))
     np.testing.assert_array_equal(gradient(cross_entropy_with_integer_labels)(logits, weights),
                                   gradient(theirs)(logits, weights))
+
     def scatters(cross_entropy):
         return gradient(cross_entropy).lower(logits, weights).as_text().count('"stablehlo.scatter"')
 
