@@ -4,14 +4,17 @@ python tests/multiprocess_driver.py FAULT CONFIG [key=value ...], FAULT one of
   stuck-loader   rank 1 blocks reading its batch after step 20
   slow-start     rank 1 compiles and checkpoints 6 s slower than rank 0 (no fault: the run must finish)
   small-host     rank 1's host has 64 KiB of RAM
+  other-device   rank 1's devices measure a pipeline differently: its first piece 1000x the compute, its train step
+                 64 MiB more memory (as another device kind's XLA might)
 """
 
+import dataclasses
 import sys
 import time
 
 import jax
 
-from xlatrain import checkpoint, state, trainer
+from xlatrain import checkpoint, program, state, trainer
 from xlatrain.cli import main
 from xlatrain.data.loader import DeviceLoader
 
@@ -71,7 +74,20 @@ def small_host() -> None:
     state.host_memory = host_memory
 
 
+def other_device() -> None:
+    measure, peak = program.measure_block_costs, program.peak_memory_bytes
+
+    def heavy_first_piece(*args, **kwargs):
+        costs = measure(*args, **kwargs)
+        return dataclasses.replace(costs, before=costs.before * 1000) if jax.process_index() == 1 else costs
+
+    def larger_step(compiled):
+        return peak(compiled) + (64 * 2**20 if jax.process_index() == 1 else 0)
+
+    program.measure_block_costs, program.peak_memory_bytes = heavy_first_piece, larger_step
+
+
 if __name__ == "__main__":
     {"stuck-hook": stuck_hook, "stuck-loader": stuck_loader, "slow-start": slow_start,
-     "small-host": small_host}[sys.argv[1]]()
+     "small-host": small_host, "other-device": other_device}[sys.argv[1]]()
     sys.exit(main(["train", *sys.argv[2:]]))

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 from conftest import REPO, TINY_GPT
 
 from xlatrain.config import load_config
@@ -275,6 +276,23 @@ def test_every_process_measures_memory_by_the_smallest_host_and_refuses_alike(tm
                 f"{socket.gethostname()}), the least of the 2 processes") in err.strip().splitlines()[-1]
     assert outputs[1][0] == 2
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_processes_whose_devices_measure_a_pipeline_differently_take_one_partition_and_one_remat(tmp_path):
+    """Rank 1 measures its first piece 1000x heavier and its step with residuals 64 MiB larger: alone it would cut
+    the blocks [1, 3] and recompute, where rank 0 cuts them [3, 1] and keeps residuals (a different SPMD program
+    in one collective step). Both take rank 0's partition and recompute, as the larger need requires."""
+    run_dir, extra = tmp_path / "run", ["model.layers=4", "trainer.steps=4", "parallel.pipeline.remat=auto",
+                                        f"parallel.pipeline.memory_budget_bytes={64 * 2**20}"]
+    outputs = succeed(start(run_dir, free_port(), extra, base=PIPELINED_GPT,
+                            program=("tests/multiprocess_driver.py", "other-device")))
+    assert "blocks per chunk [3, 1]" in outputs[0][1]
+    assert "pipeline remat full (auto: keeping residuals needs 65.8 MiB" in outputs[0][1]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["derived"]["pipeline_partition"] == [3, 1]
+    alone = train(load_config(None, [*PIPELINED_GPT, *extra, f"trainer.run_dir={tmp_path / 'one'}"]),
+                  echo=lambda _: None)
+    assert_same_losses(losses_of(run_dir), alone.losses, steps=range(1, 5))
 
 
 def slurm_env(rank: int, port: int) -> dict:

@@ -116,13 +116,13 @@ def disagreements(facts: list[dict[str, Any]]) -> list[str]:
     return found
 
 
-def everyones(name: str, value: Any) -> list[Any]:
+def everyones(name: str, value: Any, timeout_s: float = START_TIMEOUT_S) -> list[Any]:
     """Every process's `value` (JSON), in rank order, on every process: each publishes its own and reads all."""
     if jax.process_count() == 1:
         return [value]
     prefix = exchange_key(name)
     compat.key_value_set(f"{prefix}{jax.process_index()}", json.dumps(value).encode())
-    return [json.loads(compat.key_value_get(f"{prefix}{rank}", START_TIMEOUT_S)) for rank in range(jax.process_count())]
+    return [json.loads(compat.key_value_get(f"{prefix}{rank}", timeout_s)) for rank in range(jax.process_count())]
 
 
 def check_processes_agree(config: Config) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
@@ -19,6 +20,7 @@ from xlatrain.config import Config, Derived, derive
 from xlatrain.data.identity import data_identity
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
+from xlatrain.distributed import as_primary_has_it, everyones
 from xlatrain.errors import UserError
 from xlatrain.lowering.block_costs import measure_block_costs
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
@@ -132,8 +134,14 @@ class Program:
             return configured(pipe.remat, zero_bubble)
         budget, source = ((pipe.memory_budget_bytes, "parallel.pipeline.memory_budget_bytes")
                           if pipe.memory_budget_bytes is not None else self.device_memory)
-        return choose_remat(lambda: peak_memory_bytes(self._train_step_for("none").first.compiled), budget, source,
-                            zero_bubble)
+        return choose_remat(self._most_bytes_with_residuals, budget, source, zero_bubble)
+
+    def _most_bytes_with_residuals(self) -> int:
+        """Peak bytes per device of the train step compiled with remat: none, the most any process measured: they
+        must choose alike, and XLA's figure depends on the device kind. The wait is a compilation's, as others may
+        compile what this process loaded from its compile cache."""
+        mine = peak_memory_bytes(self._train_step_for("none").first.compiled)
+        return max(everyones("remat_none_bytes", mine, self.config.distributed.stall_timeout.compiling))
 
     def _train_step_for(self, remat: str) -> StepExecutables:
         if remat not in self._train_steps:
@@ -427,9 +435,13 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
     def count_residual_bytes(partition, stash):
         return residual_bytes(model.blocks, *abstract(), config.model.loss, policy, partition, stash)
 
+    def as_process_0_chose(partition: tuple[int, ...]) -> tuple[int, ...]:
+        """Every process measures the costs on its own devices, and one kind's may cut the blocks differently."""
+        return tuple(json.loads(as_primary_has_it("pipeline_partition", json.dumps(partition))))
+
     return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
                          model.blocks.layers, measure, count_work, count_residual_bytes,
-                         derived.microbatches * derived.pipeline_microbatches, pinned_partition)
+                         derived.microbatches * derived.pipeline_microbatches, pinned_partition, as_process_0_chose)
 
 
 def _refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> None:

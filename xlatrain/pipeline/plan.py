@@ -127,12 +127,14 @@ def _bubble_theory(schedule: Schedule) -> str:
 def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks: int,
                   measure: Callable[[], ModelCosts], count_work: Callable[[Schedule, tuple[int, ...], str], Any],
                   count_residual_bytes: Callable[[tuple[int, ...], bool], int], eval_microbatches: int | None = None,
-                  pinned: tuple[int, ...] | None = None) -> PipelinePlan:
+                  pinned: tuple[int, ...] | None = None,
+                  agree: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda partition: partition) -> PipelinePlan:
     """`count_work(schedule, partition, remat)`: XLA's FLOPs of the step beside the unpipelined model's.
     `count_residual_bytes(partition, stash)`: one microbatch's kept residuals on a stage (remat: none), or its
     stash from B to W (stash=True).
     `eval_microbatches`: how many pieces the eval step cuts a replica's rows into (default `microbatches`).
-    `pinned`: the partition `auto` chose at the run's first start, kept on resume."""
+    `pinned`: the partition `auto` chose at the run's first start, kept on resume.
+    `agree(partition)`: the partition every process takes, given the one `auto` chose here."""
     virtual = config.chunks_per_stage()
     try:
         check_block_partition(config, stages, blocks, "the model's block count")
@@ -154,7 +156,7 @@ def plan_pipeline(config: PipelineConfig, stages: int, microbatches: int, blocks
                             "run's first start, or move the run directory aside")
         partition, source = pinned, "auto (chosen at the run's first start)"
     else:
-        partition, source = tuple(auto_partition(measure(), stages * virtual)), "auto"
+        partition, source = agree(tuple(auto_partition(measure(), stages * virtual))), "auto"
     layout = StageLayout(stages, virtual, partition, schedule.placement)
     return PipelinePlan(schedule, layout, slot_program(schedule), source,
                         measure, cache(lambda remat: count_work(schedule, partition, remat)),
