@@ -238,7 +238,7 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_in_one_line_and_the_run_re
     free = iter([10**9, 0])  # the first checkpoint fits, then the disk is full
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=next(free)))
     with pytest.raises(CheckpointNotWritten, match=rf"checkpoint 4 could not be written to {tmp_path}/run/checkpoints "
-                       r"\(its 0\.\d MiB do not fit in the 0\.0 MiB free there\); the newest one written, 2, is kept: "
+                       r"\(its \d+\.\d KiB do not fit in the 0 B free there\); the newest one written, 2, is kept: "
                        "make room or repair the directory, then run the same command to resume"):
         train(load_config(None, run), echo=lambda _: None)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]

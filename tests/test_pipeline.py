@@ -31,6 +31,7 @@ from xlatrain.pipeline.partition import ModelCosts, PieceCost, auto_partition
 from xlatrain.pipeline.schedule import build, chunk_at
 from xlatrain.pipeline.slots import Branch, slot_program
 from xlatrain.program import build_program
+from xlatrain.sizes import readable_bytes
 from xlatrain.trainer import train
 
 PIPELINE = ["parallel.mode=shard_map", "model.width=16", "data.seq_len=16", "batch.global_size=32"]
@@ -384,8 +385,8 @@ def test_remat_auto_keeps_residuals_only_when_xlas_memory_analysis_of_the_step_f
     needed = peak_memory_bytes(roomy.train_step.first.compiled)
     tight = program_for([*auto, f"parallel.pipeline.memory_budget_bytes={needed - 1}"])
     assert tight.remat.remat == "full", tight.remat
-    assert (f"needs {needed / 2**20:.1f} MiB = {needed:,} bytes per device by XLA's memory analysis of the step, "
-            f"more than parallel.pipeline.memory_budget_bytes ({(needed - 1) / 2**20:.1f} MiB = {needed - 1:,} bytes)"
+    assert (f"needs {readable_bytes(needed)} = {needed:,} bytes per device by XLA's memory analysis of the step, "
+            f"more than parallel.pipeline.memory_budget_bytes ({readable_bytes(needed - 1)} = {needed - 1:,} bytes)"
             ) in tight.remat.reason
     assert len(tight.compile_book.records) == 1  # the measurement; the train step is not compiled yet
     assert peak_memory_bytes(tight.train_step.first.compiled) < needed and len(tight.compile_book.records) == 2

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from conftest import DIGITS_MLP, REPO, run_cli
 
+from xlatrain.sizes import readable_bytes
+
 CUSTOM = ["examples/custom_model/custom_model.yaml", "trainer.steps=2", "trainer.progress=false"]
 
 
@@ -144,6 +146,14 @@ def test_model_whose_import_raises(tmp_path):
 def test_a_model_too_large_for_memory_is_refused_before_allocating(tmp_path):
     result = run_cli("train", "model.width=60000", "model.heads=1", f"trainer.run_dir={tmp_path / 'run'}")
     assert_one_line_error(result, "the train state (params and optimizer state) needs", "GiB", "model.* sizes")
+
+
+@pytest.mark.parametrize("count, text", [(0, "0 B"), (1023, "1023 B"), (64 * 2**10, "64.0 KiB"),
+                                         (912_017, "890.6 KiB"), (1_880_553, "1.8 MiB"), (3159507968, "2.9 GiB"),
+                                         (5 * 2**40, "5.0 TiB"), (2**60, "1048576.0 TiB")])
+def test_sizes_in_messages_are_in_the_unit_that_keeps_a_digit_before_the_point(count, text):
+    """Not "needs 0.0 GiB" for a state of a few KiB."""
+    assert readable_bytes(count) == text
 
 
 def test_a_step_too_large_for_memory_is_refused_before_the_run_directory_holds_anything(tmp_path):

@@ -25,6 +25,7 @@ from xlatrain import compat
 from xlatrain.distributed import is_primary
 from xlatrain.errors import UserError, drop_follow_up_errors, first_line
 from xlatrain.fingerprints import tree_fingerprints
+from xlatrain.sizes import readable_bytes
 
 
 class CorruptCheckpoint(Exception):
@@ -101,7 +102,7 @@ class Checkpoints:
         self.wait_until_written()
         needed, free = sum(leaf.nbytes for leaf in jax.tree.leaves(state)), shutil.disk_usage(self.directory).free
         if free < needed:  # refused before orbax starts: a write that fails midway is hundreds of lines of its logs
-            raise self._not_written(step, f"its {needed / 2**20:.1f} MiB do not fit in the {free / 2**20:.1f} MiB "
+            raise self._not_written(step, f"its {readable_bytes(needed)} do not fit in the {readable_bytes(free)} "
                                           "free there")
         integrity = {"fingerprints": tree_fingerprints(state), "data": trained_on or {}}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),

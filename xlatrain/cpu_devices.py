@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from xlatrain.config import Config
+from xlatrain.sizes import readable_bytes
 
 REPLICA_MEMORY_FACTOR = 2
 """A replica's memory in units of its train state: the state, plus its gradients and the update's temporaries."""
@@ -85,8 +86,8 @@ def plan_cpu_devices(config: Config, cores: int, available_bytes: int | None, re
     per_replica = REPLICA_MEMORY_FACTOR * replica_state_bytes()
     fits = next((n for n in divides if available_bytes is None or n * per_replica <= MEMORY_SHARE * available_bytes), 1)
     if fits < count:
-        return CpuDevicePlan(fits, f"one per core would not fit: {fits} replica(s) of ~{per_replica / 2**20:,.0f} MiB "
-                                   f"within half of the host's {available_bytes / 2**30:.1f} GiB available")
+        return CpuDevicePlan(fits, f"one per core would not fit: {fits} replica(s) of ~{readable_bytes(per_replica)} "
+                                   f"within half of the host's {readable_bytes(available_bytes)} available")
     return CpuDevicePlan(count, f"one per core, data-parallel over {count} of {cores} cores")
 
 
@@ -103,10 +104,10 @@ def host_memory(proc_cgroup: Path = PROC_CGROUP, cgroups: Path = CGROUPS) -> tup
     """The RAM this process may use, and what says so: the machine's, or less where its control group caps it
     (a container's or a batch job's memory limit, which the kernel's out-of-memory killer enforces)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    host = f"the host's {ram / 2**30:.1f} GiB of RAM"
+    host = f"the host's {readable_bytes(ram)} of RAM"
     limits = [limit for limit, _ in _control_group_memory(proc_cgroup, cgroups)]
     if limits and min(limits) < ram:
-        return min(limits), f"the {min(limits) / 2**30:.1f} GiB its control group allows (of {host})"
+        return min(limits), f"the {readable_bytes(min(limits))} its control group allows (of {host})"
     return ram, host
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from xlatrain.bottlenecks import Finding
 from xlatrain.errors import UserError
 from xlatrain.jsonl import open_for_append, read_records
+from xlatrain.sizes import readable_bytes
 from xlatrain.time_breakdown import describe
 
 SUMMARY_FILE = "summary.jsonl"
@@ -61,7 +62,8 @@ class RunSummary:
             *(f"  {c['step']} ({c['seconds']:.2f}s): {c['cause']}" for c in self.step_compilations),
             f"executions {self.executions}, dispatch {self.dispatch_seconds:.2f}s, "
             f"waiting for results {self.result_wait_seconds:.2f}s, waiting for data {self.data_wait_seconds:.2f}s",
-            f"host->device {_bytes(self.host_to_device_bytes)}, device->host {_bytes(self.device_to_host_bytes)}",
+            f"host->device {readable_bytes(self.host_to_device_bytes)}, "
+            f"device->host {readable_bytes(self.device_to_host_bytes)}",
         ]
         if self.time_breakdown:
             lines.append(f"time: {describe(self.time_breakdown)}")
@@ -97,9 +99,3 @@ def format_report(run_dir: Path) -> str:
     return "\n".join(parts)
 
 
-def _bytes(count: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return str(count)

@@ -22,6 +22,7 @@ from xlatrain.gpu_targets import resolved_memory
 from xlatrain.models.interface import ModelDef
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.sharding import named, optimizer_specs, param_specs, specs_following_params
+from xlatrain.sizes import readable_bytes
 
 
 @flax.struct.dataclass
@@ -116,9 +117,11 @@ def _this_process_device_memory(mesh: Mesh) -> DeviceMemory:
         return ram // len(devices), f"a CPU device's share of {what} ({len(devices)} devices in this process)"
     if compat.is_compile_only(devices[0]):
         limit = resolved_memory(devices[0].device_kind)
-        return limit, f"the {limit / 2**30:.1f} GiB of one {devices[0].device_kind} (its target config)"
+        return limit, f"the {readable_bytes(limit)} of one {devices[0].device_kind} (its target config)"
     limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-    return limit, f"the {limit / 2**30 if limit else 0:.1f} GiB of one {devices[0].device_kind}"
+    if not limit:
+        return None, f"the memory of one {devices[0].device_kind}"
+    return limit, f"the {readable_bytes(limit)} of one {devices[0].device_kind}"
 
 
 def check_state_fits(abstract_sharded: Any, memory: DeviceMemory) -> None:
@@ -146,7 +149,7 @@ def _refuse_beyond_a_device(needed: int, memory: DeviceMemory, what: str, counte
     measured, `fixes`: the settings that shrink it); nothing where the device's memory is unknown."""
     available, where = memory
     if available and needed > available:
-        raise UserError(f"config: {what} needs {needed / 2**30:.1f} GiB per device{counted}, more than {where}; "
+        raise UserError(f"config: {what} needs {readable_bytes(needed)} per device{counted}, more than {where}; "
                         f"{fixes}")
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from xlatrain.errors import UserError
+from xlatrain.sizes import readable_bytes
 
 
 @dataclass(frozen=True)
@@ -55,4 +56,4 @@ def choose_remat(measure_with_residuals: Callable[[], int], budget: int | None, 
 
 def _size(n: int) -> str:
     """Exact bytes as well: a budget a few bytes short of the need reads the same in MiB."""
-    return f"{n / 2**20:.1f} MiB = {n:,} bytes"
+    return f"{readable_bytes(n)} = {n:,} bytes"
