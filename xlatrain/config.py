@@ -805,6 +805,14 @@ def config_and_derived_to_yaml(config: Config, derived: dict[str, Any]) -> str:
     return config_to_yaml(config) + yaml.safe_dump({DERIVED_SECTION: derived}, sort_keys=False)
 
 
+def without_derived(data: dict) -> dict:
+    """A config file's keys less its derived section, which is computed again; one that is not a mapping stays,
+    to be refused as an unknown key."""
+    if isinstance(data.get(DERIVED_SECTION), dict):
+        return {key: value for key, value in data.items() if key != DERIVED_SECTION}
+    return data
+
+
 def _read_yaml(path: Path) -> dict:
     if path.is_dir():
         raise UserError(f"config: {str(path)!r} is a directory; pass a YAML file (e.g. {str(path / 'config.yaml')!r})")
@@ -818,9 +826,7 @@ def _read_yaml(path: Path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise UserError(f"config: {path} must hold a mapping of keys at the top level, not a {type(data).__name__}")
-    if isinstance(data.get(DERIVED_SECTION), dict):  # a run's config.yaml: what it derived is derived again
-        del data[DERIVED_SECTION]
-    return data
+    return without_derived(data)
 
 
 def _read_text(path: Path) -> str:

@@ -19,6 +19,7 @@ from xlatrain.config import (
     flatten,
     parse_yaml,
     validate_config,
+    without_derived,
 )
 from xlatrain.distributed import as_primary_has_it, host_name, is_primary
 from xlatrain.errors import UserError, first_line, warn
@@ -226,10 +227,8 @@ def _read_mapping(saved_path: Path) -> dict:
 
 
 def _read_saved(saved_path: Path) -> Config:
-    saved = _read_mapping(saved_path)
-    saved.pop(DERIVED_SECTION, None)
     try:
-        return validate_config(saved)
+        return validate_config(without_derived(_read_mapping(saved_path)))
     except UserError as err:
         raise UserError(f"{saved_path} is not a valid xlatrain config ({err}); move the run directory aside or "
                         "choose another trainer.run_dir") from None
