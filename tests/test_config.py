@@ -181,6 +181,20 @@ def test_parallel_mode_auto_names_its_choice_when_the_strategy_cannot_follow():
         load_config(None, ["collectives.impl=custom", "parallel.strategy=fsdp"])
 
 
+@pytest.mark.parametrize("name, pointer", [
+    ("dualpipev", "the nearest here is zbv, DualPipeV's V placement"), ("ScheduleZBVZeroBubble", "here it is zbv"),
+    ("ZB-H1", "here it is zb1p"), ("Schedule1F1B", "here it is 1f1b"), ("Interleaved1F1B", "here it is interleaved"),
+    ("ZBV", "here it is zbv")])
+def test_a_schedule_named_as_elsewhere_points_to_xlatrains(name, pointer):
+    with pytest.raises(UserError) as refused:
+        load_config(None, ["mesh.stage=2", f"parallel.pipeline.schedule={name}"])
+    said = str(refused.value)
+    assert said.startswith(f"config: parallel.pipeline.schedule: not a schedule name of xlatrain's; {pointer}"), said
+    assert said.endswith(f"(got {name!r})"), said
+    with pytest.raises(UserError, match=r"Input should be 'gpipe', '1f1b', 'interleaved', 'zb1p' or 'zbv' \(got 'x'\)"):
+        load_config(None, ["mesh.stage=2", "parallel.pipeline.schedule=x"])
+
+
 def test_each_parity_side_gets_the_devices_of_its_whole_mesh():
     from xlatrain.parity import side_devices
 

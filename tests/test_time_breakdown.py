@@ -87,6 +87,16 @@ def test_stage_imbalance_names_the_slowest_stage_and_the_partition_to_change():
     assert stage_imbalance(Balance([1.0, 1.05], [1.0, 1.0]), "explicit") is None
 
 
+def test_stage_imbalance_under_auto_says_whether_the_blocks_or_the_models_ends_make_it():
+    """Blocks of 2 FLOPs: 3 blocks over 2 stages do not divide; one block each beside a head worth 1.5 blocks
+    cannot be offset by moving whole blocks."""
+    uneven = stage_imbalance(Balance([4.0, 2.0], [1.0, 1.0], [2, 1], 2.0), "auto")
+    assert "the blocks do not split evenly: choose model.layers a multiple of the pipeline's chunks" in uneven
+    ends = stage_imbalance(Balance([2.0, 5.0], [1.0, 1.0], [1, 1], 2.0), "auto")
+    assert "stage 1 does 1.43x" in ends and "it runs 1 block(s) and the model's ends" in ends
+    assert "worth 1.5 block(s)" in ends and "more blocks per stage (model.layers, or fewer mesh.stage)" in ends
+
+
 def test_rules_skip_the_warm_up_join_short_intervals_and_speak_once():
     said = []
     rules = BottleneckRules(KNOBS, said.append)

@@ -122,11 +122,21 @@ def stage_imbalance(balance: Balance, partition_source: str) -> str | None:
     if ratio <= IMBALANCE_RATIO:
         return None
     slowest = balance.stage_flops.index(max(balance.stage_flops))
-    fix = ("set parallel.pipeline.partition: auto to balance the stages by XLA's costs" if partition_source ==
-           "explicit" else "the blocks do not split evenly: choose model.layers and mesh.stage to match, or cut the "
-           "model finer (parallel.pipeline.schedule=interleaved with virtual_stages)")
     return (f"pipeline stage {slowest} does {ratio:.2f}x the mean stage's FLOPs per microbatch (over "
-            f"{IMBALANCE_RATIO:.2f}x): the other stages wait about {1 - 1 / ratio:.0%} of every slot; {fix}")
+            f"{IMBALANCE_RATIO:.2f}x): the other stages wait about {1 - 1 / ratio:.0%} of every slot; "
+            f"{_imbalance_fix(balance, slowest, partition_source)}")
+
+
+def _imbalance_fix(balance: Balance, slowest: int, partition_source: str) -> str:
+    if partition_source == "explicit":
+        return "set parallel.pipeline.partition: auto to balance the stages by XLA's costs"
+    finer = "or cut the model finer (parallel.pipeline.schedule=interleaved with virtual_stages)"
+    ends = balance.ends_in_blocks(slowest)
+    if ends < 0.1:
+        return f"the blocks do not split evenly: choose model.layers a multiple of the pipeline's chunks, {finer}"
+    return (f"it runs {balance.stage_blocks[slowest]} block(s) and the model's ends (embedding, or head and loss), "
+            f"worth {ends:.1f} block(s), which auto's cut of whole blocks cannot offset: more blocks per stage "
+            f"(model.layers, or fewer mesh.stage) let auto give that stage fewer, {finer}")
 
 
 class BottleneckRules:

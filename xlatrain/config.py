@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 import yaml
 from omegaconf import OmegaConf
@@ -290,6 +290,15 @@ def _positive_ints(value: Any) -> bool:
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
 ZERO_BUBBLE = ("zb1p", "zbv")
 """The schedules whose backward is B and W, both run from the forward's residuals."""
+SCHEDULES_BY_OTHER_NAMES = {
+    "dualpipev": "the nearest here is zbv, DualPipeV's V placement (stage i holds chunks i and 2 x mesh.stage - 1 - i)"
+                 " in ZB-V's order; DualPipeV's overlap of one microbatch's forward with another's backward is not "
+                 "built",
+    **{name: f"here it is {ours}" for name, ours in [("zbvzerobubble", "zbv"), ("zbv", "zbv"), ("zbh1", "zb1p"),
+                                                      ("zerobubble", "zb1p"), ("interleaved1f1b", "interleaved"),
+                                                      ("1f1b", "1f1b"), ("gpipe", "gpipe")]}}
+"""Names of schedules elsewhere (torch.distributed.pipelining's Schedule* classes, DeepSeek's DualPipeV, the
+Zero Bubble paper), as letters and digits in lower case: what a user may type for one of xlatrain's."""
 
 
 class PipelineConfig(Strict):
@@ -325,6 +334,15 @@ class PipelineConfig(Strict):
     def _zero_bubble_keeps_residuals_by_default(cls, value: Any) -> Any:
         if isinstance(value, dict) and "remat" not in value and value.get("schedule") in ZERO_BUBBLE:
             return {**value, "remat": "none"}
+        return value
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _names_from_elsewhere_point_to_ours(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in get_args(PipelineSchedule):
+            known = SCHEDULES_BY_OTHER_NAMES.get(re.sub(r"[^a-z0-9]", "", value.lower()).removeprefix("schedule"))
+            if known:
+                raise ValueError(f"not a schedule name of xlatrain's; {known}")
         return value
 
     @field_validator("partition", mode="before")

@@ -9,7 +9,7 @@ largest chunk's share of the total compute or memory, whichever is worse.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xlatrain.pipeline.schedule import Placement, stage_of
 
@@ -111,14 +111,27 @@ class Balance:
 
     stage_flops: list[float]
     stage_bytes: list[float]
+    stage_blocks: list[int] = field(default_factory=list)
+    """Blocks per stage (of all its chunks)."""
+    block_flops: float = 0.0
+    """One block's FLOPs per microbatch: what the rest of a stage's FLOPs (the model's ends) is worth in blocks."""
 
     @staticmethod
     def of(costs: ModelCosts, partition: tuple[int, ...], stages: int, placement: Placement = "loop") -> Balance:
-        flops, bytes_ = [0.0] * stages, [0.0] * stages
-        for index, piece in enumerate(costs.chunks(partition)):
-            flops[stage_of(index, stages, placement)] += piece.flops
-            bytes_[stage_of(index, stages, placement)] += piece.bytes
-        return Balance(flops, bytes_)
+        flops, bytes_, blocks = [0.0] * stages, [0.0] * stages, [0] * stages
+        for index, (piece, count) in enumerate(zip(costs.chunks(partition), partition, strict=True)):
+            stage = stage_of(index, stages, placement)
+            flops[stage] += piece.flops
+            bytes_[stage] += piece.bytes
+            blocks[stage] += count
+        return Balance(flops, bytes_, blocks, costs.block.flops)
+
+    def ends_in_blocks(self, stage: int) -> float:
+        """What the stage runs besides its blocks (the embedding before them, the head and loss after), in blocks'
+        worth of FLOPs; 0 when unknown."""
+        if not self.block_flops or not self.stage_blocks:
+            return 0.0
+        return self.stage_flops[stage] / self.block_flops - self.stage_blocks[stage]
 
     @property
     def compute_ratio(self) -> float:
