@@ -54,6 +54,23 @@ def test_corrupt_latest_checkpoint_is_moved_aside_and_the_run_resumes_from_the_n
     assert reference.returncode == 0 and losses == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_checkpoint_whose_index_is_garbage_is_one_short_warning_without_the_readers_noise(tmp_path):
+    """The OCDBT b-tree nodes of checkpoint 4 (state/d/) overwritten: TensorStore's error names the file, not its
+    kilobytes of spec, and the reads orbax abandoned print nothing (they did, while its restore unwound)."""
+    run_dir = tmp_path / "run"
+    assert _train(run_dir, 4).returncode == 0
+    nodes = list((run_dir / "checkpoints" / "4" / "state" / "d").iterdir())
+    assert nodes
+    for node in nodes:
+        node.write_bytes(os.urandom(node.stat().st_size))
+    result = _train(run_dir, 6)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warning, = [line for line in result.stderr.splitlines() if line.startswith("xlatrain: warning:")]
+    assert "checkpoint 4 is unusable (ValueError: DATA_LOSS" in warning and "state/d/" in warning, warning
+    assert "tensorstore_spec" not in warning and len(warning) < 1000, warning
+    assert "Traceback" not in result.stderr and "resuming from checkpoint at step 2 (verified)" in result.stdout
+
+
 def test_when_no_checkpoint_verifies_nothing_is_rewritten_and_the_error_is_one_line(tmp_path):
     run_dir = tmp_path / "run"
     assert _train(run_dir, 4).returncode == 0

@@ -182,19 +182,19 @@ class Checkpoints:
     def restore(self, step: int, abstract_state: Any) -> Restored:
         """The state (placed in the shardings that `abstract_state` carries), verified against the saved
         fingerprints, with the data position and what data it was trained on."""
+        _quiet_abandoned_io()  # first: reads abandoned on an unreadable file report while orbax's call still unwinds
         self._check_layout(step, abstract_state)
         try:
             state, data, integrity = self._restore(step, abstract_state)
             written = state
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
-            _quiet_abandoned_io()
             legacy = _without_model_state(abstract_state)
             if legacy is None:
-                raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
+                raise CorruptCheckpoint(_unreadable(err)) from None
             try:
                 written, data, integrity = self._restore(step, legacy)
             except Exception:
-                raise CorruptCheckpoint(f"{type(err).__name__}: {first_line(err)}") from None
+                raise CorruptCheckpoint(_unreadable(err)) from None
             state = abstract_state.replace(**written, model_state={})
         if integrity:  # the fingerprints follow the tree as it was written
             _verify(written, integrity["fingerprints"])
@@ -246,6 +246,11 @@ def _io_failure(err: Exception) -> str | None:
     if isinstance(err, OSError):
         return err.strerror or first_line(err)
     return None
+
+
+def _unreadable(err: Exception) -> str:
+    """Why a checkpoint did not restore, without the TensorStore specs (kilobytes of JSON) its errors end with."""
+    return f"{type(err).__name__}: {first_line(err).split(' [tensorstore_spec', 1)[0]}"
 
 
 def _quiet_abandoned_io() -> None:
