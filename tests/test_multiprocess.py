@@ -34,11 +34,11 @@ def devices_env(count: int) -> dict:
 
 
 def start(run_dir, port, extra=(), *, processes=2, devices=4, program=("-m", "xlatrain.cli", "train"),
-          per_rank=lambda i: [], base=(CONFIG, *COMMON)):
-    """The processes of one run, started by hand with distributed.* keys."""
+          per_rank=lambda i: [], base=(CONFIG, *COMMON), cwd=lambda i: REPO):
+    """The processes of one run, started by hand with distributed.* keys; `cwd(rank)`: where each runs."""
     args = [sys.executable, *program, *base, f"trainer.run_dir={run_dir}",
             f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={processes}", *extra]
-    return [subprocess.Popen([*args, f"distributed.process_id={i}", *per_rank(i)], cwd=REPO, env=devices_env(devices),
+    return [subprocess.Popen([*args, f"distributed.process_id={i}", *per_rank(i)], cwd=cwd(i), env=devices_env(devices),
                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(processes)]
 
 
@@ -277,6 +277,29 @@ def test_every_process_measures_memory_by_the_smallest_host_and_refuses_alike(tm
                          rf"rank 1 \(host {re.escape(socket.gethostname())}\), the least of the 2 processes",
                          err.strip().splitlines()[-1]), err[-2000:]
     assert outputs[1][0] == 2
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("rows, words", [
+    ((64, 64), "as many examples as rank 0 (host {host}), but sampled ones differ (digest "),
+    ((64, 48), "has 44 training and 4 held-out examples, rank 0 (host {host}) 58 and 6")])
+def test_processes_whose_copies_of_the_data_differ_refuse_alike(tmp_path, rows, words):
+    """Each rank runs in a directory of its own holding its own data.npz (one config: data.path=data.npz): rank 1's
+    copy has other values, or fewer rows. Every process names rank 1, before the run directory holds anything."""
+    for rank, count in enumerate(rows):
+        (tmp_path / f"host{rank}").mkdir()
+        rng = np.random.default_rng(rank)
+        np.savez(tmp_path / f"host{rank}" / "data.npz", inputs=rng.normal(size=(count, 4)).astype(np.float32),
+                 targets=rng.integers(0, 3, count).astype(np.int32))
+    base = ["model.name=mlp", "model.hidden=[8]", "data.source=arrays", "data.path=data.npz", "batch.global_size=8",
+            "trainer.steps=2", "trainer.progress=false"]
+    outputs = finish(start(tmp_path / "run", free_port(), base=base, cwd=lambda rank: tmp_path / f"host{rank}"))
+    for returncode, _, err in outputs:
+        assert returncode == 2, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith(
+            "xlatrain: error: data.source=arrays, data.path='data.npz': the processes read different data: rank 1 "
+            f"(host {socket.gethostname()}) "), err[-2000:]
+        assert words.format(host=socket.gethostname()) in err and "give every host the same files" in err
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 

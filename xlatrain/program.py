@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from xlatrain import compat
 from xlatrain.compile_cache import use_compile_cache
 from xlatrain.config import Config, Derived, derive
-from xlatrain.data.identity import data_identity
+from xlatrain.data.identity import check_every_process_reads_the_same, data_identity, identity_record
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
 from xlatrain.distributed import as_primary_has_it, everyones
@@ -346,6 +346,7 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
         prepare_custom_collectives(mesh)
     dataset = open_dataset(config.data, config.model.loss)
     examples, digest = data_identity(dataset)
+    check_every_process_reads_the_same(config.data, identity_record(examples, digest))
     derived = dataclasses.replace(derived, data_examples=examples, data_digest=digest)
     policy = resolve_policy(config.precision, config.collectives.dtype)
     model = build_model(config.model, dataset.spec, policy.compute, config.seed, derived.data_parallel,

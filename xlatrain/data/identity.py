@@ -9,6 +9,8 @@ import numpy as np
 
 from xlatrain.config import DataConfig
 from xlatrain.data.sources import Dataset
+from xlatrain.distributed import everyones, host_name
+from xlatrain.errors import UserError
 
 SAMPLED_EXAMPLES = 1024
 """Examples per split read for the digest, evenly spread: a bounded cost however large the data; an edit that
@@ -42,8 +44,34 @@ def data_change(config: DataConfig, then: dict, now: dict) -> str | None:
     examples = then.get("examples") if isinstance(then, dict) else None
     if then == now or not (isinstance(examples, list) and len(examples) == 2 and isinstance(then.get("digest"), str)):
         return None
-    named = f"data.source={config.source}" + (f", data.path={config.path!r}" if getattr(config, "path", None) else "")
     (train, held_out), (train_now, held_out_now) = then["examples"], now["examples"]
     if (train, held_out) != (train_now, held_out_now):
-        return f"{named}: {train} training and {held_out} held-out examples then, {train_now} and {held_out_now} now"
-    return f"{named}: as many examples, but sampled ones differ (digest {then['digest']} then, {now['digest']} now)"
+        return (f"{_named(config)}: {train} training and {held_out} held-out examples then, {train_now} and "
+                f"{held_out_now} now")
+    return (f"{_named(config)}: as many examples, but sampled ones differ (digest {then['digest']} then, "
+            f"{now['digest']} now)")
+
+
+def check_every_process_reads_the_same(config: DataConfig, record: dict) -> None:
+    """Every process reads its rows of one shuffled order from its own copy of the data: copies that differ (a
+    host with a stale or partial one) would train on rows that no one dataset holds. One error on every process,
+    naming the ranks whose identity_record differs from process 0's."""
+    records = everyones("data_identity", [record, host_name()])
+    (reference, first_host), differing = records[0], []
+    for rank, (theirs, host) in enumerate(records[1:], start=1):
+        if theirs == reference:
+            continue
+        if theirs["examples"] != reference["examples"]:
+            (train, held_out), (train_0, held_out_0) = theirs["examples"], reference["examples"]
+            differing.append(f"rank {rank} (host {host}) has {train} training and {held_out} held-out examples, "
+                             f"rank 0 (host {first_host}) {train_0} and {held_out_0}")
+        else:
+            differing.append(f"rank {rank} (host {host}) has as many examples as rank 0 (host {first_host}), but "
+                             f"sampled ones differ (digest {theirs['digest']} against {reference['digest']})")
+    if differing:
+        raise UserError(f"{_named(config)}: the processes read different data: {'; '.join(differing[:3])}; each "
+                        "process reads its rows from its own copy, so give every host the same files")
+
+
+def _named(config: DataConfig) -> str:
+    return f"data.source={config.source}" + (f", data.path={config.path!r}" if getattr(config, "path", None) else "")
