@@ -17,6 +17,7 @@ if importlib.util.find_spec("torchax") is None:
     pytest.skip("torchax (the [torch] extra) is not installed", allow_module_level=True)
 
 from xlatrain.config import load_config  # noqa: E402
+from xlatrain.errors import UserError  # noqa: E402
 from xlatrain.export import export_torch_state_dict  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
 from xlatrain.torch_parity import host_batches, optimizer_spec, run_torch_parity  # noqa: E402
@@ -72,6 +73,49 @@ def test_forward_equals_torch_eager_in_train_and_eval_mode(overrides, devices):
 def test_twenty_steps_track_torch_eager(optimizer):
     report = run_torch_parity(config_for([*TORCH_GPT, *optimizer, "batch.microbatches=2"]), "torch", 20, 1e-4)
     assert report.first is None, report.summary()
+
+
+FROZEN_HEAD_ONLY = ["model.name=torch", "model.target=torch_models:FrozenFirstLayer", "data.source=digits",
+                    "batch.global_size=32", "optimizer.name=adamw", "optimizer.weight_decay=0.1",
+                    "optimizer.clip_norm=0.5", *QUIET]
+
+
+def test_frozen_parameters_stay_as_they_are_and_training_tracks_torch_eager(tmp_path, devices):
+    """requires_grad=False: no update, no weight decay, and no share of the clipping norm, as torch.optim over the
+    trainable parameters (AdamW with decay and clipping, 20 steps)."""
+    report = run_torch_parity(config_for(FROZEN_HEAD_ONLY), "torch", 20, 1e-5)
+    assert report.first is None, report.summary()
+    config = config_for([*FROZEN_HEAD_ONLY, "trainer.steps=5"], tmp_path / "run")
+    train(config, devices=devices[:1], echo=lambda _: None)
+    path, _ = export_torch_state_dict(tmp_path / "run", tmp_path / "run.pt")
+    trained, initial = torch.load(path), build_program(config, devices[:1]).model.torch.module.state_dict()
+    assert all(torch.equal(trained[name], initial[name]) for name in ("body.weight", "body.bias"))
+    assert not torch.equal(trained["head.weight"], initial["head.weight"])
+
+
+FROZEN_FIRST_BLOCK = [*TORCH_GPT, "model.target=torch_models:tiny_gpt_frozen", "optimizer.name=adamw"]
+
+
+def test_blocks_frozen_in_some_layers_track_torch_eager_and_refuse_weight_decay(devices):
+    """The blocks' parameters are stacked, one leaf per name over every block: a gradient stopped in block 0's
+    layers alone, and no decay that could spare only some of a leaf's layers."""
+    report = run_torch_parity(config_for([*FROZEN_FIRST_BLOCK, "optimizer.weight_decay=0"]), "torch", 10, 1e-4)
+    assert report.first is None, report.summary()
+    with pytest.raises(UserError, match=r"freezes \(requires_grad=False\) \['blocks'\]\['.*'\] in some of its "
+                                        r"blocks and not in others, and optimizer.weight_decay=0.1"):
+        build_program(config_for([*FROZEN_FIRST_BLOCK, "optimizer.weight_decay=0.1"]), devices[:1])
+
+
+def test_a_pipelined_model_with_frozen_embeddings_equals_the_unpipelined_one(tmp_path, devices):
+    """The frozen embeddings run on the first stage; blocks frozen in some layers only cannot be pipelined (every
+    block runs through one block's module)."""
+    common = [*FROZEN_FIRST_BLOCK, "model.kwargs.frozen_blocks=[]", "model.kwargs.layers=4", "trainer.steps=6"]
+    one = run([*common, "mesh.data=1"], tmp_path, "one", devices[:1])
+    piped = run([*common, "mesh.stage=2"], tmp_path, "piped")
+    np.testing.assert_allclose(trajectory(piped), trajectory(one), rtol=2e-5)
+    with pytest.raises(UserError, match=r"cannot be pipelined \(mesh.stage=2\): it freezes \(requires_grad=False\) "
+                                        "some of its blocks and not others"):
+        build_program(config_for([*FROZEN_FIRST_BLOCK, "model.kwargs.layers=4", "mesh.stage=2"]))
 
 
 def test_batch_norm_statistics_and_weights_equal_torch_after_training(tmp_path, devices):

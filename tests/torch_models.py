@@ -34,3 +34,27 @@ class Unlowerable(nn.Module):
 
 def not_a_module(width: int = 4):
     return [width]
+
+
+class FrozenFirstLayer(nn.Module):
+    """Fine-tuning's usual shape: a frozen first layer (requires_grad=False) under a trained head."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.body = nn.Linear(64, hidden)
+        self.head = nn.Linear(hidden, 10)
+        self.body.requires_grad_(False)
+
+    def forward(self, images):
+        return self.head(torch.relu(self.body(images.flatten(1))))
+
+
+def tiny_gpt_frozen(frozen_blocks=(0,), **kwargs):
+    """TinyGPT (examples/torch_model) with its embeddings and the blocks `frozen_blocks` frozen: by default some
+    stacked layers of each block parameter train and some do not."""
+    from tiny_gpt import TinyGPT
+
+    module = TinyGPT(**kwargs)
+    for part in (module.embed, module.position, *(module.blocks[i] for i in frozen_blocks)):
+        part.requires_grad_(False)
+    return module

@@ -7,7 +7,7 @@ is not in the chain: the train step applies it to the synchronised, unscaled gra
 
 from __future__ import annotations
 
-from functools import partial
+from typing import Any
 
 import jax
 import optax
@@ -116,12 +116,18 @@ def layerwise(inner: optax.GradientTransformation, block_axes: int) -> optax.Gra
     return optax.GradientTransformation(init, update)
 
 
-def build_optimizer(config: OptimizerConfig, schedule: optax.Schedule,
-                    block_axes: int = 0) -> optax.GradientTransformation:
-    """`block_axes`: how many leading axes stack the layers of a BlockStack's params (see decay_mask)."""
+def build_optimizer(config: OptimizerConfig, schedule: optax.Schedule, block_axes: int = 0,
+                    frozen: Any = None) -> optax.GradientTransformation:
+    """`block_axes`: how many leading axes stack the layers of a BlockStack's params (see decay_mask).
+    `frozen`: ModelDef.frozen; the frozen parameters' gradients are zero (the forward stops them), so every
+    scaling leaves them as they are, and weight decay must skip them too."""
     parts = _scaling(config, block_axes)
     if config.weight_decay > 0:
-        parts.append(optax.add_decayed_weights(config.weight_decay, mask=partial(decay_mask, block_axes=block_axes)))
+        def mask(params):
+            decayed = decay_mask(params, block_axes)
+            return decayed if frozen is None else jax.tree.map(lambda d, f: d and f is False, decayed, frozen)
+
+        parts.append(optax.add_decayed_weights(config.weight_decay, mask=mask))
     parts.append(optax.scale_by_learning_rate(schedule))
     return optax.chain(*parts)
 

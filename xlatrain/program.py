@@ -42,7 +42,9 @@ from xlatrain.lowering.step import (
 )
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import build_model
+from xlatrain.models.blocks import BLOCKS
 from xlatrain.models.fit import check_model_outputs
+from xlatrain.models.interface import PARTLY_FROZEN
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
@@ -363,7 +365,8 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
         derived = dataclasses.replace(derived, pipeline_partition=pipeline.layout.partition)
     # Params of a BlockStack's layers are stacked: [layers, ...], or [virtual stages, stages, blocks, ...].
     block_axes = 0 if model.blocks is None else 3 if pipeline else 1
-    tx = build_optimizer(config.optimizer, schedule, block_axes)
+    _refuse_decay_of_partly_frozen(config, model)
+    tx = build_optimizer(config.optimizer, schedule, block_axes, model.frozen)
     init = make_init(model, tx, config.seed, policy, arrange=pipeline.layout.stage_params if pipeline else None)
     rules = model.rules(config.parallel.logical_rules)
     strategy = config.parallel.strategy
@@ -445,11 +448,26 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
                          derived.microbatches * derived.pipeline_microbatches, pinned_partition, as_process_0_chose)
 
 
+def _refuse_decay_of_partly_frozen(config: Config, model: ModelDef) -> None:
+    """Weight decay skips a frozen parameter as a whole; the blocks' stacked parameters hold one leaf per name."""
+    partly = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(model.frozen)[0]
+              if leaf == PARTLY_FROZEN] if model.frozen is not None else []
+    if partly and config.optimizer.weight_decay > 0:
+        raise UserError(f"config: {_model_name(config)} freezes (requires_grad=False) {partly[0]} in some of its "
+                        f"blocks and not in others, and optimizer.weight_decay={config.optimizer.weight_decay} would "
+                        "decay the frozen ones: freeze it in every block or none, or set optimizer.weight_decay=0")
+
+
 def _refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> None:
     if model.blocks is None:
         why = model.not_pipelinable or "it is not a xlatrain.models.BlockStack"
         raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): {why} (see "
                         "README, \"Pipelines\"); or set mesh.stage=1")
+    frozen_blocks = (model.frozen or {}).get(BLOCKS, {})
+    if PARTLY_FROZEN in jax.tree.leaves(frozen_blocks):
+        raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it freezes "
+                        "(requires_grad=False) some of its blocks and not others, and a pipeline runs every block "
+                        "through one block's module; freeze every block or none, or set mesh.stage=1")
     model_state = jax.eval_shape(model.init, jax.random.PRNGKey(0))[1]
     if jax.tree.leaves(model_state):
         raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it keeps "

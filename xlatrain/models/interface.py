@@ -14,6 +14,8 @@ from typing import Any, Callable
 import jax
 
 Tree = Any
+PARTLY_FROZEN = "partly"
+"""ModelDef.frozen of a stacked parameter whose layers are frozen in some blocks and not in others."""
 Run = Callable[[Tree, Tree, jax.Array, "jax.Array | None"], tuple[jax.Array, Tree]]
 
 
@@ -38,6 +40,10 @@ class ModelDef:
     not_pipelinable: str | None = None
     """Why the model cannot be pipelined, when `blocks` is None and there is more to say than "not a
     BlockStack"."""
+    frozen: Tree | None = None
+    """Per parameter leaf (as `init` gives them): True where none of it trains (a torch parameter with
+    requires_grad=False: `run` stops its gradient, and weight decay skips it), PARTLY_FROZEN where only some
+    of its stacked layers do, False elsewhere. None: every parameter trains."""
 
     def rules(self, configured: dict[str, str | None]) -> dict[str, str | None]:
         """parallel.logical_rules over the model's own rules."""

@@ -26,7 +26,7 @@ import numpy as np
 from xlatrain import compat
 from xlatrain.config import TorchModelConfig
 from xlatrain.errors import UserError, first_line
-from xlatrain.models.interface import ModelDef
+from xlatrain.models.interface import PARTLY_FROZEN, ModelDef
 from xlatrain.models.targets import check_kwargs, import_target
 from xlatrain.models.torch_blocks import BlockStacking, TorchBlockParts, block_stacking
 
@@ -72,6 +72,21 @@ class TorchModule:
     def initial_buffers(self) -> dict[str, np.ndarray]:
         return {name: to_host_array(b) for name, b in self.module.named_buffers()}
 
+    def frozen_count(self) -> int:
+        """Elements of the parameters with requires_grad=False (tied ones once)."""
+        return sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
+
+    def frozen(self) -> dict | None:
+        """ModelDef.frozen of the params as `initial_params` and the stacking give them; None when all train."""
+        flat = {name: not p.requires_grad for name, p in self.module.named_parameters()}
+        if not any(flat.values()):
+            return None
+        if self.stack is None:
+            return flat
+        stacked = self.stack.stack({name: np.array(value) for name, value in flat.items()})
+        return jax.tree.map(lambda layers: bool(layers.all()) if layers.all() or not layers.any() else PARTLY_FROZEN,
+                            stacked)
+
     def state_dict(self, params: dict, buffers: dict) -> dict[str, Any]:
         """A torch state_dict of these values, in the module's own dtypes (tied weights under every name)."""
         torch = import_torch()
@@ -99,6 +114,8 @@ class TorchModule:
         torch = import_torch()
         env = self.env
         module.train(key is not None)
+        frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+        params = {name: jax.lax.stop_gradient(value) if name in frozen else value for name, value in params.items()}
         initial = {name: to_host_array(b) for name, b in module.named_buffers() if name not in buffers}
         given = {**jax.tree.map(jnp.asarray, initial), **buffers}
         t_params, t_buffers, t_inputs = env.j2t_iso(jax.tree.map(jnp.asarray, (params, given, inputs)))
@@ -255,4 +272,4 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
 
     parts = None if stack is None else TorchBlockParts(torch_module, stack)
     return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: "data"}, initial_values=initial_values,
-                    blocks=parts, torch=torch_module, not_pipelinable=not_stackable)
+                    blocks=parts, torch=torch_module, not_pipelinable=not_stackable, frozen=torch_module.frozen())
