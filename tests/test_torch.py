@@ -5,6 +5,7 @@ import copy
 import importlib.util
 import os
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -116,6 +117,29 @@ def test_a_pipelined_model_with_frozen_embeddings_equals_the_unpipelined_one(tmp
     with pytest.raises(UserError, match=r"cannot be pipelined \(mesh.stage=2\): it freezes \(requires_grad=False\) "
                                         "some of its blocks and not others"):
         build_program(config_for([*FROZEN_FIRST_BLOCK, "model.kwargs.layers=4", "mesh.stage=2"]))
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["model.target=torch_models:tiny_gpt_frozen", "model.kwargs.everything=true"],
+     "all of its parameters are frozen (requires_grad=False); unfreeze some"),
+    (["model.target=torch_models:NoParameters"], "it has no parameters; give it some")])
+def test_a_model_with_nothing_to_train_is_refused_as_torch_optim_refuses_it(overrides, why, devices):
+    with pytest.raises(UserError) as refused:
+        build_program(config_for([*TORCH_GPT, *overrides]), devices[:1])
+    assert str(refused.value).endswith(f"has nothing to train: {why}")
+
+
+def test_int64_in_a_forward_is_int32_without_jaxs_warning(devices):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        program = build_program(config_for(["model.name=torch", "model.target=torch_models:LongIndices",
+                                            "data.source=digits", *QUIET]), devices[:1])
+    params, buffers = program.model.init(jax.random.PRNGKey(0))
+    images = host_batches(program.config, 1)[0]["inputs"][:4]
+    module = program.model.torch.module
+    with torch.no_grad():
+        expected = module(torch.from_numpy(images)).numpy()
+    np.testing.assert_allclose(program.model.apply(params, images, None, buffers), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_batch_norm_statistics_and_weights_equal_torch_after_training(tmp_path, devices):

@@ -49,12 +49,34 @@ class FrozenFirstLayer(nn.Module):
         return self.head(torch.relu(self.body(images.flatten(1))))
 
 
-def tiny_gpt_frozen(frozen_blocks=(0,), **kwargs):
-    """TinyGPT (examples/torch_model) with its embeddings and the blocks `frozen_blocks` frozen: by default some
-    stacked layers of each block parameter train and some do not."""
+def tiny_gpt_frozen(frozen_blocks=(0,), everything=False, **kwargs):
+    """TinyGPT (examples/torch_model) with its embeddings and the blocks `frozen_blocks` frozen (by default some
+    stacked layers of each block parameter train and some do not), or `everything`."""
     from tiny_gpt import TinyGPT
 
     module = TinyGPT(**kwargs)
     for part in (module.embed, module.position, *(module.blocks[i] for i in frozen_blocks)):
         part.requires_grad_(False)
-    return module
+    return module.requires_grad_(not everything) if everything else module
+
+
+class NoParameters(nn.Module):
+    """Logits from the tokens alone: nothing to train (the GPT's sizes are taken and ignored)."""
+
+    def __init__(self, **_sizes):
+        super().__init__()
+
+    def forward(self, tokens):
+        return torch.nn.functional.one_hot(tokens.long(), 256).float()
+
+
+class LongIndices(nn.Module):
+    """Uses .long(), as torch code does for indices: int32 under JAX without x64."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, images):
+        bright = (images.flatten(1) > 8).long()
+        return self.linear(images.flatten(1)) + bright[:, :10].float()

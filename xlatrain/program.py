@@ -375,6 +375,7 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
                                   fixed_param_specs=(split if strategy == "fsdp" else pipeline.layout.param_specs)
                                   if pipeline else None,
                                   fixed_optimizer_specs=split if strategy in ("zero1", "fsdp") else None)
+    _refuse_nothing_to_train(config, abstract.params, model.frozen)
     memory = device_memory(mesh)
     check_state_fits(with_shardings(abstract, specs, mesh), memory)
     return Program(config, derived, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
@@ -446,6 +447,16 @@ def _plan_pipeline(config: Config, derived: Derived, model: ModelDef, spec: Data
     return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
                          model.blocks.layers, measure, count_work, count_residual_bytes,
                          derived.microbatches * derived.pipeline_microbatches, pinned_partition, as_process_0_chose)
+
+
+def _refuse_nothing_to_train(config: Config, params: Any, frozen: Any) -> None:
+    """As torch.optim refuses an empty parameter list: a run that could change nothing is a mistake."""
+    leaves = jax.tree.leaves(params)
+    flags = jax.tree.leaves(frozen) if frozen is not None else [False] * len(leaves)
+    if not any(leaf.size and flag is not True for leaf, flag in zip(leaves, flags, strict=True)):
+        why = ("all of its parameters are frozen (requires_grad=False); unfreeze some" if leaves else
+               "it has no parameters; give it some")
+        raise UserError(f"config: {_model_name(config)} has nothing to train: {why}")
 
 
 def _refuse_decay_of_partly_frozen(config: Config, model: ModelDef) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import fnmatch
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -122,7 +123,9 @@ class TorchModule:
         prng = key if key is not None else jax.random.PRNGKey(0)
         # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
         with env, env.override_property(prng=prng), _module_path(module) as where, \
-                jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+                jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
+            # .long() and .double() are 32-bit here, as the module's docstring says; JAX warns at each one.
+            warnings.filterwarnings("ignore", r"Explicitly requested dtype (int64|uint64|float64|complex128)")
             try:
                 out = torch.func.functional_call(module, {**t_params, **t_buffers}, (t_inputs,), tie_weights=True,
                                                  strict=False)
