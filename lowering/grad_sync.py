@@ -45,7 +45,7 @@ class PartitionedReplicas:
         return jax.tree.map(lambda s: jnp.sum(s, axis=0), sums_R)
 
     def mean_model_state(self, model_state_R: Tree) -> Tree:
-        return jax.tree.map(lambda x: mean_of_sum(jnp.sum(x, axis=0), self.replicas), model_state_R)
+        return jax.tree.map(lambda x: mean_of_sum(jnp.sum(widened(x), axis=0), self.replicas, x.dtype), model_state_R)
 
     def apply_update(self, tx: optax.GradientTransformation, grads: Tree, opt_state: Tree,
                      params: Tree) -> tuple[Tree, Tree]:
@@ -108,8 +108,8 @@ class ExplicitReplicas:
         return jax.tree.map(lambda s: self.all_reduce(s[0], self.axis), sums_R)
 
     def mean_model_state(self, model_state_R: Tree) -> Tree:
-        return jax.tree.map(lambda x: mean_of_sum(self.all_reduce(x[0], self.axis), self.participants),
-                            model_state_R)
+        return jax.tree.map(
+            lambda x: mean_of_sum(self.all_reduce(widened(x[0]), self.axis), self.participants, x.dtype), model_state_R)
 
     def gather(self, params: Tree) -> Tree:
         """FSDP's whole params from this device's blocks; otherwise `params` as they are."""
@@ -200,12 +200,19 @@ def bucketed_sum(grads: Tree, bucket_bytes: int, dtype: jnp.dtype, participants:
     return jax.tree.unflatten(treedef, out)
 
 
-def mean_of_sum(total: jax.Array, count: int) -> jax.Array:
-    """The replicas' mean from their sum: floating values divided, integers (counters every replica
-    advances alike) floor-divided, so they stay exact."""
+def widened(x: jax.Array) -> jax.Array:
+    """Integers and booleans narrower than 32 bits as int32, so that a sum over replicas cannot overflow."""
+    if jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize >= 4:
+        return x
+    return x.astype(jnp.int32)
+
+
+def mean_of_sum(total: jax.Array, count: int, dtype: Any) -> jax.Array:
+    """The replicas' mean from their sum, as `dtype`: floating values divided, integers (counters every replica
+    advances alike, quantized weights none changes) floor-divided, so they stay exact."""
     if jnp.issubdtype(total.dtype, jnp.floating):
-        return (total / count).astype(total.dtype)
-    return total // count
+        return (total / count).astype(dtype)
+    return (total // count).astype(dtype)
 
 
 def split_replicas(x: jax.Array, replicas: int) -> jax.Array:

@@ -129,6 +129,24 @@ def test_a_model_with_nothing_to_train_is_refused_as_torch_optim_refuses_it(over
     assert str(refused.value).endswith(f"has nothing to train: {why}")
 
 
+INT8 = ["model.name=torch", "model.target=torch_models:Int8Scales", "data.source=digits", "batch.global_size=32",
+        "optimizer.name=adamw", *QUIET]
+
+
+def test_an_integer_parameter_is_model_state_that_stays_exact_over_replicas_and_exports(tmp_path, devices):
+    """torch cannot train an integer parameter (a quantized weight): it is kept as model state, and the replicas'
+    mean of int8 values is taken in int32, so it neither overflows nor changes dtype between steps."""
+    report = run_torch_parity(config_for(INT8), "torch", 10, 1e-5)
+    assert report.first is None, report.summary()
+    one = run([*INT8, "trainer.steps=4", "mesh.data=1"], tmp_path, "one", devices[:1])
+    for mode in ("jit", "shard_map"):
+        eight = run([*INT8, "trainer.steps=4", f"parallel.mode={mode}"], tmp_path, mode)
+        np.testing.assert_allclose(trajectory(eight), trajectory(one), rtol=1e-5, err_msg=mode)
+    path, _ = export_torch_state_dict(tmp_path / "shard_map", tmp_path / "eight.pt")
+    scale = torch.load(path)["scale"]
+    assert scale.dtype == torch.int8 and torch.equal(scale, torch.arange(1, 11, dtype=torch.int8))
+
+
 def test_int64_in_a_forward_is_int32_without_jaxs_warning(devices):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

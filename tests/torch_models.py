@@ -80,3 +80,15 @@ class LongIndices(nn.Module):
     def forward(self, images):
         bright = (images.flatten(1) > 8).long()
         return self.linear(images.flatten(1)) + bright[:, :10].float()
+
+
+class Int8Scales(nn.Module):
+    """A quantized-style int8 parameter (requires_grad=False, as torch requires of integers) in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+        self.scale = nn.Parameter(torch.arange(1, 11, dtype=torch.int8), requires_grad=False)
+
+    def forward(self, images):
+        return self.linear(images.flatten(1)) * self.scale.float() / 10

@@ -88,8 +88,9 @@ def train(module: torch.nn.Module, batches: Iterable[dict[str, np.ndarray]], mic
             torch.nn.utils.clip_grad_norm_(module.parameters(), spec.clip_norm)
         optimizer.step()
         sync()
-        with torch.no_grad():
-            norm = torch.sqrt(sum((p.float() ** 2).sum() for p in module.parameters()))
+        with torch.no_grad():  # over the parameters xlatrain keeps as params: integer ones are its model state
+            norm = torch.sqrt(sum((p.abs().float() ** 2).sum() for p in module.parameters()
+                                  if p.is_floating_point() or p.is_complex()))
         records.append({"step": step + 1, "loss": float(step_loss), "param_norm": float(norm)})
     return records
 

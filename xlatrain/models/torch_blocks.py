@@ -60,8 +60,10 @@ def block_stacking(module: Any, attr: str) -> tuple[BlockStacking | None, str | 
     signatures = [[(n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()] for block in blocks]
     if any(s != signatures[0] for s in signatures):
         return None, f"the blocks in {attr!r} differ in their parameters"
-    if any(True for block in blocks for _ in block.buffers()):
-        return None, f"the blocks in {attr!r} hold buffers (a pipeline passes only activations between stages)"
+    if any(True for block in blocks for _ in block.buffers()) or any(
+            not (p.is_floating_point() or p.is_complex()) for block in blocks for p in block.parameters()):
+        return None, (f"the blocks in {attr!r} hold buffers or integer parameters, which are model state (a pipeline "
+                      "passes only activations between stages)")
     names = tuple(n for n, _, _ in signatures[0])
     stacking = BlockStacking(attr, len(blocks), names)
     owned = {n for n, _ in module.named_parameters()}

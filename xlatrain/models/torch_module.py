@@ -68,10 +68,12 @@ class TorchModule:
         return compat.torchax_environment()
 
     def initial_params(self) -> dict[str, np.ndarray]:
-        return {name: to_host_array(p) for name, p in self.module.named_parameters()}
+        return {name: to_host_array(p) for name, p in self.module.named_parameters() if _differentiable(p)}
 
     def initial_buffers(self) -> dict[str, np.ndarray]:
-        return {name: to_host_array(b) for name, b in self.module.named_buffers()}
+        """The buffers, and the integer parameters (quantized weights): torch cannot train them either."""
+        integers = [(name, p) for name, p in self.module.named_parameters() if not _differentiable(p)]
+        return {name: to_host_array(b) for name, b in [*self.module.named_buffers(), *integers]}
 
     def frozen_count(self) -> int:
         """Elements of the parameters with requires_grad=False (tied ones once)."""
@@ -79,7 +81,7 @@ class TorchModule:
 
     def frozen(self) -> dict | None:
         """ModelDef.frozen of the params as `initial_params` and the stacking give them; None when all train."""
-        flat = {name: not p.requires_grad for name, p in self.module.named_parameters()}
+        flat = {name: not p.requires_grad for name, p in self.module.named_parameters() if _differentiable(p)}
         if not any(flat.values()):
             return None
         if self.stack is None:
@@ -143,6 +145,10 @@ class TorchModule:
                             "xlatrain needs one tensor (logits for cross_entropy, predictions for mse)")
         new_buffers = {name: t_buffers[name].jax().astype(buffers[name].dtype) for name in buffers}
         return env.t2j_iso(out), new_buffers
+
+
+def _differentiable(tensor: Any) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def to_host_array(tensor: Any) -> np.ndarray:
