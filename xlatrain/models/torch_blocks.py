@@ -60,8 +60,8 @@ def block_stacking(module: Any, attr: str) -> tuple[BlockStacking | None, str | 
     signatures = [[(n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()] for block in blocks]
     if any(s != signatures[0] for s in signatures):
         return None, f"the blocks in {attr!r} differ in their parameters"
-    if any(True for block in blocks for _ in block.buffers()) or any(
-            not (p.is_floating_point() or p.is_complex()) for block in blocks for p in block.parameters()):
+    if any(True for block in blocks for _ in block.buffers()) or not all(
+            differentiable(p) for block in blocks for p in block.parameters()):
         return None, (f"the blocks in {attr!r} hold buffers or integer parameters, which are model state (a pipeline "
                       "passes only activations between stages)")
     names = tuple(n for n, _, _ in signatures[0])
@@ -70,6 +70,11 @@ def block_stacking(module: Any, attr: str) -> tuple[BlockStacking | None, str | 
     if any(stacking.full_name(i, n) not in owned for i in range(len(blocks)) for n in names) or BLOCKS in owned:
         return None, f"a parameter of the blocks in {attr!r} is shared with another part of the module"
     return stacking, None
+
+
+def differentiable(tensor: Any) -> bool:
+    """A parameter torch can train: an integer one (a quantized weight) is model state."""
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 class TorchBlockParts:

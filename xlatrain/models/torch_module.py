@@ -29,7 +29,7 @@ from xlatrain.config import TorchModelConfig
 from xlatrain.errors import UserError, first_line
 from xlatrain.models.interface import PARTLY_FROZEN, ModelDef
 from xlatrain.models.targets import check_kwargs, import_target
-from xlatrain.models.torch_blocks import BlockStacking, TorchBlockParts, block_stacking
+from xlatrain.models.torch_blocks import BlockStacking, TorchBlockParts, block_stacking, differentiable
 
 SHARDED = "sharded"
 """The logical name of the dimension zero1/fsdp shard in a torch parameter; mapped to `data` unless
@@ -68,26 +68,26 @@ class TorchModule:
         return compat.torchax_environment()
 
     def initial_params(self) -> dict[str, np.ndarray]:
-        return {name: to_host_array(p) for name, p in self.module.named_parameters() if _differentiable(p)}
+        return {name: to_host_array(p) for name, p in self.module.named_parameters() if differentiable(p)}
 
     def initial_buffers(self) -> dict[str, np.ndarray]:
         """The buffers, and the integer parameters (quantized weights): torch cannot train them either."""
-        integers = [(name, p) for name, p in self.module.named_parameters() if not _differentiable(p)]
+        integers = [(name, p) for name, p in self.module.named_parameters() if not differentiable(p)]
         return {name: to_host_array(b) for name, b in [*self.module.named_buffers(), *integers]}
 
     def frozen_count(self) -> int:
-        """Elements of the parameters with requires_grad=False (tied ones once)."""
-        return sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
+        """Elements of the params with requires_grad=False (tied ones once)."""
+        return sum(p.numel() for p in self.module.parameters() if not p.requires_grad and differentiable(p))
 
     def frozen(self) -> dict | None:
         """ModelDef.frozen of the params as `initial_params` and the stacking give them; None when all train."""
-        flat = {name: not p.requires_grad for name, p in self.module.named_parameters() if _differentiable(p)}
+        flat = {name: not p.requires_grad for name, p in self.module.named_parameters() if differentiable(p)}
         if not any(flat.values()):
             return None
         if self.stack is None:
             return flat
         stacked = self.stack.stack({name: np.array(value) for name, value in flat.items()})
-        return jax.tree.map(lambda layers: bool(layers.all()) if layers.all() or not layers.any() else PARTLY_FROZEN,
+        return jax.tree.map(lambda layers: PARTLY_FROZEN if layers.any() and not layers.all() else bool(layers.all()),
                             stacked)
 
     def state_dict(self, params: dict, buffers: dict) -> dict[str, Any]:
@@ -145,10 +145,6 @@ class TorchModule:
                             "xlatrain needs one tensor (logits for cross_entropy, predictions for mse)")
         new_buffers = {name: t_buffers[name].jax().astype(buffers[name].dtype) for name in buffers}
         return env.t2j_iso(out), new_buffers
-
-
-def _differentiable(tensor: Any) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def to_host_array(tensor: Any) -> np.ndarray:
