@@ -42,7 +42,6 @@ from xlatrain.lowering.step import (
 )
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, per_replica, replicated, train_batch_sharding
 from xlatrain.models import build_model
-from xlatrain.models.blocks import BLOCKS
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.models.interface import PARTLY_FROZEN
 from xlatrain.optim import build_optimizer, learning_rate_schedule
@@ -459,10 +458,17 @@ def _refuse_nothing_to_train(config: Config, params: Any, frozen: Any) -> None:
         raise UserError(f"config: {_model_name(config)} has nothing to train: {why}")
 
 
+def _partly_frozen(model: ModelDef) -> list[str]:
+    """The stacked block parameters frozen in some blocks and not in others (ModelDef.frozen's PARTLY_FROZEN)."""
+    if model.frozen is None:
+        return []
+    return [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(model.frozen)[0]
+            if leaf == PARTLY_FROZEN]
+
+
 def _refuse_decay_of_partly_frozen(config: Config, model: ModelDef) -> None:
     """Weight decay skips a frozen parameter as a whole; the blocks' stacked parameters hold one leaf per name."""
-    partly = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(model.frozen)[0]
-              if leaf == PARTLY_FROZEN] if model.frozen is not None else []
+    partly = _partly_frozen(model)
     if partly and config.optimizer.weight_decay > 0:
         raise UserError(f"config: {_model_name(config)} freezes (requires_grad=False) {partly[0]} in some of its "
                         f"blocks and not in others, and optimizer.weight_decay={config.optimizer.weight_decay} would "
@@ -474,8 +480,7 @@ def _refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> 
         why = model.not_pipelinable or "it is not a xlatrain.models.BlockStack"
         raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): {why} (see "
                         "README, \"Pipelines\"); or set mesh.stage=1")
-    frozen_blocks = (model.frozen or {}).get(BLOCKS, {})
-    if PARTLY_FROZEN in jax.tree.leaves(frozen_blocks):
+    if _partly_frozen(model):
         raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it freezes "
                         "(requires_grad=False) some of its blocks and not others, and a pipeline runs every block "
                         "through one block's module; freeze every block or none, or set mesh.stage=1")
