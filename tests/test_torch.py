@@ -83,15 +83,36 @@ FROZEN_HEAD_ONLY = ["model.name=torch", "model.target=torch_models:FrozenFirstLa
 
 def test_frozen_parameters_stay_as_they_are_and_training_tracks_torch_eager(tmp_path, devices):
     """requires_grad=False: no update, no weight decay, and no share of the clipping norm, as torch.optim over the
-    trainable parameters (AdamW with decay and clipping, 20 steps)."""
+    trainable parameters (AdamW with decay and clipping, 20 steps); and no moments kept for it."""
     report = run_torch_parity(config_for(FROZEN_HEAD_ONLY), "torch", 20, 1e-5)
     assert report.first is None, report.summary()
     config = config_for([*FROZEN_HEAD_ONLY, "trainer.steps=5"], tmp_path / "run")
     train(config, devices=devices[:1], echo=lambda _: None)
     path, _ = export_torch_state_dict(tmp_path / "run", tmp_path / "run.pt")
-    trained, initial = torch.load(path), build_program(config, devices[:1]).model.torch.module.state_dict()
+    program = build_program(config, devices[:1])
+    trained, initial = torch.load(path), program.model.torch.module.state_dict()
+    moments = [leaf.size for leaf in jax.tree.leaves(program.abstract_state.opt_state) if leaf.ndim]
+    assert sum(moments) == 2 * (16 * 10 + 10)  # Adam's two moments of the head alone
     assert all(torch.equal(trained[name], initial[name]) for name in ("body.weight", "body.bias"))
     assert not torch.equal(trained["head.weight"], initial["head.weight"])
+
+
+def test_parameters_without_a_gradient_stay_as_they_are_and_training_tracks_torch_eager(tmp_path, devices):
+    """Layers run under torch.no_grad(), a head the forward never calls and a scale read through .detach():
+    torch.optim skips a parameter whose .grad is None, weight decay included (optax would decay a parameter
+    whose gradient is zero, and torchax alone would differentiate through torch.no_grad())."""
+    without = [*FROZEN_HEAD_ONLY, "model.target=torch_models:WithoutGradients"]
+    report = run_torch_parity(config_for(without), "torch", 10, 1e-5)
+    assert report.first is None, report.summary()
+    lines = []
+    train(config_for([*without, "trainer.steps=3"], tmp_path / "run"), devices=devices[:1], echo=lines.append)
+    assert ("params 2,964 (2,266 without a gradient in the forward: unused, detached or under torch.no_grad())"
+            in "\n".join(lines))
+    path, _ = export_torch_state_dict(tmp_path / "run", tmp_path / "run.pt")
+    trained, initial = torch.load(path), build_program(config_for(without), devices[:1]).model.torch.module.state_dict()
+    kept = ("features.", "unused_head.", "scale")
+    for name in initial:
+        assert torch.equal(trained[name], initial[name]) == name.startswith(kept), name
 
 
 FROZEN_FIRST_BLOCK = [*TORCH_GPT, "model.target=torch_models:tiny_gpt_frozen", "optimizer.name=adamw"]
@@ -121,7 +142,8 @@ def test_a_pipelined_model_with_frozen_embeddings_equals_the_unpipelined_one(tmp
 
 @pytest.mark.parametrize("overrides, why", [
     (["model.target=torch_models:tiny_gpt_frozen", "model.kwargs.everything=true"],
-     "all of its parameters are frozen (requires_grad=False); unfreeze some"),
+     "all of its parameters are frozen (requires_grad=False) or get no gradient from its forward (unused, "
+     "detached or under torch.no_grad()); unfreeze some"),
     (["model.target=torch_models:NoParameters"], "it has no parameters; give it some")])
 def test_a_model_with_nothing_to_train_is_refused_as_torch_optim_refuses_it(overrides, why, devices):
     with pytest.raises(UserError) as refused:

@@ -49,6 +49,25 @@ class FrozenFirstLayer(nn.Module):
         return self.head(torch.relu(self.body(images.flatten(1))))
 
 
+class WithoutGradients(nn.Module):
+    """Parameters torch.optim never sees a gradient for: a feature layer run under torch.no_grad() (a frozen
+    feature extractor), a head the forward does not call (a pretrained model's unused pooler) and a scale read
+    through .detach()."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.features = nn.Linear(64, 32)
+        self.body = nn.Linear(32, hidden)
+        self.head = nn.Linear(hidden, 10)
+        self.unused_head = nn.Linear(hidden, 10)
+        self.scale = nn.Parameter(torch.full((hidden,), 2.0))
+
+    def forward(self, images):
+        with torch.no_grad():
+            features = torch.relu(self.features(images.flatten(1)))
+        return self.head(torch.relu(self.body(features)) * self.scale.detach())
+
+
 def tiny_gpt_frozen(frozen_blocks=(0,), everything=False, **kwargs):
     """TinyGPT (examples/torch_model) with its embeddings and the blocks `frozen_blocks` frozen (by default some
     stacked layers of each block parameter train and some do not), or `everything`."""

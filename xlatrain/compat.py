@@ -568,6 +568,32 @@ def torchax_environment() -> Any:
     return env
 
 
+@contextlib.contextmanager
+def torch_no_grad_stops_gradients(env: Any) -> Iterator[None]:
+    """torchax traces every op into JAX whatever torch's grad mode, so what a forward computes under
+    torch.no_grad() (or inference_mode) would get the gradient PyTorch never gives it. While open, the new
+    values ops return with grad mode off are stopped (jax.lax.stop_gradient); a tensor an op hands back (an
+    in-place op's, a no-op conversion's) keeps its gradient, as in PyTorch. Grad mode starts on, as in a
+    PyTorch training step."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves, tree_map
+    from torchax.tensor import Tensor
+    from torchax.view import View
+
+    class NoGradStopsGradients(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if torch.is_grad_enabled():
+                return out
+            given = {id(value) for value in tree_leaves((args, kwargs))}
+            return tree_map(lambda value: Tensor(jax.lax.stop_gradient(value.jax()), env)
+                            if isinstance(value, (Tensor, View)) and id(value) not in given else value, out)
+
+    with torch.enable_grad(), NoGradStopsGradients():
+        yield
+
+
 def torchax_operator_not_found() -> type[Exception]:
     from torchax.tensor import OperatorNotFound
 

@@ -120,8 +120,11 @@ def build_optimizer(config: OptimizerConfig, schedule: optax.Schedule, block_axe
                     frozen: Any = None) -> optax.GradientTransformation:
     """`block_axes`: how many leading axes stack the layers of a BlockStack's params (see decay_mask).
     `frozen`: ModelDef.frozen; the frozen parameters' gradients are zero (the forward stops them), so every
-    scaling leaves them as they are, and weight decay must skip them too."""
+    scaling would leave them as they are: it is masked off them, keeping no moments for them (a frozen
+    backbone's), and weight decay must skip them too."""
     parts = _scaling(config, block_axes)
+    if frozen is not None and parts:
+        parts = [optax.masked(optax.chain(*parts), jax.tree.map(lambda f: f is not True, frozen))]
     if config.weight_decay > 0:
         def mask(params):
             decayed = decay_mask(params, block_axes)

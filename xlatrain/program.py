@@ -355,6 +355,11 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
     if derived.stages > 1:
         _refuse_unpipelinable(config, derived, model)
     check_model_outputs(model, dataset.spec, config.model.loss, policy, _model_name(config))
+    if model.torch is not None:
+        from xlatrain.models.torch_module import with_frozen_known
+
+        model = with_frozen_known(model, dataset.spec)
+    _refuse_partly_frozen(config, derived, model)
     schedule = learning_rate_schedule(config.optimizer, derived,
                                         config.optimizer.decay_steps or config.trainer.steps)
     pipeline = _plan_pipeline(config, derived, model, dataset.spec, policy, pinned_partition)
@@ -364,7 +369,6 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
         derived = dataclasses.replace(derived, pipeline_partition=pipeline.layout.partition)
     # Params of a BlockStack's layers are stacked: [layers, ...], or [virtual stages, stages, blocks, ...].
     block_axes = 0 if model.blocks is None else 3 if pipeline else 1
-    _refuse_decay_of_partly_frozen(config, model)
     tx = build_optimizer(config.optimizer, schedule, block_axes, model.frozen)
     init = make_init(model, tx, config.seed, policy, arrange=pipeline.layout.stage_params if pipeline else None)
     rules = model.rules(config.parallel.logical_rules)
@@ -453,22 +457,21 @@ def _refuse_nothing_to_train(config: Config, params: Any, frozen: Any) -> None:
     leaves = jax.tree.leaves(params)
     flags = jax.tree.leaves(frozen) if frozen is not None else [False] * len(leaves)
     if not any(leaf.size and flag is not True for leaf, flag in zip(leaves, flags, strict=True)):
-        why = ("all of its parameters are frozen (requires_grad=False); unfreeze some" if leaves else
+        why = ("all of its parameters are frozen (requires_grad=False) or get no gradient from its forward (unused, "
+               "detached or under torch.no_grad()); unfreeze some" if leaves else
                "it has no parameters; give it some")
         raise UserError(f"config: {_model_name(config)} has nothing to train: {why}")
 
 
-def _partly_frozen(model: ModelDef) -> list[str]:
-    """The stacked block parameters frozen in some blocks and not in others (ModelDef.frozen's PARTLY_FROZEN)."""
-    if model.frozen is None:
-        return []
-    return [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(model.frozen)[0]
-            if leaf == PARTLY_FROZEN]
-
-
-def _refuse_decay_of_partly_frozen(config: Config, model: ModelDef) -> None:
-    """Weight decay skips a frozen parameter as a whole; the blocks' stacked parameters hold one leaf per name."""
-    partly = _partly_frozen(model)
+def _refuse_partly_frozen(config: Config, derived: Derived, model: ModelDef) -> None:
+    """Weight decay skips a frozen parameter as a whole, and a pipeline runs every block through one block's
+    module; the blocks' stacked parameters hold one leaf per name."""
+    flat = jax.tree_util.tree_flatten_with_path(model.frozen)[0] if model.frozen is not None else []
+    partly = [jax.tree_util.keystr(path) for path, leaf in flat if leaf == PARTLY_FROZEN]
+    if partly and derived.stages > 1:
+        raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it freezes "
+                        "(requires_grad=False) some of its blocks and not others, and a pipeline runs every block "
+                        "through one block's module; freeze every block or none, or set mesh.stage=1")
     if partly and config.optimizer.weight_decay > 0:
         raise UserError(f"config: {_model_name(config)} freezes (requires_grad=False) {partly[0]} in some of its "
                         f"blocks and not in others, and optimizer.weight_decay={config.optimizer.weight_decay} would "
@@ -480,10 +483,6 @@ def _refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> 
         why = model.not_pipelinable or "it is not a xlatrain.models.BlockStack"
         raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): {why} (see "
                         "README, \"Pipelines\"); or set mesh.stage=1")
-    if _partly_frozen(model):
-        raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it freezes "
-                        "(requires_grad=False) some of its blocks and not others, and a pipeline runs every block "
-                        "through one block's module; freeze every block or none, or set mesh.stage=1")
     model_state = jax.eval_shape(model.init, jax.random.PRNGKey(0))[1]
     if jax.tree.leaves(model_state):
         raise UserError(f"config: {_model_name(config)} cannot be pipelined (mesh.stage={derived.stages}): it keeps "

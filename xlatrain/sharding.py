@@ -45,9 +45,12 @@ def specs_following_params(tx: optax.GradientTransformation, abstract_opt_state:
                            wanted: Any) -> Any:
     """Optimizer leaves shaped like their param take the param's spec `wanted`. A leaf that shares the param's
     leading dimensions up to the last one the spec splits (Adafactor's factored moments of stacked layers, kept
-    per layer) takes that part of the spec; the rest is replicated."""
+    per layer) takes that part of the spec; the rest is replicated. A parameter the optimizer is masked off
+    (optax.masked: a frozen one) has no state, and no spec."""
 
     def for_leaf(leaf, spec, param):
+        if isinstance(leaf, optax.MaskedNode):
+            return leaf
         shape = getattr(leaf, "shape", None)
         if shape == param.shape:
             return spec
@@ -55,7 +58,8 @@ def specs_following_params(tx: optax.GradientTransformation, abstract_opt_state:
         return P(*spec[:split]) if shape is not None and tuple(shape[:split]) == param.shape[:split] else P()
 
     return optax.tree_map_params(tx, for_leaf, abstract_opt_state, wanted, abstract_params,
-                                 transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+                                 transform_non_params=lambda _: P(),
+                                 is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

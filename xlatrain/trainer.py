@@ -94,7 +94,7 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
     echo(f"xlatrain: {program.config.name} -> {program.config.run_dir()}")
     echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}, "
          f"strategy {program.config.parallel.strategy}, params {program.param_count:,}"
-         + (f" ({program.model.torch.frozen_count():,} frozen: requires_grad=False)" if program.model.frozen else ""))
+         + (f" ({program.model.torch.describe_frozen()})" if program.model.frozen else ""))
     if cpu_devices.applied is not None and jax.devices()[0].platform == "cpu":
         echo(f"  CPU devices: {cpu_devices.applied.describe()}")
     echo(f"  precision {program.config.precision.policy}: {program.policy.describe()}")

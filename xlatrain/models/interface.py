@@ -42,8 +42,8 @@ class ModelDef:
     BlockStack"."""
     frozen: Tree | None = None
     """Per parameter leaf (as `init` gives them): True where none of it trains (a torch parameter with
-    requires_grad=False: `run` stops its gradient, and weight decay skips it), PARTLY_FROZEN where only some
-    of its stacked layers do, False elsewhere. None: every parameter trains."""
+    requires_grad=False, whose gradient `run` stops, or one the forward gives no gradient: weight decay skips
+    it), PARTLY_FROZEN where only some of its stacked layers do, False elsewhere. None: every parameter trains."""
 
     def rules(self, configured: dict[str, str | None]) -> dict[str, str | None]:
         """parallel.logical_rules over the model's own rules."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fnmatch
 import importlib.util
 import warnings
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,6 +26,7 @@ import numpy as np
 
 from xlatrain import compat
 from xlatrain.config import TorchModelConfig
+from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, first_line
 from xlatrain.models.interface import PARTLY_FROZEN, ModelDef
 from xlatrain.models.targets import check_kwargs, import_target
@@ -51,7 +52,7 @@ def import_torch() -> Any:
     return torch
 
 
-@dataclass
+@dataclasses.dataclass
 class TorchModule:
     """The host module and how its tensors map to xlatrain's params and model state."""
 
@@ -60,6 +61,8 @@ class TorchModule:
     target: str
     stack: BlockStacking | None = None
     """How the module's repeated blocks are stacked into params["blocks"] (None: params keep flat names)."""
+    without_gradient: frozenset[str] = frozenset()
+    """Params the training forward gives no gradient (`params_without_gradient`, set by `with_frozen_known`)."""
 
     @cached_property
     def env(self) -> Any:
@@ -75,13 +78,26 @@ class TorchModule:
         integers = [(name, p) for name, p in self.module.named_parameters() if not differentiable(p)]
         return {name: to_host_array(b) for name, b in [*self.module.named_buffers(), *integers]}
 
-    def frozen_count(self) -> int:
-        """Elements of the params with requires_grad=False (tied ones once)."""
-        return sum(p.numel() for p in self.module.parameters() if not p.requires_grad and differentiable(p))
+    def params_without_gradient(self, spec: DataSpec) -> frozenset[str]:
+        """The params a training forward gives no gradient: requires_grad=False, never read, read through
+        .detach() or only under torch.no_grad(). torch.optim leaves a parameter whose .grad is None as it is,
+        weight decay included."""
+        params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in self.initial_params().items()}
+        buffers = self.initial_buffers()
+        inputs = jax.ShapeDtypeStruct((2, *spec.input_shape), spec.input_dtype)
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+        def gradients(p, x, k):
+            # of half the outputs' squared sum: the backward starts from the outputs, which read the arguments, so
+            # every gradient the forward gives reads them too (a constant cotangent would leave a bias's constant)
+            return jax.grad(lambda q: 0.5 * jnp.sum(jnp.square(self.call(self.module, q, buffers, x, k)[0])))(p)
+
+        reads = compat.outputs_reading(gradients, (params, inputs, key), watched=(0, 1, 2))
+        return frozenset(name for name, (read, _) in zip(sorted(params), reads, strict=True) if not read)
 
     def frozen(self) -> dict | None:
         """ModelDef.frozen of the params as `initial_params` and the stacking give them; None when all train."""
-        flat = {name: not p.requires_grad for name, p in self.module.named_parameters() if differentiable(p)}
+        flat = {name: name in self.without_gradient for name in self.initial_params()}
         if not any(flat.values()):
             return None
         if self.stack is None:
@@ -89,6 +105,16 @@ class TorchModule:
         stacked = self.stack.stack({name: np.array(value) for name, value in flat.items()})
         return jax.tree.map(lambda layers: PARTLY_FROZEN if layers.any() and not layers.all() else bool(layers.all()),
                             stacked)
+
+    def describe_frozen(self) -> str:
+        """How many elements of the params do not train, and why (tied ones once)."""
+        named = [p for name, p in self.module.named_parameters() if name in self.without_gradient]
+        frozen = sum(p.numel() for p in named if not p.requires_grad)
+        unused = sum(p.numel() for p in named if p.requires_grad)
+        parts = [f"{frozen:,} frozen: requires_grad=False"] if frozen else []
+        if unused:
+            parts.append(f"{unused:,} without a gradient in the forward: unused, detached or under torch.no_grad()")
+        return "; ".join(parts)
 
     def state_dict(self, params: dict, buffers: dict) -> dict[str, Any]:
         """A torch state_dict of these values, in the module's own dtypes (tied weights under every name)."""
@@ -124,8 +150,9 @@ class TorchModule:
         t_params, t_buffers, t_inputs = env.j2t_iso(jax.tree.map(jnp.asarray, (params, given, inputs)))
         prng = key if key is not None else jax.random.PRNGKey(0)
         # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
-        with env, env.override_property(prng=prng), _module_path(module) as where, \
-                jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
+        with env, env.override_property(prng=prng), compat.torch_no_grad_stops_gradients(env), \
+                _module_path(module) as where, jax.numpy_rank_promotion("allow"), \
+                jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
             # .long() and .double() are 32-bit here, as the module's docstring says; JAX warns at each one.
             warnings.filterwarnings("ignore", r"Explicitly requested dtype (int64|uint64|float64|complex128)")
             try:
@@ -145,6 +172,12 @@ class TorchModule:
                             "xlatrain needs one tensor (logits for cross_entropy, predictions for mse)")
         new_buffers = {name: t_buffers[name].jax().astype(buffers[name].dtype) for name in buffers}
         return env.t2j_iso(out), new_buffers
+
+
+def with_frozen_known(model: ModelDef, spec: DataSpec) -> ModelDef:
+    """A torch model with ModelDef.frozen: the params its training forward on `spec`'s inputs gives no gradient."""
+    model.torch.without_gradient = model.torch.params_without_gradient(spec)
+    return dataclasses.replace(model, frozen=model.torch.frozen())
 
 
 def to_host_array(tensor: Any) -> np.ndarray:
@@ -277,4 +310,4 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
 
     parts = None if stack is None else TorchBlockParts(torch_module, stack)
     return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: "data"}, initial_values=initial_values,
-                    blocks=parts, torch=torch_module, not_pipelinable=not_stackable, frozen=torch_module.frozen())
+                    blocks=parts, torch=torch_module, not_pipelinable=not_stackable)
