@@ -51,8 +51,8 @@ class FrozenFirstLayer(nn.Module):
 
 class WithoutGradients(nn.Module):
     """Parameters torch.optim never sees a gradient for: a feature layer run under torch.no_grad() (a frozen
-    feature extractor), a head the forward does not call (a pretrained model's unused pooler) and a scale read
-    through .detach()."""
+    feature extractor), a head the forward does not call but for its bias's .data (a pretrained model's unused
+    pooler) and a scale read through .detach()."""
 
     def __init__(self, hidden: int = 16):
         super().__init__()
@@ -65,7 +65,8 @@ class WithoutGradients(nn.Module):
     def forward(self, images):
         with torch.no_grad():
             features = torch.relu(self.features(images.flatten(1)))
-        return self.head(torch.relu(self.body(features)) * self.scale.detach())
+        hidden = torch.relu(self.body(features)) * self.scale.detach()
+        return self.head(hidden) + self.unused_head.bias.data
 
 
 def tiny_gpt_frozen(frozen_blocks=(0,), everything=False, **kwargs):

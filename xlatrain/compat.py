@@ -569,19 +569,19 @@ def torchax_environment() -> Any:
 
 
 @contextlib.contextmanager
-def torch_no_grad_stops_gradients(env: Any) -> Iterator[None]:
-    """torchax traces every op into JAX whatever torch's grad mode, so what a forward computes under
-    torch.no_grad() (or inference_mode) would get the gradient PyTorch never gives it. While open, the new
-    values ops return with grad mode off are stopped (jax.lax.stop_gradient); a tensor an op hands back (an
-    in-place op's, a no-op conversion's) keeps its gradient, as in PyTorch. Grad mode starts on, as in a
-    PyTorch training step."""
+def torch_gradient_cuts(env: Any) -> Iterator[None]:
+    """torchax traces every op into JAX whatever torch's autograd would record, so what a forward computes
+    under torch.no_grad() (or inference_mode), or reads through `.data`, would get the gradient PyTorch never
+    gives it. While open, those values are stopped (jax.lax.stop_gradient): the new values ops return with
+    grad mode off, and every `.data`; a tensor an op hands back under torch.no_grad() (an in-place op's, a no-op
+    conversion's) keeps its gradient, as in PyTorch. Grad mode starts on, as in a PyTorch training step."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves, tree_map
     from torchax.tensor import Tensor
     from torchax.view import View
 
-    class NoGradStopsGradients(TorchFunctionMode):
+    class GradientCuts(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if torch.is_grad_enabled():
@@ -590,8 +590,14 @@ def torch_no_grad_stops_gradients(env: Any) -> Iterator[None]:
             return tree_map(lambda value: Tensor(jax.lax.stop_gradient(value.jax()), env)
                             if isinstance(value, (Tensor, View)) and id(value) not in given else value, out)
 
-    with torch.enable_grad(), NoGradStopsGradients():
-        yield
+    # torchax's Tensor.data is a Python property handing back the tensor itself, which no mode sees
+    data = Tensor.data
+    Tensor.data = property(lambda tensor: Tensor(jax.lax.stop_gradient(tensor.jax()), env), data.fset)
+    try:
+        with torch.enable_grad(), GradientCuts():
+            yield
+    finally:
+        Tensor.data = data
 
 
 def torchax_operator_not_found() -> type[Exception]:

@@ -150,7 +150,7 @@ class TorchModule:
         t_params, t_buffers, t_inputs = env.j2t_iso(jax.tree.map(jnp.asarray, (params, given, inputs)))
         prng = key if key is not None else jax.random.PRNGKey(0)
         # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
-        with env, env.override_property(prng=prng), compat.torch_no_grad_stops_gradients(env), \
+        with env, env.override_property(prng=prng), compat.torch_gradient_cuts(env), \
                 _module_path(module) as where, jax.numpy_rank_promotion("allow"), \
                 jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
             # .long() and .double() are 32-bit here, as the module's docstring says; JAX warns at each one.
