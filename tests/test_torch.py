@@ -313,6 +313,8 @@ BAD_INPUT = {
     "unknown kwarg": ([*TORCH_GPT, "model.kwargs.depth=3"],
                       "model.kwargs.depth is not an argument of 'tiny_gpt:TinyGPT'; it accepts vocab, width, layers"),
     "output shape": ([*DIGITS, "model.target=torch_models:Flat"], "needs logits shaped"),
+    "parameter changed in place": ([*DIGITS, "model.target=torch_models:ClampsItsWeight"],
+                                   "the forward changes parameter 'fc.weight' in place"),
     "unlowerable op": ([*DIGITS, "model.target=torch_models:Unlowerable"],
                        "torchax cannot lower an op in module 'pool'"),
     "pipeline with BatchNorm": ([*DIGITS, "model.target=conv_net:ConvNet", "mesh.stage=2", "parallel.mode=shard_map"],

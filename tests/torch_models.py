@@ -32,6 +32,19 @@ class Unlowerable(nn.Module):
         return self.linear(images.flatten(1)) + self.pool(images.flatten(1))[:, None]
 
 
+class ClampsItsWeight(nn.Module):
+    """Weight clipping inside the forward: a parameter changed in place, which a traced forward cannot keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, images):
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.01, 0.01)
+        return self.fc(images.flatten(1))
+
+
 def not_a_module(width: int = 4):
     return [width]
 

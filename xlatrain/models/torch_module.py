@@ -147,7 +147,8 @@ class TorchModule:
         params = {name: jax.lax.stop_gradient(value) if name in frozen else value for name, value in params.items()}
         initial = {name: to_host_array(b) for name, b in module.named_buffers() if name not in buffers}
         given = {**jax.tree.map(jnp.asarray, initial), **buffers}
-        t_params, t_buffers, t_inputs = env.j2t_iso(jax.tree.map(jnp.asarray, (params, given, inputs)))
+        params_in, given, inputs = jax.tree.map(jnp.asarray, (params, given, inputs))
+        t_params, t_buffers, t_inputs = env.j2t_iso((params_in, given, inputs))
         prng = key if key is not None else jax.random.PRNGKey(0)
         # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
         with env, env.override_property(prng=prng), compat.torch_gradient_cuts(env), \
@@ -170,6 +171,12 @@ class TorchModule:
         if not isinstance(out, torch.Tensor):
             raise UserError(f"model: model.target={self.target!r}: forward returned {type(out).__name__}; "
                             "xlatrain needs one tensor (logits for cross_entropy, predictions for mse)")
+        changed = [name for name, tensor in t_params.items() if tensor.jax() is not params_in[name]]
+        if changed:
+            raise UserError(f"model: model.target={self.target!r}: the forward changes parameter {changed[0]!r} in "
+                            "place (as a weight clamp_ under torch.no_grad() does), which a traced forward cannot "
+                            "keep: only the optimizer updates parameters here; compute with the changed value "
+                            "instead (e.g. F.linear(x, self.fc.weight.clamp(-c, c))), or make it a buffer")
         new_buffers = {name: t_buffers[name].jax().astype(buffers[name].dtype) for name in buffers}
         return env.t2j_iso(out), new_buffers
 
