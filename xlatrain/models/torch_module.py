@@ -70,8 +70,12 @@ class TorchModule:
         replica's state must not, so that `mesh.cpu_devices` can still set the device count (cpu_devices.py)."""
         return compat.torchax_environment()
 
+    def _params(self) -> list[tuple[str, Any]]:
+        """The module's parameters that are xlatrain's params (tied ones once)."""
+        return [(name, p) for name, p in self.module.named_parameters() if differentiable(p)]
+
     def initial_params(self) -> dict[str, np.ndarray]:
-        return {name: to_host_array(p) for name, p in self.module.named_parameters() if differentiable(p)}
+        return {name: to_host_array(p) for name, p in self._params()}
 
     def initial_buffers(self) -> dict[str, np.ndarray]:
         """The buffers, and the integer parameters (quantized weights): torch cannot train them either."""
@@ -82,7 +86,7 @@ class TorchModule:
         """The params a training forward gives no gradient: requires_grad=False, never read, read through
         .detach() or only under torch.no_grad(). torch.optim leaves a parameter whose .grad is None as it is,
         weight decay included."""
-        params = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in self.initial_params().items()}
+        params = {name: jax.ShapeDtypeStruct(tuple(p.shape), host_dtype(p)) for name, p in self._params()}
         buffers = self.initial_buffers()
         inputs = jax.ShapeDtypeStruct((2, *spec.input_shape), spec.input_dtype)
         key = jax.ShapeDtypeStruct((2,), jnp.uint32)
@@ -97,7 +101,7 @@ class TorchModule:
 
     def frozen(self) -> dict | None:
         """ModelDef.frozen of the params as `initial_params` and the stacking give them; None when all train."""
-        flat = {name: name in self.without_gradient for name in self.initial_params()}
+        flat = {name: name in self.without_gradient for name, _ in self._params()}
         if not any(flat.values()):
             return None
         if self.stack is None:
@@ -188,8 +192,14 @@ def with_frozen_known(model: ModelDef, spec: DataSpec) -> ModelDef:
 
 
 def to_host_array(tensor: Any) -> np.ndarray:
-    array = tensor.detach().cpu().numpy()
-    return array.astype(_JAX_DTYPE.get(array.dtype, array.dtype))
+    return tensor.detach().cpu().numpy().astype(host_dtype(tensor))
+
+
+def host_dtype(tensor: Any) -> np.dtype:
+    """The dtype of `tensor` as a host array: 64-bit ones narrowed (_JAX_DTYPE)."""
+    torch = import_torch()
+    dtype = torch.empty(0, dtype=tensor.dtype).numpy().dtype
+    return _JAX_DTYPE.get(dtype, dtype)
 
 
 def to_torch(value: Any, dtype: Any) -> Any:
