@@ -1,5 +1,8 @@
 """Built-in and user models, optimizers by name, schedules with warmup, and the weight-decay mask."""
 
+import math
+import re
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -8,6 +11,7 @@ import optax
 import pytest
 from conftest import DIGITS_MLP, REPO
 from flax import nnx
+from xlatrain.lowering.residuals import saving_matmuls
 from xlatrain.lowering.step import cross_entropy_with_integer_labels
 
 from xlatrain.config import derive, load_config
@@ -15,6 +19,7 @@ from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
 from xlatrain.models import model_factory
 from xlatrain.models.embedding import lookup, scatter_rows, sorted_rows
+from xlatrain.models.linear import dense_dot_general
 from xlatrain.optim import build_optimizer, decay_mask, learning_rate_schedule
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.trainer import train
@@ -111,6 +116,57 @@ def test_the_cross_entropy_is_optaxs_without_the_scatter_of_its_take():
 
     # both scatter the label logits' gradient into the logits'; optax's `.take(0)` adds a second scatter
     assert (scatters(theirs), scatters(cross_entropy_with_integer_labels)) == (2, 1)
+
+
+def largest_transpose(hlo: str) -> int:
+    """Elements of the largest array a compiled program transposes (a `transpose` anywhere, fusions included)."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} transpose\(", hlo)
+    return max((math.prod(int(d) for d in shape.split(",")) for shape in shapes), default=0)
+
+
+@pytest.mark.parametrize("features_in, features_out", [(32, 128), (128, 32)])
+def test_a_dense_layers_weight_gradient_transposes_its_smaller_operand_and_equals_jaxs(features_in, features_out):
+    """x [rows, in] @ w [in, out]: XLA:CPU transposes one side of dw = x^T dy; jax's own gradient hands it dy
+    (4x x's size when out = 4 in, as in a GPT's first MLP layer), dense_dot_general the smaller side."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 64, features_in))
+    w = jax.random.normal(jax.random.PRNGKey(1), (features_in, features_out)) / 8
+    dense = (((2,), (0,)), ((), ()))
+
+    def gradients(dot_general):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(dot_general(x, w, dense))), argnums=(0, 1)))
+
+    ours, jaxs = gradients(dense_dot_general), gradients(jax.lax.dot_general)
+    np.testing.assert_array_equal(dense_dot_general(x, w, dense), jax.lax.dot_general(x, w, dense))
+    # the same products, summed over the 512 rows in another order
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max())),
+                 ours(x, w), jaxs(x, w))
+    smaller = min(x.size, 8 * 64 * features_out + w.size)
+    if jax.default_backend() == "cpu":
+        assert largest_transpose(ours.lower(x, w).compile().as_text()) <= smaller
+        if x.size < smaller:  # the case the layer exists for
+            assert largest_transpose(jaxs.lower(x, w).compile().as_text()) > smaller
+    bf16 = [a.astype(jnp.bfloat16) for a in (x, w)]
+    assert [g.dtype for g in ours(*bf16)] == [jnp.bfloat16] * 2
+    # anything but the dense contraction is lax.dot_general's own
+    batched = (((2,), (1,)), ((0,), (0,)))
+    np.testing.assert_array_equal(dense_dot_general(x, x.transpose(0, 2, 1), batched),
+                                  jax.lax.dot_general(x, x.transpose(0, 2, 1), batched))
+
+
+def test_a_rematerialised_dense_layer_keeps_its_product_as_a_plain_matmul_would():
+    """saving_matmuls (a pipeline's remat: none) saves matmul outputs; the dense layer's product comes out of a
+    custom_vjp call, which jax's dots_saveable would recompute in the backward."""
+    x, w1, w2 = jnp.ones((8, 4)), jnp.ones((4, 16)), jnp.ones((16, 4))
+    dense = (((1,), (0,)), ((), ()))
+
+    def matmuls_in_gradient(dot_general):
+        def two_layers(x, w1, w2):
+            return jnp.sum(dot_general(jax.nn.gelu(dot_general(jnp.tanh(x), w1, dense)), w2, dense))
+        gradient = jax.grad(saving_matmuls(two_layers), argnums=(0, 1, 2))
+        return sum(eqn.primitive.name == "dot_general"
+                   for eqn in all_equations(jax.make_jaxpr(gradient)(x, w1, w2).jaxpr))
+
+    assert matmuls_in_gradient(dense_dot_general) == matmuls_in_gradient(jax.lax.dot_general) == 6
 
 
 def test_dropout_only_with_a_key():

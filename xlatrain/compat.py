@@ -221,6 +221,24 @@ def outputs_reading(fn: Callable, args: tuple,
     return result
 
 
+def without_dead_code(jaxpr: Any) -> Any:
+    """The jaxpr without the equations none of its outputs needs (jax's dead-code elimination, which follows
+    values into loops and calls), as XLA's compilation drops them."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def custom_vjp_forward_primitives(primitive: Any, params: dict) -> set[str] | None:
+    """For a `custom_vjp_call` equation (as a jax.checkpoint policy sees it): the names of the primitives of its
+    forward function; None for any other primitive. The call's jaxpr is a ClosedJaxpr in jax 0.10, a Jaxpr in
+    0.12."""
+    if primitive.name != "custom_vjp_call" or "call_jaxpr" not in params:
+        return None
+    jaxpr = getattr(params["call_jaxpr"], "jaxpr", params["call_jaxpr"])
+    return {eqn.primitive.name for eqn in jaxpr.eqns}
+
+
 def evaluate(closed_jaxpr: Any, inputs: list[Any]) -> list[Any]:
     """The outputs of a closed jaxpr (from jax.make_jaxpr) on `inputs`, its equations bound into the current
     trace with their name stacks."""
@@ -514,11 +532,13 @@ def torchax_environment() -> Any:
     - BatchNorm in training mode writes its running statistics back into the buffers, with PyTorch's
       unbiased variance (torchax 0.0.13 computes the update and drops it);
     - F.scaled_dot_product_attention without a mask, dropout or grouped heads is xlatrain.attention's, the
-      attention xlatrain's flax GPT uses (torchax's reference builds an explicit -inf bias).
+      attention xlatrain's flax GPT uses (torchax's reference builds an explicit -inf bias);
+    - F.linear is xlatrain.models.linear's, whose weight gradient transposes the smaller operand on XLA:CPU.
     """
     import torch
 
     from xlatrain.attention import attention
+    from xlatrain.models.linear import dense_dot_general
 
     import_torchax()
     from torchax.tensor import Environment, Tensor
@@ -565,6 +585,18 @@ def torchax_environment() -> Any:
         return Tensor(jnp.swapaxes(attention(q, k, v, is_causal=is_causal, scale=scale), 1, 2), env)
 
     env.override_op_definition(sdpa, scaled_dot_product_attention)
+
+    reference_linear = env._ops[torch.nn.functional.linear].func
+
+    def linear(input, weight, bias=None):
+        x, w = input.jax(), weight.jax()
+        b = None if bias is None else bias.jax()
+        if w.ndim != 2 or x.ndim < 1 or x.dtype != w.dtype:
+            return Tensor(reference_linear(x, w, b), env)
+        y = dense_dot_general(x, w.T, (((x.ndim - 1,), (0,)), ((), ())))
+        return Tensor(y if b is None else y + b, env)
+
+    env.override_op_definition(torch.nn.functional.linear, linear)
     return env
 
 

@@ -4,6 +4,7 @@ import jax
 from flax import nnx
 
 from xlatrain.models.axes import axes
+from xlatrain.models.linear import linear
 
 
 class CNN(nnx.Module):
@@ -19,10 +20,10 @@ class CNN(nnx.Module):
         ])
         for _ in channels[1:]:
             height, width = -(-height // 2), -(-width // 2)
-        self.dense = nnx.Linear(height * width * sizes[-1], hidden, kernel_metadata=axes("embed", "hidden"),
-                                bias_metadata=axes("hidden"), rngs=rngs)
-        self.head = nnx.Linear(hidden, num_outputs, kernel_metadata=axes("hidden", None),
-                               bias_metadata=axes(None), rngs=rngs)
+        self.dense = linear(height * width * sizes[-1], hidden, kernel_metadata=axes("embed", "hidden"),
+                            bias_metadata=axes("hidden"), rngs=rngs)
+        self.head = linear(hidden, num_outputs, kernel_metadata=axes("hidden", None),
+                           bias_metadata=axes(None), rngs=rngs)
 
     def __call__(self, images, *, rngs: jax.Array | None = None):
         x_BxHxWxC = images.astype(self.head.kernel.get_value().dtype)

@@ -10,6 +10,7 @@ from xlatrain.attention import causal_attention
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.embedding import TokenEmbed
+from xlatrain.models.linear import linear
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,15 @@ class Block(nnx.Module):
         d = shape.width
         self.heads = shape.heads
         self.ln_attn = nnx.LayerNorm(d, scale_metadata=axes("embed"), bias_metadata=axes("embed"), rngs=rngs)
-        self.qkv = nnx.Linear(d, 3 * d, kernel_metadata=axes("embed", "heads"), bias_metadata=axes("heads"),
-                              rngs=rngs)
-        self.attn_out = nnx.Linear(d, d, kernel_metadata=axes("heads", "embed"), bias_metadata=axes("embed"),
-                                   rngs=rngs)
+        self.qkv = linear(d, 3 * d, kernel_metadata=axes("embed", "heads"), bias_metadata=axes("heads"),
+                          rngs=rngs)
+        self.attn_out = linear(d, d, kernel_metadata=axes("heads", "embed"), bias_metadata=axes("embed"),
+                               rngs=rngs)
         self.ln_mlp = nnx.LayerNorm(d, scale_metadata=axes("embed"), bias_metadata=axes("embed"), rngs=rngs)
-        self.mlp_in = nnx.Linear(d, shape.mlp_ratio * d, kernel_metadata=axes("embed", "mlp"),
-                                 bias_metadata=axes("mlp"), rngs=rngs)
-        self.mlp_out = nnx.Linear(shape.mlp_ratio * d, d, kernel_metadata=axes("mlp", "embed"),
-                                  bias_metadata=axes("embed"), rngs=rngs)
+        self.mlp_in = linear(d, shape.mlp_ratio * d, kernel_metadata=axes("embed", "mlp"),
+                             bias_metadata=axes("mlp"), rngs=rngs)
+        self.mlp_out = linear(shape.mlp_ratio * d, d, kernel_metadata=axes("mlp", "embed"),
+                              bias_metadata=axes("embed"), rngs=rngs)
         self.dropout = nnx.Dropout(shape.dropout)
 
     def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None):
@@ -69,8 +70,8 @@ class GPT(BlockStack):
         self.scan_blocks = shape.scan_layers
         self.ln_final = nnx.LayerNorm(shape.width, scale_metadata=axes("embed"), bias_metadata=axes("embed"),
                                       rngs=rngs)
-        self.head = nnx.Linear(shape.width, shape.vocab, kernel_metadata=axes("embed", "vocab"),
-                               bias_metadata=axes("vocab"), rngs=rngs)
+        self.head = linear(shape.width, shape.vocab, kernel_metadata=axes("embed", "vocab"),
+                           bias_metadata=axes("vocab"), rngs=rngs)
 
     def before_blocks(self, tokens_BxL):
         return self.embed(tokens_BxL) + self.position(jnp.arange(tokens_BxL.shape[1]))[None]

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlatrain.models.axes import axes
+from xlatrain.models.linear import linear
 
 
 class MLP(nnx.Module):
@@ -12,12 +13,12 @@ class MLP(nnx.Module):
                  *, rngs: nnx.Rngs):
         sizes = (in_features, *hidden)
         self.hidden = nnx.List([
-            nnx.Linear(a, b, kernel_metadata=axes("embed", "hidden"), bias_metadata=axes("hidden"),
-                       rngs=rngs)
+            linear(a, b, kernel_metadata=axes("embed", "hidden"), bias_metadata=axes("hidden"),
+                   rngs=rngs)
             for a, b in zip(sizes[:-1], sizes[1:], strict=True)
         ])
-        self.head = nnx.Linear(sizes[-1], num_outputs, kernel_metadata=axes("hidden", None),
-                               bias_metadata=axes(None), rngs=rngs)
+        self.head = linear(sizes[-1], num_outputs, kernel_metadata=axes("hidden", None),
+                           bias_metadata=axes(None), rngs=rngs)
         self.dropout = nnx.Dropout(dropout)
 
     def __call__(self, x, *, rngs: jax.Array | None = None):
