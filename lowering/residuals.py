@@ -78,7 +78,7 @@ def saves_matmul_outputs(primitive, *_, **params) -> bool:
     forward is a dot_general: xlatrain/models/linear.py), which the policy sees as a call, not a dot."""
     if primitive is jax.lax.dot_general_p:
         return True
-    return "dot_general" in (compat.custom_vjp_forward_primitives(primitive, params) or ())
+    return "dot_general" in compat.custom_vjp_forward_primitives(primitive, params)
 
 
 def buffer_counts(layouts: list[ResidualLayout]) -> dict[str, int]:

@@ -229,12 +229,12 @@ def without_dead_code(jaxpr: Any) -> Any:
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
 
 
-def custom_vjp_forward_primitives(primitive: Any, params: dict) -> set[str] | None:
+def custom_vjp_forward_primitives(primitive: Any, params: dict) -> set[str]:
     """For a `custom_vjp_call` equation (as a jax.checkpoint policy sees it): the names of the primitives of its
-    forward function; None for any other primitive. The call's jaxpr is a ClosedJaxpr in jax 0.10, a Jaxpr in
+    forward function; none for any other primitive. The call's jaxpr is a ClosedJaxpr in jax 0.10, a Jaxpr in
     0.12."""
     if primitive.name != "custom_vjp_call" or "call_jaxpr" not in params:
-        return None
+        return set()
     jaxpr = getattr(params["call_jaxpr"], "jaxpr", params["call_jaxpr"])
     return {eqn.primitive.name for eqn in jaxpr.eqns}
 
