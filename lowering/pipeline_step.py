@@ -147,7 +147,8 @@ class TracedChunk:
     again, which took most of a pipelined step's tracing time (a step's slot runs up to nine actions)."""
 
     program: Any
-    """The closed jaxpr, from the arguments' leaves to those of (output, pullback)."""
+    """The closed jaxpr, from the arguments' leaves to those of (output, pullback), without the float32 residuals'
+    roundings to their own precision (compat.without_exact_roundings: 2% of a 1f1b step's time on CPU)."""
     arguments: tuple
     """The arguments it was traced with, abstract (jax.ShapeDtypeStruct leaves)."""
     results: Any
@@ -163,7 +164,8 @@ class TracedChunk:
             return out
 
         abstract = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
-        return TracedChunk(jax.make_jaxpr(flat)(*abstract), jax.tree.unflatten(tree, abstract), results[0])
+        program = compat.without_exact_roundings(jax.make_jaxpr(flat)(*abstract))
+        return TracedChunk(program, jax.tree.unflatten(tree, abstract), results[0])
 
     def __call__(self, *arguments: Any) -> tuple:
         leaves, tree = jax.tree.flatten(arguments)

@@ -10,8 +10,8 @@ from xlatrain.lowering.flops import step_flops
 from xlatrain.attention import attention, causal_attention_in_query_blocks, query_blocks
 
 
-@pytest.mark.parametrize("length, blocks", [(128, 4), (64, 4), (48, 3), (32, 2), (30, 1), (16, 1), (8, 1)])
-def test_a_length_gets_up_to_four_blocks_of_at_least_16_queries(length, blocks):
+@pytest.mark.parametrize("length, blocks", [(256, 4), (128, 4), (96, 3), (64, 2), (48, 1), (32, 1), (8, 1)])
+def test_a_length_gets_up_to_four_blocks_of_at_least_32_queries(length, blocks):
     assert query_blocks(length) == blocks
 
 
@@ -36,9 +36,9 @@ def test_blocks_give_the_dense_causal_attentions_values_and_gradients(blocks):
 
 
 def test_on_cpu_a_causal_attention_runs_in_blocks_and_skips_the_products_above_them():
-    q, k, v = qkv(64)
+    q, k, v = qkv(128)
     dense = step_flops(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), q, k, v)
-    assert dense == 2 * 2 * (2 * 3 * 64 * 64 * 8)  # q.k and p.v over every pair: batch 2, 3 heads of 8
+    assert dense == 2 * 2 * (2 * 3 * 128 * 128 * 8)  # q.k and p.v over every pair: batch 2, 3 heads of 8
     assert step_flops(lambda *a: attention(*a, is_causal=True), q, k, v) == dense * (1 + 2 + 3 + 4) / 16
     assert step_flops(lambda *a: attention(*a, is_causal=False), q, k, v) == dense
     np.testing.assert_allclose(attention(q, k, v, is_causal=True),

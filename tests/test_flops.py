@@ -33,9 +33,9 @@ def test_the_gpt_is_counted_as_by_hand_and_near_the_6nt_rule(scan, devices):
     program = build_program(load_config(None, [f"model.scan_layers={scan}"]), devices[:1])
     m, d = program.config.model, program.derived
     seq = program.config.data.seq_len
-    assert (seq, query_blocks(seq)) == (64, 4)
+    assert (seq, query_blocks(seq)) == (64, 2)
     tokens = d.global_batch * seq
-    assert d.model_flops_per_step == gpt_flops(m.layers, m.width, m.mlp_ratio, seq, m.vocab, d.global_batch, 4)
+    assert d.model_flops_per_step == gpt_flops(m.layers, m.width, m.mlp_ratio, seq, m.vocab, d.global_batch, 2)
     assert 0.95 < d.model_flops_per_step / (6 * program.param_count * tokens) < 1.05
 
 

@@ -9,7 +9,9 @@
   (PyTorch's CPU one included) skips them. Alone, forward and backward: 0.65x the dense attention's time at
   length 128, 0.45x at 256, 0.49x at 1024. In the 4 x 256 GPT's train step at length 128, where the dense
   attention takes a fifth of the time, the step took 0.91-1.01x the dense one's (median 0.95, ten in-process
-  A/B runs; 0.99x and 0.92x in bench.cpu_speed); at length 64 (the default GPT) 0.95-1.00x.
+  A/B runs; 0.99x and 0.92x in bench.cpu_speed); at length 64 (the default GPT), in two blocks of 32 queries:
+  0.95-0.97x four blocks of 16 in three in-process A/B runs on the Intel host (four blocks: 0.95-1.00x dense on
+  the AMD host; dense 0.98-1.01x four blocks on the Intel host).
 - CPU, float16: float32 and back, since XLA:CPU has no float16 x float16 -> float32 dot (the precision jax asks
   for with f16 inputs).
 """
@@ -23,7 +25,8 @@ from xlatrain.lowering.platform import lowering_platform
 
 QUERY_BLOCKS_AT_MOST = 4
 """More blocks skip more products but run more, smaller kernels; past 4 the step got no faster on CPU."""
-QUERY_BLOCK_ROWS_AT_LEAST = 16
+QUERY_BLOCK_ROWS_AT_LEAST = 32
+"""Blocks of 16 queries were slower than blocks of 32 at length 64: their kernels are too small (module doc)."""
 
 
 def query_blocks(length: int) -> int:

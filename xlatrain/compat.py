@@ -229,6 +229,36 @@ def without_dead_code(jaxpr: Any) -> Any:
     return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
 
 
+def without_exact_roundings(closed_jaxpr: Any) -> Any:
+    """The closed jaxpr less its top-level `reduce_precision` equations that round a float32 or float64 value to
+    its own precision. jax's remat puts one on each residual it saves that the forward uses too, against excess
+    precision (a bfloat16 value kept in float32 inside an XLA fusion); a float32 or float64 value has none, so
+    each is the identity, yet XLA:CPU compiles it into a copy of the residual."""
+    from jax._src.core import Var
+    from jax._src.lax.lax import reduce_precision_p
+
+    def exact(eqn) -> bool:
+        if eqn.primitive is not reduce_precision_p:
+            return False
+        dtype = eqn.invars[0].aval.dtype
+        return dtype in (jnp.float32, jnp.float64) and (eqn.params["exponent_bits"], eqn.params["mantissa_bits"]
+                                                        ) == (jnp.finfo(dtype).nexp, jnp.finfo(dtype).nmant)
+
+    renamed: dict = {}
+
+    def source(var):
+        return renamed.get(var, var) if isinstance(var, Var) else var
+
+    eqns = []
+    for eqn in closed_jaxpr.jaxpr.eqns:
+        if exact(eqn):
+            renamed[eqn.outvars[0]] = source(eqn.invars[0])
+        else:
+            eqns.append(eqn.replace(invars=[source(v) for v in eqn.invars]))
+    jaxpr = closed_jaxpr.jaxpr.replace(eqns=eqns, outvars=[source(v) for v in closed_jaxpr.jaxpr.outvars])
+    return type(closed_jaxpr)(jaxpr, closed_jaxpr.consts)
+
+
 def custom_vjp_forward_primitives(primitive: Any, params: dict) -> set[str]:
     """For a `custom_vjp_call` equation (as a jax.checkpoint policy sees it): the names of the primitives of its
     forward function; none for any other primitive. The call's jaxpr is a ClosedJaxpr in jax 0.10, a Jaxpr in
