@@ -153,9 +153,34 @@ def test_a_dense_layers_weight_gradient_transposes_its_smaller_operand_and_equal
                                   jax.lax.dot_general(x, x.transpose(0, 2, 1), batched))
 
 
+@pytest.mark.parametrize("how", ["jvp", "jacfwd", "hessian-vector product", "hessian", "vmap of grad",
+                                 "grad of vmap over weights"])
+def test_a_dense_layer_differentiates_in_every_mode_as_a_plain_matmul(how):
+    """Its own rule is a JVP whose weight tangent transposes by the size rule: forward mode, forward over
+    reverse and batching give lax.dot_general's results."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (16, 8))
+    w = jax.random.normal(jax.random.PRNGKey(1), (8, 32)) / 4
+    dense = (((1,), (0,)), ((), ()))
+    run = {"jvp": lambda f: jax.jvp(f, (x, w), (x * 0.3, w * 0.7)),
+           "jacfwd": lambda f: jax.jacfwd(f, argnums=(0, 1))(x, w),
+           "hessian-vector product": lambda f: jax.jvp(jax.grad(f, argnums=(0, 1)), (x, w), (x * 0.1, w * 0.2)),
+           "hessian": lambda f: jax.hessian(f, argnums=1)(x, w),
+           "vmap of grad": lambda f: jax.vmap(jax.grad(f, argnums=1), in_axes=(0, None))(jnp.stack([x, -x]), w),
+           "grad of vmap over weights": lambda f: jax.grad(
+               lambda w: jnp.sum(jax.vmap(f, in_axes=(None, 0))(x, jnp.stack([w, 2 * w]))))(w)}[how]
+
+    def loss(dot_general):
+        return lambda x, w: jnp.sum(jnp.tanh(dot_general(x, w, dense)) ** 2)
+
+    ours, jaxs = (jax.tree.leaves(run(loss(dot_general))) for dot_general in (dense_dot_general, jax.lax.dot_general))
+    for a, b in zip(ours, jaxs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_a_rematerialised_dense_layer_keeps_its_product_as_a_plain_matmul_would():
-    """saving_matmuls (a pipeline's remat: none) saves matmul outputs; the dense layer's product comes out of a
-    custom_vjp call, which jax's dots_saveable would recompute in the backward."""
+    """saving_matmuls (a pipeline's remat: none) saves matmul outputs: jax's dots_saveable, which sees the dense
+    layer's forward product as a plain matmul (its custom rule is a JVP, not a VJP, which would hide it in a
+    call and have it recomputed in the backward)."""
     x, w1, w2 = jnp.ones((8, 4)), jnp.ones((4, 16)), jnp.ones((16, 4))
     dense = (((1,), (0,)), ((), ()))
 

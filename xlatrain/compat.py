@@ -259,16 +259,6 @@ def without_exact_roundings(closed_jaxpr: Any) -> Any:
     return type(closed_jaxpr)(jaxpr, closed_jaxpr.consts)
 
 
-def custom_vjp_forward_primitives(primitive: Any, params: dict) -> set[str]:
-    """For a `custom_vjp_call` equation (as a jax.checkpoint policy sees it): the names of the primitives of its
-    forward function; none for any other primitive. The call's jaxpr is a ClosedJaxpr in jax 0.10, a Jaxpr in
-    0.12."""
-    if primitive.name != "custom_vjp_call" or "call_jaxpr" not in params:
-        return set()
-    jaxpr = getattr(params["call_jaxpr"], "jaxpr", params["call_jaxpr"])
-    return {eqn.primitive.name for eqn in jaxpr.eqns}
-
-
 def evaluate(closed_jaxpr: Any, inputs: list[Any]) -> list[Any]:
     """The outputs of a closed jaxpr (from jax.make_jaxpr) on `inputs`, its equations bound into the current
     trace with their name stacks."""
@@ -390,6 +380,47 @@ def define_linear_primitive(name: str, *, abstract_eval: Callable, batch: Callab
         # Not cacheable: each lowered instance must get its own call-site id (see custom_calls/backend.py).
         mlir.register_lowering(prim, rule, platform=platform, cacheable=False)
     return prim
+
+
+def define_primitive(name: str, *, compute: Callable, jvp: Callable, transpose: Callable, batch: Callable) -> Any:
+    """A primitive `prim.bind(*operands, **params)` computed as the jax function `compute(*operands, **params)`
+    (its implementation, shape and lowering on every platform), differentiated and batched by its own rules:
+    `jvp(primals, tangents, **params)` gives the output's tangent (a zero tangent is None);
+    `transpose(ct, *operands, **params)` gives each operand's cotangent, for the operands that are
+    `jax.interpreters.ad.UndefinedPrimal` (being transposed), None for the others; and
+    `batch(operands, dims, **params) -> (out, out_dim)` (an operand not mapped has dim None)."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive(name)
+    prim.def_impl(lambda *operands, **params: jax.jit(partial(compute, **params))(*operands))
+
+    def abstract_eval(*avals, **params):
+        out = jax.eval_shape(partial(compute, **params), *avals)
+        return jax.core.ShapedArray(out.shape, out.dtype)
+
+    def jvp_rule(primals, tangents, **params):
+        tangents = [None if type(t) is ad.Zero else t for t in tangents]
+        return prim.bind(*primals, **params), jvp(primals, tangents, **params)
+
+    def transpose_rule(ct, *operands, **params):
+        if type(ct) is ad.Zero:
+            return [ad.Zero(o.aval) if ad.is_undefined_primal(o) else None for o in operands]
+        return transpose(ct, *operands, **params)
+
+    prim.def_abstract_eval(abstract_eval)
+    ad.primitive_jvps[prim] = jvp_rule
+    ad.primitive_transposes[prim] = transpose_rule
+    batching.primitive_batchers[prim] = batch
+    mlir.register_lowering(prim, mlir.lower_fun(compute, multiple_results=False))
+    return prim
+
+
+def is_being_transposed(operand: Any) -> bool:
+    """In a `define_primitive` transpose rule: whether `operand` is one the cotangent is wanted for."""
+    from jax.interpreters import ad
+
+    return ad.is_undefined_primal(operand)
 
 
 def ffi_lowering(target: str) -> Callable:

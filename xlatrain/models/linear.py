@@ -6,6 +6,11 @@ a transposed layout first. JAX's differentiation rule always puts the cotangent 
 copy is of dy: for a GPT's first MLP layer dy has four times x's size (8 MB for the 4 x 256 GPT on 2,048 tokens,
 about 5 ms a copy on two cores). Here the weight gradient transposes whichever side is smaller, the same products
 summed in another order: 0.91x the 4 x 256 GPT's step time on an Intel Xeon (README, "GPT on CPU, the Intel host").
+
+The layer's product is a `custom_jvp` whose tangent for the weight is a primitive of its own (`x @ dw`, linear in
+dw) with that transpose: forward-mode differentiation (jvp, jacfwd, Hessian-vector products) works as for any
+matmul, reverse mode transposes the tangent with the rule above, and the forward is a plain matmul, which
+`jax.checkpoint` policies see as one.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
+
+from xlatrain import compat
 
 
 def linear(in_features: int, out_features: int, **kwargs) -> nnx.Linear:
@@ -34,24 +43,64 @@ def dense_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precisi
     return _dense(precision, lhs, rhs)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense(precision, x: jax.Array, w: jax.Array) -> jax.Array:
+def _product(x: jax.Array, w: jax.Array, precision) -> jax.Array:
+    """x [..., in] @ w [in, out]."""
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
-def _dense_forward(precision, x, w):
-    return _dense(precision, x, w), (x, w)
+def _input_gradient(dy: jax.Array, w: jax.Array, precision) -> jax.Array:
+    return jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())), precision=precision)
 
 
-def _dense_backward(precision, residuals, dy):
-    x, w = residuals
+def _weight_gradient(x: jax.Array, dy: jax.Array, precision) -> jax.Array:
+    """x^T @ dy over every row, with the smaller side transposed."""
     rows = tuple(range(x.ndim - 1))
-    dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())), precision=precision)
-    if x.size <= dy.size + w.size:  # XLA transposes x for x^T @ dy
-        dw = jax.lax.dot_general(x, dy, ((rows, rows), ((), ())), precision=precision)
-    else:  # it transposes dy, then the [out, in] product
-        dw = jax.lax.dot_general(dy, x, ((rows, rows), ((), ())), precision=precision).T
-    return dx, dw
+    if x.size <= dy.size + x.shape[-1] * dy.shape[-1]:  # XLA transposes x for x^T @ dy
+        return jax.lax.dot_general(x, dy, ((rows, rows), ((), ())), precision=precision)
+    # it transposes dy, then the [out, in] product
+    return jax.lax.dot_general(dy, x, ((rows, rows), ((), ())), precision=precision).T
 
 
-_dense.defvjp(_dense_forward, _dense_backward)
+def _weight_tangent_jvp(primals, tangents, precision):
+    (tw, x), (dtw, dx) = primals, tangents
+    parts = ([] if dtw is None else [_times_weight_tangent.bind(dtw, x, precision=precision)]) + \
+        ([] if dx is None else [_product(dx, tw, precision)])
+    return sum(parts[1:], parts[0])
+
+
+def _weight_tangent_transpose(ct, tw, x, precision):
+    if compat.is_being_transposed(tw):
+        return [_weight_gradient(x, ct, precision), None]
+    return [None, _input_gradient(ct, tw, precision)]
+
+
+def _weight_tangent_batch(operands, dims, precision):
+    (tw, x), (tw_dim, x_dim) = operands, dims
+    if tw_dim is None:  # a batch of inputs is more rows
+        return _times_weight_tangent.bind(tw, jnp.moveaxis(x, x_dim, 0), precision=precision), 0
+    tw = jnp.moveaxis(tw, tw_dim, 0)
+    x = jnp.broadcast_to(x, (tw.shape[0], *x.shape)) if x_dim is None else jnp.moveaxis(x, x_dim, 0)
+    return jax.lax.dot_general(x, tw, (((x.ndim - 1,), (1,)), ((0,), (0,))), precision=precision), 0
+
+
+_times_weight_tangent = compat.define_primitive(
+    "xlatrain_dense_weight_tangent", compute=lambda tw, x, precision: _product(x, tw, precision),
+    jvp=_weight_tangent_jvp, transpose=_weight_tangent_transpose, batch=_weight_tangent_batch)
+"""x @ tw for a weight tangent tw: its transpose is `_weight_gradient`, where jax's own rule for a dot's operand
+would transpose the cotangent."""
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _dense(precision, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _product(x, w, precision)
+
+
+def _dense_jvp(precision, primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    y = _product(x, w, precision)  # a plain matmul: jax.checkpoint's dots_saveable sees it as one
+    parts = ([] if isinstance(dx, SymbolicZero) else [_product(dx, w, precision)]) + \
+        ([] if isinstance(dw, SymbolicZero) else [_times_weight_tangent.bind(dw, x, precision=precision)])
+    return y, sum(parts[1:], parts[0]) if parts else jnp.zeros_like(y)
+
+
+_dense.defjvp(_dense_jvp, symbolic_zeros=True)
