@@ -38,6 +38,12 @@ def dot_general_flops(eqn: Any) -> float:
     return 2.0 * batch * lhs_free * rhs_free * contracted
 
 
+def dense_weight_tangent_flops(eqn: Any) -> float:
+    """x @ dw, a dense layer's weight tangent in forward mode (xlatrain/models/linear.py); operands (dw, x)."""
+    weight_tangent, x = (v.aval.shape for v in eqn.invars)
+    return 2.0 * math.prod(x) * weight_tangent[1]
+
+
 def conv_flops(eqn: Any) -> float:
     """2 x output elements x the kernel's spatial size x its input features per group."""
     kernel = eqn.invars[1].aval.shape
@@ -73,7 +79,8 @@ def fused_attention_flops(eqn: Any, products: int) -> float:
 COUNTED: dict[str, Callable[[Any], float]] = {
     "dot_general": dot_general_flops, "conv_general_dilated": conv_flops,
     "dot_product_attention_fwd": lambda eqn: fused_attention_flops(eqn, products=2),
-    "dot_product_attention_bwd": lambda eqn: fused_attention_flops(eqn, products=4)}
+    "dot_product_attention_bwd": lambda eqn: fused_attention_flops(eqn, products=4),
+    "xlatrain_dense_weight_tangent": dense_weight_tangent_flops}
 
 
 def jaxpr_flops(jaxpr: Any) -> float:
@@ -107,6 +114,5 @@ def _sub_jaxprs(params: dict) -> list[Any]:
 
 def step_flops(fn: Callable, *abstract_args: Any) -> float:
     """Model FLOPs of fn(*abstract_args), traced (nothing is compiled or run). Products no output needs are not
-    counted: a custom gradient rule (xlatrain/models/linear.py) computes every input's gradient, the data's too,
-    and XLA drops the unused ones."""
+    counted, as XLA drops them."""
     return jaxpr_flops(compat.without_dead_code(jax.make_jaxpr(fn)(*abstract_args).jaxpr))

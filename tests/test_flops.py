@@ -12,6 +12,7 @@ from xlatrain.lowering.flops import COUNTED, UncountedLoop, attended_pairs, step
 
 from xlatrain.attention import query_blocks
 from xlatrain.config import load_config
+from xlatrain.models.linear import dense_dot_general
 from xlatrain.peaks import known_peak
 from xlatrain.program import build_program
 from xlatrain.trainer import train
@@ -60,6 +61,17 @@ def test_a_scan_counts_its_body_times_its_length_and_a_while_loop_is_refused():
         step_flops(lambda n, x: jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] @ c[1]),
                                                    (0, x))[1], jax.ShapeDtypeStruct((), jnp.int32),
                    jax.ShapeDtypeStruct((8, 8), jnp.float32))
+
+
+def test_a_dense_layers_forward_mode_counts_as_a_plain_matmuls():
+    x, w = jax.ShapeDtypeStruct((16, 8), jnp.float32), jax.ShapeDtypeStruct((8, 32), jnp.float32)
+    dense = (((1,), (0,)), ((), ()))
+
+    def jvp_of(dot_general):
+        return lambda x, w: jax.jvp(lambda x, w: jnp.tanh(dot_general(x, w, dense)), (x, w), (x, w))
+
+    assert step_flops(jvp_of(dense_dot_general), x, w) == step_flops(jvp_of(jax.lax.dot_general), x, w) == \
+        3 * 2 * 16 * 8 * 32
 
 
 def test_fused_attention_counts_the_unmasked_pairs_with_the_dense_attentions_products():

@@ -131,7 +131,7 @@ def test_a_target_config_xla_cannot_parse_or_compile_for_is_refused_naming_the_f
 
 def test_attention_takes_the_formulation_of_the_platform_compiled_for():
     """On a CPU host, a causal attention traced for a GPU is XLA's one (or cuDNN's), not the CPU's query blocks."""
-    q = jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.float32)
+    q = jax.ShapeDtypeStruct((2, 128, 2, 16), jnp.float32)
 
     def dots(platform):
         with compiling_for(platform):

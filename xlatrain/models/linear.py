@@ -61,11 +61,16 @@ def _weight_gradient(x: jax.Array, dy: jax.Array, precision) -> jax.Array:
     return jax.lax.dot_general(dy, x, ((rows, rows), ((), ())), precision=precision).T
 
 
+def _product_tangent(x, w, dx, dw, precision) -> jax.Array:
+    """The tangent of x @ w for the tangents dx and dw (None: zero; not both)."""
+    parts = ([] if dx is None else [_product(dx, w, precision)]) + \
+        ([] if dw is None else [_times_weight_tangent.bind(dw, x, precision=precision)])
+    return sum(parts[1:], parts[0])
+
+
 def _weight_tangent_jvp(primals, tangents, precision):
     (tw, x), (dtw, dx) = primals, tangents
-    parts = ([] if dtw is None else [_times_weight_tangent.bind(dtw, x, precision=precision)]) + \
-        ([] if dx is None else [_product(dx, tw, precision)])
-    return sum(parts[1:], parts[0])
+    return _product_tangent(x, tw, dx, dtw, precision)
 
 
 def _weight_tangent_transpose(ct, tw, x, precision):
@@ -96,11 +101,9 @@ def _dense(precision, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _dense_jvp(precision, primals, tangents):
-    (x, w), (dx, dw) = primals, tangents
+    (x, w), (dx, dw) = primals, [None if isinstance(t, SymbolicZero) else t for t in tangents]
     y = _product(x, w, precision)  # a plain matmul: jax.checkpoint's dots_saveable sees it as one
-    parts = ([] if isinstance(dx, SymbolicZero) else [_product(dx, w, precision)]) + \
-        ([] if isinstance(dw, SymbolicZero) else [_times_weight_tangent.bind(dw, x, precision=precision)])
-    return y, sum(parts[1:], parts[0]) if parts else jnp.zeros_like(y)
+    return y, jnp.zeros_like(y) if dx is None and dw is None else _product_tangent(x, w, dx, dw, precision)
 
 
 _dense.defjvp(_dense_jvp, symbolic_zeros=True)
