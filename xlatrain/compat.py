@@ -393,7 +393,7 @@ def define_primitive(name: str, *, compute: Callable, jvp: Callable, transpose: 
     from jax.interpreters import ad, batching, mlir
 
     prim = Primitive(name)
-    prim.def_impl(lambda *operands, **params: jax.jit(partial(compute, **params))(*operands))
+    prim.def_impl(compute)  # eagerly, op by op, as any jax function
 
     def abstract_eval(*avals, **params):
         out = jax.eval_shape(partial(compute, **params), *avals)
