@@ -19,7 +19,8 @@ times on fake CPU devices.
    speedup. Each pipelined case runs with remat: full and remat: none, and reports XLA's FLOPs of the
    step against the unpipelined model's (lowering/pipeline_work.py). The GPT is of width 128; the same three
    cases (data parallel, 1f1b p=4 m=8 with remat full and none) also run at width 64, where a pipeline
-   microbatch (2 rows of 64 tokens) is so small that XLA:CPU's cost per kernel shows.
+   microbatch (2 rows of 64 tokens) is so small that XLA:CPU's cost per kernel shows, and data parallel
+   against 1f1b p=4 m=8 remat none at width 512, where each kernel does 16x the work of width 128's.
 3. How the cores are shared. Data parallel and 1f1b p=4 m=8 (width 128) once more in two child processes
    that set, before JAX starts its threads, what the threads inherit: confined to one core
    (`sched_setaffinity`), where a step's time is exactly its total work; and on both cores under the
@@ -69,6 +70,7 @@ LAYERS = 8
 SMALL_GPT = [f"model.layers={LAYERS}", "model.width=64", "model.heads=4", "data.seq_len=64",
              "data.max_bytes=400000", "batch.global_size=32", "trainer.progress=false"]
 GPT = [*SMALL_GPT, "model.width=128"]
+LARGE_GPT = [*SMALL_GPT, "model.width=512"]
 BATCH_ROWS = 64
 SPLIT = ("zb1p", "zbv")
 """The schedules whose backward runs as B and W (remat: none only)."""
@@ -157,6 +159,7 @@ def main() -> None:
               f"partition {c['partition']}")
     print(f"host memory: {HOST_MEMORY}")
     measured = {"width 64": measured_cases(SMALL_GPT, SMALL_MEASURED), "width 128": measured_cases(GPT, MEASURED),
+                "width 512": measured_cases(LARGE_GPT, CORES_SHARED_MEASURED),
                 **{f"width 128, {group}": measured_in_child(flag) for flag, group in CORES_SHARED.items()}}
     for model, group in measured.items():
         if isinstance(group, str):
@@ -168,7 +171,7 @@ def main() -> None:
             print(f"measured {model}: {name:<40} {values['median_seconds_per_step'] * 1e3:8.1f} ms/step  "
                   f"x{values['ratio_to_data_parallel']:.2f} of data parallel{flops}")
     path = write_results("pipeline", "python3 -m bench.pipeline", {
-        "model": f"GPT {LAYERS} layers, width 128 (measured also at width 64), 4 heads, seq 64, global batch 32, "
+        "model": f"GPT {LAYERS} layers, width 128 (measured also at widths 64 and 512), 4 heads, seq 64, global batch 32, "
                  "fp32, adamw",
         "simulated": cases, "measured_on_fake_cpu_devices": measured, "host_memory": HOST_MEMORY,
         "note": "Simulated: XLA FLOPs per chunk replayed through each schedule's table (fixed global batch). "
