@@ -171,8 +171,8 @@ def main() -> None:
             print(f"measured {model}: {name:<40} {values['median_seconds_per_step'] * 1e3:8.1f} ms/step  "
                   f"x{values['ratio_to_data_parallel']:.2f} of data parallel{flops}")
     path = write_results("pipeline", "python3 -m bench.pipeline", {
-        "model": f"GPT {LAYERS} layers, width 128 (measured also at widths 64 and 512), 4 heads, seq 64, global batch 32, "
-                 "fp32, adamw",
+        "model": f"GPT {LAYERS} layers, width 128 (measured also at widths 64 and 512), 4 heads, seq 64, "
+                 "global batch 32, fp32, adamw",
         "simulated": cases, "measured_on_fake_cpu_devices": measured, "host_memory": HOST_MEMORY,
         "note": "Simulated: XLA FLOPs per chunk replayed through each schedule's table (fixed global batch). "
                 "Measured: 8 fake CPU devices on 2 shared cores; the ratios show pipeline overheads (remat full: "

@@ -3,8 +3,9 @@
 `auto` makes what the mesh asks for (mesh.data x mesh.stage), so `xlatrain train mesh.data=8` needs no XLA_FLAGS.
 `per_core` splits the host into one XLA:CPU device per core and trains data-parallel over them: one device's XLA:CPU
 program leaves the cores partly idle (some kernels, such as attention's batched dots, keep to one thread; the 4 x
-256 GPT's step uses 1.8 of 2 cores' time), so on a 2-core host the GPT's step measured 0.85-1.02x PyTorch eager's
-time split in two, against 0.93-1.11x on one device (bench.cpu_speed). The price is a replica of the train state per
+256 GPT's step uses 1.8 of 2 cores' time), so on a 2-core AMD EPYC host the GPT's step measured 0.85-1.02x PyTorch
+eager's time split in two, against 0.93-1.11x on one device, and on a 2-core Intel Xeon 0.99-1.14x against
+1.06-1.26x (bench.cpu_speed). The price is a replica of the train state per
 device, so it splits only where every replica fits the host's memory with room to spare, and only where the split
 keeps the run the same computation (batch.global_size fixed). It is not the default (README, "GPT on CPU,
 analysis"): each replica holds the whole train state, and no host with more than two cores has measured it.
