@@ -1,7 +1,7 @@
 """Time to build a pipelined step's program: tracing (JAX: the Python model run on abstract values, its VJP,
 lowering to StableHLO) and XLA's compilation, of the gradients program of each schedule, against the same
 model's unpipelined data-parallel gradients on the same 8 CPU devices, in one process. A pipelined step traces
-each kind of chunk once (lowering/pipeline_step.py: `TracedChunk`) and its slots evaluate those programs.
+each kind of chunk once (lowering/pipeline_chunks.py: `TracedChunk`) and its slots evaluate those programs.
 Rounds alternate the cases' order; medians of ROUNDS. The persistent compilation cache is off (nothing loaded).
 
     python3 -m bench.pipeline_trace                 # writes bench/results/pipeline_trace.json

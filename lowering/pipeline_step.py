@@ -22,189 +22,31 @@ their own stage, the rest (embeddings, head) summed over the stages; the loss su
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
-from xlatrain.lowering.residuals import ResidualLayout, buffer_counts, empty_buffers, pack, saving_matmuls, unpack
-from xlatrain.lowering.split_backward import BackwardSplit, abstract_value, split_pullback
-from xlatrain.lowering.step import loss_sums
+from xlatrain.lowering.pipeline_chunks import (
+    backward_splits,
+    chunk_arguments,
+    microbatch_shapes,
+    residual_layouts,
+    scoped,
+    split_rows,
+    stage_blocks,
+    trace_chunks,
+    zeros_of,
+)
+from xlatrain.lowering.residuals import buffer_counts, empty_buffers, pack, unpack
+from xlatrain.lowering.stage_link import StageLink, hand_over, receive
 
-from xlatrain import compat
 from xlatrain.mesh import STAGE
-from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys, split_blocks
+from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.slots import Branch, SlotProgram
 from xlatrain.precision import Policy, cast_floats
 
 Tree = Any
-
-
-@dataclass(frozen=True)
-class StageLink:
-    """How the stages of one replica talk: neighbour exchange and sums over the `stage` axis."""
-
-    stages: int
-    ppermute: Callable[[jax.Array, tuple[tuple[int, int], ...]], jax.Array]
-    sum: Callable[[jax.Array], jax.Array]
-
-    def sum_tree(self, tree: Tree) -> Tree:
-        return jax.tree.map(self.sum, tree)
-
-
-def scoped(name: str, fn: Callable) -> Callable:
-    """`fn` with its ops under `jax.named_scope(name)`: what a profile's trace and the HLO call them."""
-
-    def run(*args):
-        with jax.named_scope(name):
-            return fn(*args)
-
-    return run
-
-
-def stage_link(stages: int, impl: str, timeout_s: float) -> StageLink:
-    if impl == "custom":
-        from xlatrain import custom_calls as ops
-
-        return StageLink(stages, lambda x, perm: ops.ppermute(x, STAGE, perm, timeout_s=timeout_s),
-                         lambda x: ops.all_reduce(x, STAGE, timeout_s=timeout_s))
-    return StageLink(stages, lambda x, perm: jax.lax.ppermute(x, STAGE, perm), lambda x: jax.lax.psum(x, STAGE))
-
-
-@dataclass(frozen=True)
-class StagedTrees:
-    """Parameter-shaped trees whose blocks are split over the stages (the rest is the same on every
-    stage): a norm adds the stages' parts. With FSDP the params are also split over `data`:
-    `gather` assembles a stage's whole share first."""
-
-    link: StageLink
-    gather: Callable[[Tree], Tree] = lambda params: params
-
-    def param_norm(self, params: dict) -> jax.Array:
-        return self.norm(self.gather(params))
-
-    def norm(self, tree: dict) -> jax.Array:
-        blocks, rest = split_blocks(tree)
-        return jnp.sqrt(self.link.sum(optax.tree.norm(blocks, squared=True)) + optax.tree.norm(rest, squared=True))
-
-
-KINDS = ("first", "middle", "last")
-"""The kinds of chunk: the first starts from the tokens, the last ends in the loss."""
-
-
-SCALAR = jax.ShapeDtypeStruct((), jnp.float32)
-"""The loss scale and total weight, traced as the step's are."""
-
-
-def chunk_functions(parts: BlockParts, policy: Policy, loss: str, micro_j: dict, keys: jax.Array | None,
-                    active: jax.Array | None, scale: jax.Array, total_weight: jax.Array) -> dict[str, Callable]:
-    """Each kind of chunk for microbatch j, as a function of what it is differentiated by (`chunk_inputs`):
-    the block params `cb` and other params `cr`, both cast to the compute dtype, and the input activation `x`.
-    The first chunk's `x` is zeros added to its embedding, so that its pullback too has an input gradient,
-    which a split backward's B computes through the chunk's blocks (XLA folds the addition away).
-    The last returns the scaled loss and, as aux, the loss sums."""
-
-    def run(cb, x):
-        return parts.run(cb, x, keys, active)
-
-    def embed(cb, cr):
-        return parts.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute))
-
-    def last(cb, cr, x):
-        outputs = parts.after({**cr, BLOCKS: cb}, run(cb, x)).astype(policy.output)
-        sums = loss_sums(outputs, micro_j, loss)
-        return sums["loss"] * scale / total_weight, sums
-
-    return {"first": lambda cb, cr, x: run(cb, embed(cb, cr) + x), "middle": run, "last": last}
-
-
-def chunk_inputs(kind: str, cb: Tree, cr: dict, x: jax.Array) -> tuple:
-    return {"first": (cb, cr, x), "middle": (cb, x), "last": (cb, cr, x)}[kind]
-
-
-def vjp_of(kind: str, fn: Callable, inputs: tuple, keep: bool = False) -> tuple:
-    """(output, pullback); the last kind's output is (scaled loss, loss sums). `keep`: the pullback's residuals
-    are to be kept until a later slot, so they are only what the matmuls computed (`saving_matmuls`)."""
-    out, pullback, *aux = jax.vjp(saving_matmuls(fn) if keep else fn, *inputs, has_aux=kind == "last")
-    return ((out, *aux) if aux else out), pullback
-
-
-def chunk_arguments(cb: Tree, cr: dict, x: Any, micro_j: dict, keys: Any, active: Any, scale: Any = SCALAR,
-                    total_weight: Any = SCALAR) -> tuple:
-    """What a traced chunk takes (`TracedChunk`), in its order; the microbatch's data are at DATA_ARGUMENTS."""
-    return cb, cr, x, micro_j, keys, active, scale, total_weight
-
-
-DATA_ARGUMENTS = (2, 3, 4, 5)
-
-
-@dataclass(frozen=True)
-class TracedChunk:
-    """One kind of chunk's forward and VJP (`vjp_of`), traced once: (chunk_arguments) -> (output, pullback).
-    Every slot that runs that kind evaluates this program instead of tracing the model and differentiating it
-    again, which took most of a pipelined step's tracing time (a step's slot runs up to nine actions)."""
-
-    program: Any
-    """The closed jaxpr, from the arguments' leaves to those of (output, pullback), without the float32 residuals'
-    roundings to their own precision (compat.without_exact_roundings: 2% of a 1f1b step's time on CPU)."""
-    arguments: tuple
-    """The arguments it was traced with, abstract (jax.ShapeDtypeStruct leaves)."""
-    results: Any
-
-    @staticmethod
-    def of(fn: Callable, arguments: tuple) -> TracedChunk:
-        leaves, tree = jax.tree.flatten(arguments)
-        results = []
-
-        def flat(*leaves):
-            out, result_tree = jax.tree.flatten(fn(*jax.tree.unflatten(tree, leaves)))
-            results.append(result_tree)
-            return out
-
-        abstract = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
-        program = compat.without_exact_roundings(jax.make_jaxpr(flat)(*abstract))
-        return TracedChunk(program, jax.tree.unflatten(tree, abstract), results[0])
-
-    def __call__(self, *arguments: Any) -> tuple:
-        leaves, tree = jax.tree.flatten(arguments)
-        if tree != jax.tree.structure(self.arguments):
-            raise AssertionError(f"a chunk traced with arguments {jax.tree.structure(self.arguments)} is run with "
-                                 f"{tree}")
-        return jax.tree.unflatten(self.results, compat.evaluate(self.program, leaves))
-
-
-def trace_chunks(parts: BlockParts, policy: Policy, loss: str, arguments: tuple, keep: bool,
-                 ) -> dict[str, TracedChunk]:
-    """Each kind of chunk traced from `arguments` (chunk_arguments; any may be abstract). `keep`: with
-    remat: none, its pullback's residuals are kept from the forward slot to the backward slot."""
-
-    def traced(kind):
-        def forward_and_pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
-            functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
-            return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x), keep)
-
-        return TracedChunk.of(forward_and_pullback, arguments)
-
-    return {kind: traced(kind) for kind in KINDS}
-
-
-def residual_layouts(chunks: dict[str, TracedChunk]) -> dict[str, ResidualLayout]:
-    """What each kind of chunk keeps from its forward slot to its backward slot with remat: none."""
-    return {kind: ResidualLayout.of(_pullback(chunk), chunk.arguments, data=DATA_ARGUMENTS)
-            for kind, chunk in chunks.items()}
-
-
-def backward_splits(chunks: dict[str, TracedChunk]) -> dict[str, BackwardSplit]:
-    """Each kind of chunk's backward split into B and W (lowering/split_backward.py)."""
-    return {kind: split_pullback(abstract_value(_pullback(chunk), *chunk.arguments),
-                                 SCALAR if kind == "last" else chunk.arguments[2])
-            for kind, chunk in chunks.items()}
-
-
-def _pullback(chunk: TracedChunk) -> Callable:
-    return lambda *arguments: chunk(*arguments)[1]
 
 
 class SlotInputs(NamedTuple):
@@ -250,115 +92,6 @@ def run_when(active: jax.Array, action: Callable[[Tree, Tree], Tree], state: Tre
 
 def write(pools: dict[str, jax.Array], index: jax.Array, values: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {name: pool.at[index].set(values[name]) for name, pool in pools.items()}
-
-
-def split_rows(batch: dict, microbatches: int) -> dict:
-    """[rows, ...] -> [microbatches, rows / microbatches, ...]"""
-    return jax.tree.map(lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]), batch)
-
-
-def next_stage_pairs(slots: SlotProgram, stages: int) -> tuple[tuple[int, int], ...]:
-    """(stage, next stage): where activations go; the last stage feeds the first when chunks wrap around."""
-    return tuple((s, (s + 1) % stages) for s in range(stages if slots.ring else stages - 1))
-
-
-def hand_over(link: StageLink, slots: SlotProgram, stage: jax.Array, round_: jax.Array, value: jax.Array,
-              gradient: bool) -> tuple[jax.Array, jax.Array | None]:
-    """What reaches this stage at the end of a slot (from the usual direction, and from the reverse one in a V)
-    when every stage sends `value`: its output activation on to the next chunk, or with `gradient` its input
-    gradient back to the previous chunk. In a loop activations go to the next stage and gradients to the
-    previous one. In a V the first chunk of a stage (round 0) sends that way and the second the reverse way,
-    except at the tip: the last stage's first chunk feeds its second, whose gradient comes back to it."""
-    pairs = next_stage_pairs(slots, link.stages)
-    usual_pairs = tuple((t, s) for s, t in pairs) if gradient else pairs
-    if slots.placement == "loop":
-        return link.ppermute(value, usual_pairs), None
-    zero = jnp.zeros_like(value)
-    first, second = jnp.where(round_ == 0, value, zero), jnp.where(round_ == 0, zero, value)
-    usual = link.ppermute(first, usual_pairs)
-    reverse = link.ppermute(second, tuple((t, s) for s, t in usual_pairs))
-    tip = stage == link.stages - 1
-    if gradient:
-        return jnp.where(tip, second, usual), reverse
-    return usual, jnp.where(tip, first, reverse)
-
-
-def receive(pool: jax.Array, arrivals: tuple[jax.Array, jax.Array | None], write: jax.Array,
-            write_reverse: jax.Array) -> jax.Array:
-    """`pool` with `hand_over`'s arrivals stored where the slot program says (unused ones into its scratch)."""
-    usual, reverse = arrivals
-    pool = pool.at[write].set(usual)
-    return pool if reverse is None else pool.at[write_reverse].set(reverse)
-
-
-def stage_blocks(params: dict) -> tuple[Tree, dict]:
-    """This stage's blocks [virtual stages, width, ...] and the other params, from its [v, 1, width, ...] share."""
-    staged, rest = split_blocks(params)
-    return jax.tree.map(lambda b: b[:, 0], staged), rest
-
-
-def microbatch_shapes(parts: BlockParts, policy: Policy, loss: str, blocks: Tree, rest: dict,
-                      micro: dict) -> tuple[jax.ShapeDtypeStruct, Tree]:
-    """The activation passed between stages and the loss sums, for one of `micro`'s [microbatches, ...]."""
-
-    def one_microbatch():
-        first = jax.tree.map(lambda x: x[0], micro)
-        chunk = cast_floats({**rest, BLOCKS: jax.tree.map(lambda b: b[0], blocks)}, policy.compute)
-        x = parts.before(chunk, cast_floats(first["inputs"], policy.compute))
-        return x, loss_sums(parts.after(chunk, x).astype(policy.output), first, loss)
-
-    return jax.eval_shape(one_microbatch)
-
-
-def zeros_of(shapes: Tree) -> Tree:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgram, microbatches: int, loss: str,
-                       policy: Policy, link: StageLink) -> Callable:
-    """(params, batch) -> this replica's loss sums, where `batch` is its [rows, ...] and params this stage's:
-    the rows cut into `microbatches` pieces go through a forward-only slot program, each stage running
-    only its own chunks (no device holds another stage's blocks); the last chunk's sums are added over the
-    stages."""
-    def evaluate(params: dict, batch: dict) -> dict:
-        blocks, rest = stage_blocks(params)
-        micro = split_rows(batch, microbatches)
-        x_shape, sums_shape = microbatch_shapes(parts, policy, loss, blocks, rest, micro)
-        stage = jax.lax.axis_index(STAGE)
-        tables = {name: jnp.asarray(table) for name, table in slots.tables().items()}
-        chunk_table = jnp.asarray(layout.chunk_table)
-        active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
-        cr = cast_floats(rest, policy.compute)
-        nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
-        one = jnp.ones((), jnp.float32)
-
-        def slot(carry, t):
-            activations, sums = carry
-            at = {name: table[t, stage] for name, table in tables.items()}
-            r = at["round"]
-            chunk = chunk_table[r, stage]
-            cb = cast_floats(jax.tree.map(lambda b: b[r], blocks), policy.compute)
-            functions = chunk_functions(parts, policy, loss, jax.tree.map(lambda x: x[at["microbatch"]], micro),
-                                        None, None if active_blocks is None else active_blocks[chunk], one, one)
-            x_in = activations[at["activation_read"]]
-
-            def last(sums):
-                return jax.tree.map(jnp.add, sums, functions["last"](cb, cr, x_in)[1]), nothing
-
-            branches = {Branch.IDLE: lambda sums: (sums, nothing),
-                        Branch.FORWARD_FIRST: lambda sums: (sums, functions["first"](cb, cr, nothing)),
-                        Branch.FORWARD: lambda sums: (sums, functions["middle"](cb, x_in)),
-                        Branch.FORWARD_LAST: last}
-            sums, to_next = jax.lax.switch(
-                at["branch"], [scoped(b.name.lower(), branches[b]) for b in sorted(branches)], sums)
-            arrivals = hand_over(link, slots, stage, r, to_next, gradient=False)
-            return (receive(activations, arrivals, at["activation_write"], at["activation_write_reverse"]), sums), None
-
-        pool = jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype)
-        sums = jax.lax.scan(scoped("pipeline_slot", slot), (pool, zeros_of(sums_shape)), jnp.arange(slots.slots))[0][1]
-        return link.sum_tree(sums)
-
-    return evaluate
 
 
 def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotProgram, microbatches: int,

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from xlatrain.lowering.pipeline_step import (
+from xlatrain.lowering.pipeline_chunks import (
     KINDS,
     backward_splits,
     chunk_arguments,

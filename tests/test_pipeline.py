@@ -18,7 +18,8 @@ import yaml
 from conftest import REPO, TINY_GPT, run_cli, token_batch
 from jax.sharding import PartitionSpec as P
 from xlatrain.lowering.inspect import collectives, peak_memory_bytes
-from xlatrain.lowering.pipeline_step import StagedTrees, run_when
+from xlatrain.lowering.pipeline_step import run_when
+from xlatrain.lowering.stage_link import StagedTrees
 
 from xlatrain import compat
 from xlatrain.cli import main

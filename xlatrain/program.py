@@ -28,9 +28,11 @@ from xlatrain.lowering.flops import UncountedLoop, step_flops
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 from xlatrain.lowering.inspect import peak_memory_bytes
-from xlatrain.lowering.pipeline_step import StagedTrees, make_pipeline_eval, make_pipeline_gradients, stage_link
+from xlatrain.lowering.pipeline_eval import make_pipeline_eval
+from xlatrain.lowering.pipeline_step import make_pipeline_gradients
 from xlatrain.lowering.pipeline_work import pipeline_work, residual_bytes
 from xlatrain.lowering.platform import compiling_for
+from xlatrain.lowering.stage_link import StagedTrees, stage_link
 from xlatrain.lowering.step import (
     eval_metrics,
     fuse_steps,

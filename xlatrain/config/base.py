@@ -1,0 +1,26 @@
+"""What every config section shares: the strict frozen base and the number types."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32_MAX = 2**31 - 1
+"""Counts and sizes must fit the int32 that array shapes, indices and XLA's loop counters use."""
+PositiveInt = Annotated[int, Field(gt=0, le=INT32_MAX)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+"""What numpy's and torch's generators accept."""
+Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
+DropoutRate = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, allow_inf_nan=False)
+
+
+def positive_ints(value: Any) -> bool:
+    """Whether a raw config value is a list of integers >= 1 (YAML's true is not one)."""
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in value)

@@ -1,0 +1,92 @@
+"""The `model` section: built-in models, a custom flax module, a torch module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, model_validator
+
+from xlatrain.config.base import DropoutRate, PositiveInt, Strict
+
+
+class ModelBase(Strict):
+    loss: Literal["cross_entropy", "mse"] = "cross_entropy"
+    """cross_entropy: integer targets, logits on the last axis. mse: targets shaped like the output."""
+
+
+class MLPConfig(ModelBase):
+    name: Literal["mlp"]
+    hidden: tuple[PositiveInt, ...] = (128, 128)
+    dropout: DropoutRate = 0.0
+
+
+class CNNConfig(ModelBase):
+    name: Literal["cnn"]
+    channels: tuple[PositiveInt, ...] = (16, 32)
+    hidden: PositiveInt = 64
+
+
+CPU_UNROLLED_LAYERS = 16
+
+
+class GPTConfig(ModelBase):
+    name: Literal["gpt"]
+    layers: PositiveInt = 4
+    width: PositiveInt = 128
+    heads: PositiveInt = 4
+    mlp_ratio: PositiveInt = 4
+    vocab: PositiveInt = 256
+    max_len: PositiveInt | None = None
+    """Positional table size; defaults to data.seq_len."""
+    dropout: DropoutRate = 0.0
+    scan_layers: Literal["auto"] | bool = "auto"
+    """`lax.scan` over the blocks; auto: see `scans_layers`."""
+
+    def scans_layers(self, platform: str) -> bool:
+        """auto scans on accelerators and unrolls on CPU up to CPU_UNROLLED_LAYERS blocks, where XLA:CPU runs
+        the unrolled step 1.06-1.27x faster (bench/results/cpu_speed.json) and deeper stacks compile slowly
+        unrolled (about 0.4 s more per block)."""
+        if self.scan_layers != "auto":
+            return self.scan_layers
+        return platform != "cpu" or self.layers > CPU_UNROLLED_LAYERS
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GPTConfig:
+        if self.width % self.heads:
+            raise ValueError(f"model.width={self.width} must be divisible by model.heads={self.heads}")
+        return self
+
+
+class CustomModelConfig(ModelBase):
+    name: Literal["custom"]
+    target: Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$")]
+    """"package.module:ClassName" of a flax.nnx.Module; see README "Bring your own model"."""
+    kwargs: dict[str, Any] = {}
+
+
+class TorchModelConfig(ModelBase):
+    name: Literal["torch"]
+    target: Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$")]
+    """"package.module:Name" of a torch.nn.Module subclass, or of a function returning a module."""
+    kwargs: dict[str, Any] = {}
+    init_from: str | None = None
+    """A torch state_dict (.pt) to start from instead of the module's own initialisation."""
+    shard_dims: dict[str, int | None] = {}
+    """Parameter-name glob -> the dimension zero1/fsdp shard over `data` (null: keep it whole); the first
+    matching pattern wins. Unmatched params: their largest dimension that the data axis divides."""
+    blocks: str = "blocks"
+    """For pipelines: the nn.ModuleList attribute holding the repeated blocks (the module also defines
+    before_blocks(inputs) and after_blocks(x))."""
+
+    @model_validator(mode="after")
+    def _init_file_exists(self) -> TorchModelConfig:
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise ValueError(f"model.init_from={self.init_from!r} is not a file; give a torch state_dict saved "
+                             "with torch.save(module.state_dict(), PATH)")
+        return self
+
+
+ModelConfig = Annotated[
+    Union[MLPConfig, CNNConfig, GPTConfig, CustomModelConfig, TorchModelConfig], Field(discriminator="name")
+]

@@ -1,0 +1,173 @@
+"""The `mesh`, `parallel` and `collectives` sections: devices, strategies, pipelines and gradient sync."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Field, field_validator, model_validator
+
+from xlatrain.config.base import PositiveInt, Strict, positive_ints
+from xlatrain.config.precision import FloatDtype
+
+
+class MeshConfig(Strict):
+    data: Annotated[int, Field(ge=-1)] = -1
+    """Data-parallel size; -1 uses every device present (divided by mesh.stage)."""
+    stage: PositiveInt = 1
+    """Pipeline stages; more than 1 runs the model as a pipeline (parallel.pipeline) on a data x stage mesh."""
+    cpu_devices: Literal["auto", "per_core"] | PositiveInt = "auto"
+    """XLA:CPU devices the `xlatrain` command makes in a single-process run on CPU (ignored on GPUs, and where
+    the environment sets a count: XLA_FLAGS' --xla_force_host_platform_device_count or JAX_NUM_CPU_DEVICES).
+    auto: what the mesh asks for (mesh.data x mesh.stage when mesh.data is set, mesh.stage for a pipeline),
+    else JAX's one. per_core: with mesh.data=-1 and no pipeline, one per core, data-parallel, as far as
+    batch.global_size divides and the replicas' train state fits the host's memory (otherwise as auto).
+    A number: that many."""
+
+    @field_validator("cpu_devices", mode="before")
+    @classmethod
+    def _cpu_devices_is_a_mode_or_a_count(cls, value: Any) -> Any:
+        if value not in ("auto", "per_core") and not positive_ints([value]):
+            raise ValueError("must be auto, per_core or a device count of at least 1")
+        return value
+
+    @model_validator(mode="after")
+    def _not_zero(self) -> MeshConfig:
+        if self.data == 0:
+            raise ValueError("mesh.data must be a positive device count, or -1 for all devices")
+        return self
+
+
+MESH_AXES = ("data",)
+"""Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
+DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
+                         "heads": "data", "hidden": "data", "channels": "data"}
+
+
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
+ZERO_BUBBLE = ("zb1p", "zbv")
+"""The schedules whose backward is B and W, both run from the forward's residuals."""
+SCHEDULES_BY_OTHER_NAMES = {
+    "dualpipev": "the nearest here is zbv, DualPipeV's V placement (stage i holds chunks i and 2 x mesh.stage - 1 - i)"
+                 " in ZB-V's order; DualPipeV's overlap of one microbatch's forward with another's backward is not "
+                 "built",
+    **{name: f"here it is {ours}" for name, ours in [("zbvzerobubble", "zbv"), ("zbv", "zbv"), ("zbh1", "zb1p"),
+                                                      ("zerobubble", "zb1p"), ("interleaved1f1b", "interleaved"),
+                                                      ("1f1b", "1f1b"), ("gpipe", "gpipe")]}}
+"""Names of schedules elsewhere (torch.distributed.pipelining's Schedule* classes, DeepSeek's DualPipeV, the
+Zero Bubble paper), as letters and digits in lower case: what a user may type for one of xlatrain's."""
+
+
+class PipelineConfig(Strict):
+    """How the model runs as a pipeline over the `stage` mesh axis (used when mesh.stage > 1)."""
+
+    schedule: PipelineSchedule = "1f1b"
+    """gpipe: every forward, then every backward. 1f1b: one forward one backward, at most mesh.stage
+    microbatches of activations per stage. interleaved: 1f1b over virtual_stages model chunks per stage.
+    zb1p: zero-bubble ZB-H1, 1f1b with each backward split into the input gradient (B) and the weight
+    gradients (W), which fill the cool-down bubble; 1f1b's memory (keeps residuals: remat none). zbv: ZB-V,
+    two chunks per stage placed in a V (stage i holds chunks i and 2 x mesh.stage - 1 - i, so the first and
+    the last chunk share stage 0), B and W split as in zb1p; 1f1b's memory (keeps residuals: remat none)."""
+    microbatches: PositiveInt | None = None
+    """Pipeline microbatches each gradient-accumulation microbatch is split into; null = 2 x mesh.stage."""
+    virtual_stages: PositiveInt | None = None
+    """Model chunks per stage (interleaved: 2 or more, zbv: 2); null = 2 for interleaved and zbv, 1 otherwise."""
+    partition: Literal["auto"] | tuple[PositiveInt, ...] = "auto"
+    """auto: blocks per chunk chosen from XLA's cost and memory analysis; or a list of block counts, one per
+    chunk (mesh.stage x virtual_stages of them), in model order."""
+    remat: Literal["none", "full", "auto"] = "full"
+    """full (the default; none for zb1p and zbv, whose B and W run from the residuals and cannot recompute them):
+    each chunk's backward recomputes its forward from the stored input activation (~1.33x the model's work).
+    none: the forward keeps the chunk's residuals (what its VJP saves) until the backward, which only runs the
+    pullback: the model's work, for more memory (residuals of every microbatch in flight). auto: none when XLA's
+    memory analysis of the step compiled with none fits memory_budget_bytes, full otherwise (zb1p, zbv: an
+    error naming both sizes)."""
+    memory_budget_bytes: PositiveInt | None = None
+    """What one device may use (remat: auto only); null = the device's memory (a CPU device: its share of the
+    host's RAM)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _zero_bubble_keeps_residuals_by_default(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "remat" not in value and value.get("schedule") in ZERO_BUBBLE:
+            return {**value, "remat": "none"}
+        return value
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _names_from_elsewhere_point_to_ours(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in get_args(PipelineSchedule):
+            known = SCHEDULES_BY_OTHER_NAMES.get(re.sub(r"[^a-z0-9]", "", value.lower()).removeprefix("schedule"))
+            if known:
+                raise ValueError(f"not a schedule name of xlatrain's; {known}")
+        return value
+
+    @field_validator("partition", mode="before")
+    @classmethod
+    def _partition_is_auto_or_block_counts(cls, value: Any) -> Any:
+        if value != "auto" and not positive_ints(value):
+            raise ValueError("must be auto or a list of block counts, each at least 1, one per pipeline chunk")
+        return value
+
+    def chunks_per_stage(self) -> int:
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule in ("interleaved", "zbv") else 1
+
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as B and W (a zero-bubble schedule)."""
+        return self.schedule in ZERO_BUBBLE
+
+    def microbatches_for(self, stages: int) -> int:
+        return self.microbatches if self.microbatches is not None else 2 * stages
+
+
+class ParallelConfig(Strict):
+    strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
+    """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too."""
+    logical_rules: dict[str, str | None] = DEFAULT_LOGICAL_RULES
+    """Logical axis name -> mesh axis (or null), merged over the defaults; used by zero1/fsdp."""
+    mode: Literal["auto", "jit", "shard_map", "pmap"] = "auto"
+    """auto: shard_map where a per-device program is needed (a pipeline, mesh.stage > 1, or
+    collectives.impl=custom), jit otherwise. jit: one global program, XLA's partitioner inserts the gradient
+    all-reduce. shard_map: a per-device program whose gradient sync is written out (balanced buckets,
+    collectives.impl). pmap: the same per-device program through the legacy jax.pmap API."""
+    pipeline: PipelineConfig = PipelineConfig()
+
+    @field_validator("logical_rules")
+    @classmethod
+    def _rules_name_mesh_axes(cls, rules: dict[str, str | None]) -> dict[str, str | None]:
+        unknown = {name: axis for name, axis in rules.items() if axis is not None and axis not in MESH_AXES}
+        if unknown:
+            raise ValueError(f"parallel.logical_rules maps {unknown} to mesh axes that do not exist; "
+                             f"mesh axes are {list(MESH_AXES)} (or null for not sharded)")
+        return {**DEFAULT_LOGICAL_RULES, **rules}
+
+
+class CollectivesConfig(Strict):
+    dtype: FloatDtype = "float32"
+    """Dtype the gradients are summed in across data replicas (still loss-scaled), in every mode."""
+    impl: Literal["xla", "custom"] = "xla"
+    """Which collectives sync the gradients in parallel.mode=shard_map: XLA's own, or xlatrain's
+    custom calls (custom_calls/)."""
+    bucket_bytes: PositiveInt = 4 * 2**20
+    """Gradients are packed into buckets of at most this many bytes (in the communication dtype); each
+    bucket is reduce-scattered then all-gathered, so every replica sends and receives the same bytes."""
+    timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    """How long a custom collective waits for every participant before failing (CPU backend)."""
+
+
+def check_block_partition(pipe: PipelineConfig, stages: int, blocks: int, counted_by: str) -> None:
+    """The model's blocks must fill mesh.stage x virtual_stages chunks, one block or more each."""
+    per_stage = pipe.chunks_per_stage()
+    chunks = stages * per_stage
+    virtual = per_stage > 1 and pipe.schedule != "zbv"
+    times = (f" x {per_stage} chunks per stage (schedule=zbv)" if pipe.schedule == "zbv"
+             else f" x virtual_stages={per_stage}" if virtual else "")
+    if blocks < chunks:
+        raise ValueError(f"{counted_by}={blocks} blocks cannot fill mesh.stage={stages}{times} = {chunks} pipeline "
+                         f"chunks (one block or more each); use fewer stages{' or virtual stages' if virtual else ''}, "
+                         "or more blocks")
+    if pipe.partition != "auto" and (len(pipe.partition) != chunks or sum(pipe.partition) != blocks):
+        raise ValueError(f"parallel.pipeline.partition={list(pipe.partition)} must give {chunks} block counts "
+                         f"(mesh.stage={stages}{times}) that add up to {counted_by}={blocks}; or use partition=auto")

@@ -1,0 +1,134 @@
+"""The whole run config: every section, and the checks that span sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from xlatrain.config.base import Seed, Strict
+from xlatrain.config.data import DataConfig, TextData
+from xlatrain.config.distributed import DistributedConfig
+from xlatrain.config.model import CNNConfig, GPTConfig, MLPConfig, ModelConfig
+from xlatrain.config.optimizer import AdamWConfig, BatchConfig, OptimizerConfig
+from xlatrain.config.parallel import (
+    CollectivesConfig,
+    MeshConfig,
+    ParallelConfig,
+    PipelineConfig,
+    check_block_partition,
+)
+from xlatrain.config.precision import PrecisionConfig
+from xlatrain.config.trainer import TrainerConfig
+
+
+class Config(Strict):
+    _mode_chosen_for: str | None = PrivateAttr(default=None)
+    name: Annotated[str, Field(pattern=r"^[\w.-]+$")] = "gpt-stdlib"
+    seed: Seed = 0
+    model: ModelConfig = GPTConfig(name="gpt")
+    data: DataConfig = TextData(source="text")
+    batch: BatchConfig = BatchConfig()
+    optimizer: OptimizerConfig = AdamWConfig(name="adamw")
+    mesh: MeshConfig = MeshConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    collectives: CollectivesConfig = CollectivesConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    distributed: DistributedConfig = DistributedConfig()
+
+    @model_validator(mode="after")
+    def _resolve_auto_mode(self) -> Config:
+        """Runs first: the checks below and the saved config see the mode that will run."""
+        if self.parallel.mode == "auto":
+            why = ("a pipeline (mesh.stage > 1)" if self.mesh.stage > 1 else "collectives.impl=custom"
+                   if self.collectives.impl == "custom" else None)
+            object.__setattr__(self, "parallel", self.parallel.model_copy(
+                update={"mode": "shard_map" if why else "jit"}))
+            self._mode_chosen_for = why
+        return self
+
+    @model_validator(mode="after")
+    def _model_fits_data(self) -> Config:
+        if isinstance(self.model, (MLPConfig, CNNConfig)) and isinstance(self.data, TextData):
+            raise ValueError(
+                f"model.name={self.model.name} classifies arrays: use data.source=digits or arrays"
+            )
+        if isinstance(self.model, GPTConfig):
+            if not isinstance(self.data, TextData):
+                raise ValueError("model.name=gpt trains on token sequences: use data.source=text")
+            if self.model.max_len is not None and self.model.max_len < self.data.seq_len:
+                raise ValueError(
+                    f"model.max_len={self.model.max_len} is shorter than data.seq_len={self.data.seq_len}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _collectives_fit_the_mode(self) -> Config:
+        mode = self.parallel.mode
+        if self.collectives.impl == "custom" and mode == "jit":
+            raise ValueError("collectives.impl=custom syncs gradients in a per-device program: set "
+                             "parallel.mode=shard_map or pmap (with parallel.mode=jit XLA's partitioner owns the "
+                             "collectives)")
+        if self.mesh.stage > 1:  # a pipeline's strategies and optimizers: _pipeline_fits
+            return self
+        supported = {"jit": ("replicated", "zero1", "fsdp"), "shard_map": ("replicated", "zero1"),
+                     "pmap": ("replicated",)}[mode]
+        if self.parallel.strategy not in supported:
+            chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
+            raise ValueError(f"parallel.mode={mode}{chosen} supports parallel.strategy {' or '.join(supported)}, "
+                             f"not {self.parallel.strategy!r}; parallel.mode=jit runs zero1/fsdp")
+        if mode == "shard_map" and self.parallel.strategy == "zero1" and self.optimizer.name == "adafactor":
+            raise ValueError("parallel.mode=shard_map with parallel.strategy=zero1 updates each block of a "
+                             "parameter on its own, which needs an elementwise optimizer (adamw, sgd, lion), not "
+                             "adafactor; use parallel.mode=jit")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_fits(self) -> Config:
+        pipe, stages = self.parallel.pipeline, self.mesh.stage
+        if stages == 1:
+            changed = [k for k in PipelineConfig.model_fields if getattr(pipe, k) != getattr(PipelineConfig(), k)]
+            if changed:
+                raise ValueError(f"parallel.pipeline.{changed[0]} is set but mesh.stage=1: set mesh.stage to the "
+                                 "number of pipeline stages (2 or more) to run a pipeline")
+            return self
+        if isinstance(self.model, (MLPConfig, CNNConfig)):
+            raise ValueError(f"model.name={self.model.name} cannot be pipelined (mesh.stage={stages}): it is not a "
+                             "stack of repeated blocks. Pipelines take model.name=gpt or a custom model built on "
+                             "xlatrain.models.BlockStack; or set mesh.stage=1")
+        if self.parallel.mode != "shard_map":
+            raise ValueError(f"mesh.stage={stages} runs a pipeline, a per-device program whose stages pass "
+                             f"activations to each other: use parallel.mode=auto or shard_map, not "
+                             f"{self.parallel.mode}")
+        v, m = pipe.chunks_per_stage(), pipe.microbatches_for(stages)
+        if pipe.schedule == "zbv" and v != 2:
+            raise ValueError(f"parallel.pipeline.schedule=zbv places exactly 2 chunks per stage in a V: set "
+                             f"virtual_stages=2 or leave it null (not {v})")
+        if pipe.schedule not in ("interleaved", "zbv") and v != 1:
+            raise ValueError(f"parallel.pipeline.virtual_stages={v} applies to schedule=interleaved only, not "
+                             f"{pipe.schedule}")
+        if pipe.schedule == "interleaved" and v < 2:
+            raise ValueError("parallel.pipeline.schedule=interleaved needs virtual_stages >= 2 (model chunks per "
+                             "stage); use schedule=1f1b for one chunk per stage")
+        if pipe.splits_backward() and pipe.remat == "full":
+            raise ValueError(f"parallel.pipeline.schedule={pipe.schedule} runs each backward as B and W from the "
+                             "forward's residuals, so it cannot recompute them: set parallel.pipeline.remat=none "
+                             "or auto, or leave it unset (not full)")
+        if pipe.memory_budget_bytes is not None and pipe.remat != "auto":
+            raise ValueError(f"parallel.pipeline.memory_budget_bytes is read by remat=auto only, and remat="
+                             f"{pipe.remat} is fixed: set remat=auto, or drop memory_budget_bytes")
+        if m < stages:
+            raise ValueError(f"parallel.pipeline.microbatches={m} is fewer than mesh.stage={stages}: the "
+                             f"{pipe.schedule} schedule needs at least one microbatch per stage to fill the "
+                             f"pipeline; use {stages} or more")
+        if pipe.schedule == "interleaved" and m % stages:
+            raise ValueError(f"parallel.pipeline.schedule=interleaved sends microbatches through the stages in "
+                             f"groups of mesh.stage={stages}: microbatches={m} must be a multiple of {stages}")
+        if isinstance(self.model, GPTConfig):
+            check_block_partition(pipe, stages, self.model.layers, "model.layers")
+        return self
+
+    def run_dir(self) -> Path:
+        return Path(self.trainer.run_dir or f"runs/{self.name}")

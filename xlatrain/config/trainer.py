@@ -1,0 +1,59 @@
+"""The `trainer` section: the loop's length, boundaries, logging, checkpoints and compile options."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import field_validator, model_validator
+
+from xlatrain.config.base import PositiveInt, Strict, positive_ints
+
+
+class TrainerConfig(Strict):
+    steps: PositiveInt = 300
+    run_dir: str | None = None
+    """Default: runs/<name>. An existing run directory is resumed from its latest checkpoint."""
+    log_every: PositiveInt = 10
+    eval_every: PositiveInt = 100
+    eval_batches: PositiveInt = 4
+    checkpoint_every: PositiveInt = 100
+    keep_checkpoints: PositiveInt = 3
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    progress: bool = True
+    steps_per_sync: PositiveInt = 1
+    """Optimizer steps fused into one executable (a step boundary every k steps); host work such as
+    logging, eval and checkpoints happens only at boundaries."""
+    compile_budget: PositiveInt | None = None
+    """Stop the run, with the recompile report, once the steps have been compiled more than this often."""
+    profile_steps: tuple[PositiveInt, PositiveInt] | None = None
+    """[a, b]: a jax.profiler trace of steps a..b (numbered from 1) in RUN_DIR/profile."""
+    compile_cache: str = "auto"
+    """JAX's persistent compilation cache: auto (JAX_COMPILATION_CACHE_DIR, else ~/.cache/xlatrain/jax), a
+    directory, or off."""
+
+    @field_validator("compile_cache", mode="before")
+    @classmethod
+    def _yaml_switches(cls, value: Any) -> Any:
+        """YAML reads a bare off/no/false as False (and on/yes/true as True)."""
+        if value is False or value is None:
+            return "off"
+        return "auto" if value is True else value
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _profile_steps_are_two_steps(cls, value: Any) -> Any:
+        if value is not None and not (positive_ints(value) and len(value) == 2):
+            raise ValueError("must be [first, last]: two step numbers from 1 (e.g. [3, 5]), or null for no trace")
+        return value
+
+    @model_validator(mode="after")
+    def _steps_fill_boundaries(self) -> TrainerConfig:
+        if self.steps % self.steps_per_sync:
+            raise ValueError(f"trainer.steps={self.steps} must be a multiple of trainer.steps_per_sync="
+                             f"{self.steps_per_sync} (steps run in fused groups)")
+        if self.profile_steps is not None:
+            a, b = self.profile_steps
+            if not a <= b <= self.steps:
+                raise ValueError(f"trainer.profile_steps=[{a}, {b}] must be [first, last] with first <= last <= "
+                                 f"trainer.steps={self.steps}")
+        return self
