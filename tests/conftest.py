@@ -1,13 +1,24 @@
-"""Every test process sees 8 CPU devices; JAX must not have started before these lines run. The suite's
-processes share one persistent compilation cache (trainer.compile_cache: auto), empty at the start."""
+"""Every test process sees 8 CPU devices and compiles without LLVM's optimisations (COMPILE_FASTER); JAX must not
+have started before these lines run. The suite's processes share one persistent compilation cache
+(trainer.compile_cache: auto), empty at the start."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
+COMPILE_FASTER = "--xla_backend_optimization_level=0"
+"""LLVM's optimisations off in every test process. The suite's programs are tiny, so compiling them is most of its
+time: this takes about a quarter off a pipeline test. XLA's own passes (fusion, layouts, buffer assignment,
+collectives) run as in production; float32 results may differ in their last bits from an optimised build's."""
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test process with `devices` CPU devices."""
+    return f"{COMPILE_FASTER} --xla_force_host_platform_device_count={devices}"
+
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), xla_flags(8)]).strip()
 # XLATRAIN_TEST_GPU=1 makes the GPU jax's default backend, for the tests that need one (e.g. `-k nccl`); the
 # rest of the suite expects the 8 CPU devices.
 os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("XLATRAIN_TEST_GPU") == "1" else "cpu"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY_GPT
+from conftest import COMPILE_FASTER, REPO, TINY_GPT
 
 from xlatrain import compat
 from xlatrain.config import load_config
@@ -85,7 +85,7 @@ def test_a_started_backend_keeps_its_count_or_refuses_another(devices):
 
 def _xlatrain(*args, cores, **extra_env):
     """`xlatrain ARGS` in a process without the suite's forced device count, on the first `cores` cores."""
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, **extra_env}
+    env = {**os.environ, "XLA_FLAGS": COMPILE_FASTER, **extra_env}
     pinned = (f"import os, runpy, sys; os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:{cores}]); "
               "sys.argv[0] = 'xlatrain'; runpy.run_module('xlatrain.cli', run_name='__main__')")
     return subprocess.run([sys.executable, "-c", pinned, *args], cwd=REPO, capture_output=True, text=True,

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DIGITS_MLP, run_cli
+from conftest import DIGITS_MLP, run_cli, xla_flags
 from test_precision import digits_batch, every_shard, on_devices, program_for
 from xlatrain.lowering.grad_sync import bucket_bounds, bucketed_sum
 
@@ -78,7 +78,7 @@ def test_explicit_modes_keep_the_amp_order_and_skip_an_overflow_everywhere(mode)
 
 
 def test_lower_shows_the_custom_calls_and_no_xla_all_reduce():
-    result = run_cli("lower", *DIGITS_MLP, *CUSTOM, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    result = run_cli("lower", *DIGITS_MLP, *CUSTOM, env={"XLA_FLAGS": xla_flags(8)})
     assert result.returncode == 0, result.stderr
     assert "xlatrain reduce_scatter" in result.stdout and "xlatrain all_gather" in result.stdout
     assert "  all-reduce" not in result.stdout and "  reduce-scatter" not in result.stdout

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, TINY_GPT
+from conftest import REPO, TINY_GPT, xla_flags
 
 from xlatrain.config import load_config
 from xlatrain.launch import free_port
@@ -30,7 +30,7 @@ TIMEOUT_S = 240
 
 
 def devices_env(count: int) -> dict:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}
+    return {**os.environ, "XLA_FLAGS": xla_flags(count)}
 
 
 def start(run_dir, port, extra=(), *, processes=2, devices=4, program=("-m", "xlatrain.cli", "train"),

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import yaml
-from conftest import REPO, TINY_GPT, run_cli, token_batch
+from conftest import REPO, TINY_GPT, run_cli, token_batch, xla_flags
 from jax.sharding import PartitionSpec as P
 from xlatrain.lowering.inspect import collectives, peak_memory_bytes
 from xlatrain.lowering.pipeline_step import run_when
@@ -67,6 +67,8 @@ CASES = {
     "p4-1f1b-m=p-dp2": ["mesh.stage=4", "model.layers=4", "parallel.pipeline.microbatches=4"],
     "p4-gpipe-m=2p-dp2": ["mesh.stage=4", "model.layers=4", "parallel.pipeline.schedule=gpipe",
                           "parallel.pipeline.microbatches=8"],
+    "p4-1f1b-m2-fewer-than-p-dp2": ["mesh.stage=4", "model.layers=4", "parallel.pipeline.microbatches=2"],
+    "p2-gpipe-m1": ["mesh.stage=2", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.microbatches=1"],
     "p4-1f1b-m5-dp2-auto-uneven": ["mesh.stage=4", "model.layers=6", "parallel.pipeline.microbatches=5",
                                    "batch.global_size=40"],
     "p4-interleaved-v2-dp2": ["mesh.stage=4", "model.layers=8", "parallel.pipeline.schedule=interleaved",
@@ -618,7 +620,8 @@ ERRORS = {
     "too-few-blocks": (["mesh.stage=4", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.microbatches=4"],
                        "model.layers=2 blocks cannot fill mesh.stage=4 x virtual_stages=2 = 8 pipeline chunks (one "
                        "block or more each); use fewer stages or virtual stages, or more blocks"),
-    "too-few-microbatches": (["mesh.stage=2", "parallel.pipeline.microbatches=1"], "fewer than mesh.stage=2"),
+    "too-few-microbatches": (["mesh.stage=2", "parallel.pipeline.schedule=zb1p", "parallel.pipeline.microbatches=1"],
+                             "fewer than mesh.stage=2: schedule=zb1p fills the pipeline's bubble"),
     "interleaved-groups": (["mesh.stage=2", "model.layers=4", "parallel.pipeline.schedule=interleaved",
                             "parallel.pipeline.microbatches=3"], "must be a multiple of 2"),
     "virtual-without-interleaving": (["mesh.stage=2", "parallel.pipeline.virtual_stages=2"],
@@ -661,7 +664,7 @@ def test_models_that_are_not_block_stacks_are_refused(capsys):
 def test_a_custom_model_that_is_not_a_block_stack_is_refused_in_a_real_process():
     result = run_cli("train", "model.name=custom", "model.target=flax.nnx:Linear", "data.source=digits",
                      "model.kwargs={in_features: 64, out_features: 10}", "mesh.stage=2", "parallel.mode=shard_map",
-                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                     env={"XLA_FLAGS": xla_flags(8)})
     assert result.returncode == 2, result.stderr
     assert "model.target='flax.nnx:Linear' cannot be pipelined (mesh.stage=2)" in result.stderr
     assert "BlockStack" in result.stderr and "Traceback" not in result.stderr

@@ -119,10 +119,11 @@ class Config(Strict):
         if pipe.memory_budget_bytes is not None and pipe.remat != "auto":
             raise ValueError(f"parallel.pipeline.memory_budget_bytes is read by remat=auto only, and remat="
                              f"{pipe.remat} is fixed: set remat=auto, or drop memory_budget_bytes")
-        if m < stages:
-            raise ValueError(f"parallel.pipeline.microbatches={m} is fewer than mesh.stage={stages}: the "
-                             f"{pipe.schedule} schedule needs at least one microbatch per stage to fill the "
-                             f"pipeline; use {stages} or more")
+        if m < stages and pipe.splits_backward():
+            raise ValueError(f"parallel.pipeline.microbatches={m} is fewer than mesh.stage={stages}: schedule="
+                             f"{pipe.schedule} fills the pipeline's bubble with the weight gradients of at least "
+                             f"mesh.stage microbatches, and with fewer it has nothing to fill it with; use {stages} or "
+                             "more, or schedule=1f1b or gpipe (which run any count, with a larger bubble)")
         if pipe.schedule == "interleaved" and m % stages:
             raise ValueError(f"parallel.pipeline.schedule=interleaved sends microbatches through the stages in "
                              f"groups of mesh.stage={stages}: microbatches={m} must be a multiple of {stages}")
