@@ -53,10 +53,26 @@ def environment(command: str) -> dict[str, str]:
             "command": command}
 
 
+def host_probe_ms(size: int = 1024, calls: int = 15) -> float:
+    """Median milliseconds of one float32 [size, size] @ [size, size] matmul on jax's first device, measured as a
+    results file is written. The same probe in every file tells runs on one host apart when the host's speed
+    drifts: stops 49-51 saw PyTorch's default GPT step take 44.6, 103.7 and 50.9 ms on the same Intel host."""
+    x = jax.device_put(np.ones((size, size), np.float32), jax.devices()[0])
+    matmul = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(matmul(x))
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(x))
+        samples.append(time.perf_counter() - start)
+    return round(1e3 * statistics.median(samples), 3)
+
+
 def write_results(name: str, command: str, payload: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(command), **payload}, indent=2) + "\n")
+    record = {"environment": environment(command), "host_matmul_1024_ms": host_probe_ms(), **payload}
+    path.write_text(json.dumps(record, indent=2) + "\n")
     return path
 
 
