@@ -115,6 +115,14 @@ def test_parameters_without_a_gradient_stay_as_they_are_and_training_tracks_torc
         assert torch.equal(trained[name], initial[name]) == name.startswith(kept), name
 
 
+def test_a_forward_setting_requires_grad_to_what_it_is_trains_as_torch_eager(devices):
+    """requires_grad set inside the forward to the value the module already has changes nothing, in PyTorch as
+    here (setting another value is refused: test_bad_torch_input_is_one_line_and_exit_2)."""
+    kept = [*FROZEN_HEAD_ONLY, "model.target=torch_models:KeepsRequiresGradInForward"]
+    report = run_torch_parity(config_for(kept), "torch", 5, 1e-5)
+    assert report.first is None, report.summary()
+
+
 FROZEN_FIRST_BLOCK = [*TORCH_GPT, "model.target=torch_models:tiny_gpt_frozen", "optimizer.name=adamw"]
 
 
@@ -315,6 +323,9 @@ BAD_INPUT = {
     "output shape": ([*DIGITS, "model.target=torch_models:Flat"], "needs logits shaped"),
     "parameter changed in place": ([*DIGITS, "model.target=torch_models:ClampsItsWeight"],
                                    "the forward changes parameter 'fc.weight' in place"),
+    "requires_grad changed in the forward": ([*DIGITS, "model.target=torch_models:FreezesItsWeightInForward"],
+                                             "the forward sets requires_grad=False on parameter 'fc.weight', which "
+                                             "xlatrain reads from the module once"),
     "unlowerable op": ([*DIGITS, "model.target=torch_models:Unlowerable"],
                        "torchax cannot lower an op in module 'pool'"),
     "pipeline with BatchNorm": ([*DIGITS, "model.target=conv_net:ConvNet", "mesh.stage=2", "parallel.mode=shard_map"],

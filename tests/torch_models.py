@@ -45,6 +45,32 @@ class ClampsItsWeight(nn.Module):
         return self.fc(images.flatten(1))
 
 
+class FreezesItsWeightInForward(nn.Module):
+    """requires_grad_(False) inside the forward: PyTorch would stop training the weight from this step on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, images):
+        self.fc.weight.requires_grad_(False)
+        return self.fc(images.flatten(1))
+
+
+class KeepsRequiresGradInForward(nn.Module):
+    """Setting requires_grad to what it already is changes nothing, in PyTorch as here."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+        self.fc.bias.requires_grad_(False)
+
+    def forward(self, images):
+        self.fc.weight.requires_grad = True
+        self.fc.bias.requires_grad_(False)
+        return self.fc(images.flatten(1))
+
+
 def not_a_module(width: int = 4):
     return [width]
 

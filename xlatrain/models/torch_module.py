@@ -155,8 +155,10 @@ class TorchModule:
         t_params, t_buffers, t_inputs = env.j2t_iso((params_in, given, inputs))
         prng = key if key is not None else jax.random.PRNGKey(0)
         # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
+        trains = {id(t_params[name]): (name, name not in frozen) for name in t_params}
         with env, env.override_property(prng=prng), compat.torch_gradient_cuts(env), \
-                _module_path(module) as where, jax.numpy_rank_promotion("allow"), \
+                _requires_grad_kept(self.target, trains), _module_path(module) as where, \
+                jax.numpy_rank_promotion("allow"), \
                 jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
             # .long() and .double() are 32-bit here, as the module's docstring says; JAX warns at each one.
             warnings.filterwarnings("ignore", r"Explicitly requested dtype (int64|uint64|float64|complex128)")
@@ -209,6 +211,37 @@ def to_torch(value: Any, dtype: Any) -> Any:
     if array.dtype.kind not in "biufc":  # bfloat16 and other ml_dtypes: widen exactly
         array = array.astype(np.float32)
     return torch.from_numpy(np.array(array, order="C")).to(dtype)
+
+
+@contextlib.contextmanager
+def _requires_grad_kept(target: str, trains: dict[int, tuple[str, bool]]) -> Iterator[None]:
+    """PyTorch stops training a parameter whose forward calls requires_grad_(False) on it (or sets its
+    .requires_grad), and starts one set to True. Here the forward runs on stand-ins (`trains`: by their ids, the
+    parameter's name and whether it trains) and which parameters train is read from the module when the run
+    starts, so the change would be lost without a word: it is one clear error instead."""
+    torch = import_torch()
+    from torch.overrides import TorchFunctionMode
+
+    def sets_requires_grad(func: Any) -> bool:
+        setter = getattr(func, "__name__", None) == "__set__" and getattr(func, "__self__", None) is not None
+        return func is torch.Tensor.requires_grad_ or (setter and func.__self__.__name__ == "requires_grad")
+
+    class RequiresGradKept(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if args and id(args[0]) in trains and sets_requires_grad(func):
+                name, trainable = trains[id(args[0])]
+                wanted = bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+                if wanted != trainable:
+                    raise UserError(
+                        f"model: model.target={target!r}: the forward sets requires_grad={wanted} on parameter "
+                        f"{name!r}, which xlatrain reads from the module once, when the run starts: set it where "
+                        f"the module is built instead (in __init__, or the function model.target names), or, to "
+                        f"stop its gradient in this forward alone, read it as self.{name}.detach()")
+            return func(*args, **kwargs)
+
+    with RequiresGradKept():
+        yield
 
 
 @contextlib.contextmanager
