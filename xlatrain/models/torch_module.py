@@ -233,11 +233,12 @@ def _requires_grad_kept(target: str, trains: dict[int, tuple[str, bool]]) -> Ite
                 name, trainable = trains[id(args[0])]
                 wanted = bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
                 if wanted != trainable:
+                    alone = ("" if wanted else
+                             f", or, to stop its gradient in this forward alone, use self.{name}.detach()")
                     raise UserError(
                         f"model: model.target={target!r}: the forward sets requires_grad={wanted} on parameter "
                         f"{name!r}, which xlatrain reads from the module once, when the run starts: set it where "
-                        f"the module is built instead (in __init__, or the function model.target names), or, to "
-                        f"stop its gradient in this forward alone, read it as self.{name}.detach()")
+                        f"the module is built instead (in __init__, or the function model.target names){alone}")
             return func(*args, **kwargs)
 
     with RequiresGradKept():
