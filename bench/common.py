@@ -59,13 +59,8 @@ def host_probe_ms(size: int = 1024, calls: int = 15) -> float:
     drifts: stops 49-51 saw PyTorch's default GPT step take 44.6, 103.7 and 50.9 ms on the same Intel host."""
     x = jax.device_put(np.ones((size, size), np.float32), jax.devices()[0])
     matmul = jax.jit(lambda a: a @ a)
-    jax.block_until_ready(matmul(x))
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        jax.block_until_ready(matmul(x))
-        samples.append(time.perf_counter() - start)
-    return round(1e3 * statistics.median(samples), 3)
+    seconds = interleaved_medians({"matmul": lambda: matmul(x)}, rounds=1, steps_per_round=calls, warmup=1)["matmul"]
+    return round(1e3 * seconds, 3)
 
 
 def write_results(name: str, command: str, payload: dict) -> Path:
