@@ -123,6 +123,15 @@ def test_a_forward_setting_requires_grad_to_what_it_is_trains_as_torch_eager(dev
     assert report.first is None, report.summary()
 
 
+def test_in_place_ops_on_views_and_under_no_grad_train_as_torch_eager():
+    """Autograd does not record an in-place op under torch.no_grad(): the gradient passes through it unchanged
+    (torchax alone would differentiate it), and the ops after it read the changed values; an in-place op on a view
+    changes the tensor viewed (torchax alone changes a copy for zero_ and clamp_)."""
+    in_place = [*FROZEN_HEAD_ONLY, "model.target=torch_models:ChangesActivationsInPlace"]
+    report = run_torch_parity(config_for(in_place), "torch", 5, 1e-5)
+    assert report.first is None, report.summary()
+
+
 FROZEN_FIRST_BLOCK = [*TORCH_GPT, "model.target=torch_models:tiny_gpt_frozen", "optimizer.name=adamw"]
 
 

@@ -108,6 +108,28 @@ class WithoutGradients(nn.Module):
         return self.head(hidden) + self.unused_head.bias.data
 
 
+class ChangesActivationsInPlace(nn.Module):
+    """In-place ops under torch.no_grad() on tensors that have a gradient: a layer's output scaled, a slice of it
+    (a view) zeroed and copied into: autograd records none of them, so the gradient reaches the body as if they
+    had not happened, while everything after reads the changed values; then a slice clamped with grad mode on,
+    which autograd records. (The output of a linear layer, which its backward does not read: PyTorch refuses a
+    change to a value a backward needs, such as tanh's output.)"""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.body = nn.Linear(64, hidden)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, images):
+        hidden = self.body(images.flatten(1))
+        with torch.no_grad():
+            hidden.mul_(3.0)
+            hidden[:, :4].zero_()
+            hidden[:, 4:6].copy_(hidden[:, 6:8] * 0.5)
+        hidden[:, 8:12].clamp_(-0.2, 0.2)
+        return self.head(torch.tanh(hidden) * hidden)
+
+
 def tiny_gpt_frozen(frozen_blocks=(0,), everything=False, **kwargs):
     """TinyGPT (examples/torch_model) with its embeddings and the blocks `frozen_blocks` frozen (by default some
     stacked layers of each block parameter train and some do not), or `everything`."""

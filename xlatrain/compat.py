@@ -662,26 +662,81 @@ def torchax_environment() -> Any:
 
 
 @contextlib.contextmanager
+def torch_in_place_on_views() -> Iterator[None]:
+    """torchax hands an in-place op a view as a copy unless the op is one of its own in-place ops (mul_, add_,
+    copy_ ...), so `h[:, :4].zero_()` (zero_, fill_, clamp_: ops it decomposes) would change the copy and leave `h`
+    as it was. While open, an in-place op on a view runs on the view's value and writes the result back through
+    the view, as PyTorch's in-place ops on views do."""
+    from torch.overrides import TorchFunctionMode
+    from torchax.view import View
+
+    def in_place(func: Any) -> bool:
+        name = getattr(func, "__name__", "")
+        return name.endswith("_") and not name.startswith("_")
+
+    class InPlaceOnViews(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if not (args and isinstance(args[0], View) and in_place(func)):
+                return func(*args, **(kwargs or {}))
+            view, value = args[0], args[0].torch()
+            before = value._elem
+            out = func(value, *args[1:], **(kwargs or {}))
+            if value._elem is not before:
+                view.update(value)
+            return view if out is value else out
+
+    with InPlaceOnViews():
+        yield
+
+
+@contextlib.contextmanager
 def torch_gradient_cuts(env: Any) -> Iterator[None]:
     """torchax traces every op into JAX whatever torch's autograd would record, so what a forward computes
     under torch.no_grad() (or inference_mode), or reads through `.data`, would get the gradient PyTorch never
     gives it. While open, those values are stopped (jax.lax.stop_gradient): the new values ops return with
     grad mode off, and every `.data`; a tensor an op hands back under torch.no_grad() (an in-place op's, a no-op
-    conversion's) keeps its gradient, as in PyTorch. Grad mode starts on, as in a PyTorch training step."""
+    conversion's) keeps its gradient, as in PyTorch. A view made under torch.no_grad() stays a view of its source,
+    so that an in-place op on it (`h[:, :4].zero_()`) changes the source. A tensor an op changes in place under
+    torch.no_grad() takes the new value and passes its gradient on unchanged, as autograd, which does not record
+    the op, does. Grad mode starts on, as in a PyTorch training step."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves, tree_map
     from torchax.tensor import Tensor
     from torchax.view import View
 
+    def root(value: Any) -> Any:
+        """The tensor an in-place op on `value` writes into: a view's source (torchax's View.replace_source_jax)."""
+        while isinstance(value, View):
+            value = value.parent
+        return value
+
+    class StoppedView(View):
+        """A view whose reads have no gradient; writes reach its source as a view's do."""
+
+        def jax(self) -> jax.Array:
+            return jax.lax.stop_gradient(super().jax())
+
+        def create_sub_view(self, view_info: Any) -> View:
+            return StoppedView(self, view_info, self._env)
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, View):
+            return StoppedView(value.parent, value.view_info, env)
+        return Tensor(jax.lax.stop_gradient(value.jax()), env) if isinstance(value, Tensor) else value
+
     class GradientCuts(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
             if torch.is_grad_enabled():
-                return out
-            given = {id(value) for value in tree_leaves((args, kwargs))}
-            return tree_map(lambda value: Tensor(jax.lax.stop_gradient(value.jax()), env)
-                            if isinstance(value, (Tensor, View)) and id(value) not in given else value, out)
+                return func(*args, **(kwargs or {}))
+            leaves = tree_leaves((args, kwargs))
+            written = {id(tensor): (tensor, tensor._elem) for tensor in map(root, leaves) if isinstance(tensor, Tensor)}
+            out = func(*args, **(kwargs or {}))
+            for tensor, before in written.values():
+                if tensor._elem is not before and jnp.issubdtype(before.dtype, jnp.inexact):
+                    tensor._elem = _gradient_passed_on(before, tensor._elem)
+            given = {id(value) for value in leaves}
+            return tree_map(lambda value: value if id(value) in given else cut(value), out)
 
     # torchax's Tensor.data is a Python property handing back the tensor itself, which no mode sees
     data = Tensor.data
@@ -691,6 +746,18 @@ def torch_gradient_cuts(env: Any) -> Iterator[None]:
             yield
     finally:
         Tensor.data = data
+
+
+@jax.custom_jvp
+def _gradient_passed_on(before: jax.Array, after: jax.Array) -> jax.Array:
+    """`after`'s value with `before`'s tangent: an op autograd did not record, between them."""
+    return after
+
+
+@_gradient_passed_on.defjvp
+def _gradient_passed_on_jvp(primals, tangents):
+    before, after = primals
+    return after, tangents[0].astype(after.dtype)
 
 
 def torchax_operator_not_found() -> type[Exception]:
