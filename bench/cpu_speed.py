@@ -27,6 +27,7 @@ from xlatrain.host_memory import keep_freed_host_memory
 HOST_MEMORY = keep_freed_host_memory()  # before JAX or torch start a thread
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from xlatrain.lowering.xla_options import CPU_OPTIONS_TRIED, compiler_options  # noqa: E402
 
@@ -84,20 +85,36 @@ def against_pytorch(width: int, seq_len: int) -> dict:
             "params": built["scanned"].param_count, "per_core_devices": built["per_core"].derived.devices}
 
 
-def option_effects(width: int, seq_len: int) -> dict:
-    """Each option of CPU_OPTIONS_TRIED alone on top of xlatrain's defaults, step time over the defaults'. The
-    reference is compiled like the options, from the same lowering; the program's own executable (what the trainer
-    runs: the same compilation, maybe loaded from the persistent cache) is measured beside it, since in two runs of
-    this bench it ran 1.2-1.3x slower than every recompilation throughout the process."""
+def option_effects(width: int, seq_len: int) -> tuple[dict, dict]:
+    """Each option of CPU_OPTIONS_TRIED alone on top of xlatrain's defaults: step time over the defaults', and
+    whether its results differ from theirs (an option that changes them never becomes a default). The reference is
+    compiled like the options, from the same lowering; the program's own executable (what the trainer runs: the
+    same compilation, maybe loaded from the persistent cache) is measured beside it, since in two runs of this
+    bench it ran 1.2-1.3x slower than every recompilation throughout the process."""
     program = build_program(load_config(None, [*gpt_overrides(width, seq_len), ONE_DEVICE]), jax.devices()[:1])
     lowered, defaults = program.train_step.first.lowered, compiler_options("cpu")
-    runners = {"defaults": train_runner(program, lowered.compile(compiler_options=defaults)),
-               "defaults, the program's own executable": train_runner(program)}
+    executables = {"defaults": lowered.compile(compiler_options=defaults),
+                   "defaults, the program's own executable": None}
     for name, value in CPU_OPTIONS_TRIED.items():
-        executable = lowered.compile(compiler_options={**defaults, name: value})
-        runners[f"{name}={value}"] = train_runner(program, executable)
+        executables[f"{name}={value}"] = lowered.compile(compiler_options={**defaults, name: value})
+    results = {name: metrics_after(train_runner(program, executable), RESULT_STEPS)
+               for name, executable in executables.items()}
+    changes = {name: not jax.tree.all(jax.tree.map(np.array_equal, metrics, results["defaults"]))
+               for name, metrics in results.items()}
+    runners = {name: train_runner(program, executable) for name, executable in executables.items()}
     medians = interleaved_medians(runners, rounds=6, steps_per_round=10, warmup=3)
-    return {name: medians[name] / medians["defaults"] for name in medians}
+    return {name: medians[name] / medians["defaults"] for name in medians}, changes
+
+
+RESULT_STEPS = 3
+"""Steps from the initial state after which an option's metrics (loss, gradient and parameter norms) are compared
+with the defaults' bit for bit."""
+
+
+def metrics_after(run, steps: int) -> dict:
+    for _ in range(steps - 1):
+        run()
+    return run()
 
 
 def main() -> None:
@@ -108,13 +125,14 @@ def main() -> None:
         for name, ratio in results[label]["over_pytorch_eager"].items():
             ms = results[label]["median_step_seconds"][name] * 1e3
             print(f"{label:32s} {name:20s} {ms:8.2f} ms  {ratio:.2f}x PyTorch eager")
-    effects = option_effects(**SHAPES["default GPT (4 x 128, seq 64)"])
+    effects, changes = option_effects(**SHAPES["default GPT (4 x 128, seq 64)"])
     for name, ratio in effects.items():
-        print(f"option {name:60s} {ratio:.3f}x the defaults' step time")
+        print(f"option {name:60s} {ratio:.3f}x the defaults' step time{', changes results' * changes[name]}")
     path = write_results("cpu_speed", "PYTHONPATH=examples/torch_model python3 -m bench.cpu_speed",
                          {"target": "xlatrain / PyTorch eager <= 1.0", "torch_threads": torch.get_num_threads(),
                           "host_memory": HOST_MEMORY, "per_core_cpu_devices": PER_CORE_DEVICES.describe(),
-                          "shapes": results, "xla_cpu_options_alone_over_defaults": effects})
+                          "shapes": results, "xla_cpu_options_alone_over_defaults": effects,
+                          f"xla_cpu_options_change_results_in_{RESULT_STEPS}_steps": changes})
     print(f"wrote {path}")
 
 
