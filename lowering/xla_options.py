@@ -2,8 +2,8 @@
 
 `compiler_options(platform)` is what every step compiles with. `python3 -m bench.cpu_speed` measures each
 option of CPU_OPTIONS_TRIED alone on the default GPT's train step, and whether it changes the step's results
-(bench/results/cpu_speed.json); an option
-joins CPU_OPTIONS only when it makes that step faster beyond the benchmark's noise without changing its results.
+(bench/results/cpu_speed.json); an option joins CPU_OPTIONS only when it makes that step faster beyond the
+benchmark's noise without changing its results.
 The other setting that changes CPU step time is not XLA's: glibc's allocator (xlatrain/host_memory.py).
 """
 
