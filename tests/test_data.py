@@ -1,5 +1,8 @@
 """Sources, deterministic shuffling, per-process shards, and the device loader's resumable position."""
 
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -20,6 +23,25 @@ def test_digits_has_a_disjoint_held_out_split():
     assert len(data.train) + len(data.eval) == 1797 and len(data.eval) == 359
     assert not set(data.train.rows) & set(data.eval.rows)
     assert data.spec.input_shape == (8, 8) and data.spec.num_outputs == 10
+
+
+def test_digits_are_scikit_learns_without_importing_it(monkeypatch):
+    """Read from the file scikit-learn ships, as its load_digits reads it, in a process that never imports it; and
+    through load_digits where the file is not found."""
+    from sklearn.datasets import load_digits
+
+    from xlatrain.data import sources
+
+    expected = load_digits()
+    for found in (True, False):
+        if not found:
+            monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
+        images, labels = sources.digits_images_and_labels()
+        np.testing.assert_array_equal(images, expected.images)
+        np.testing.assert_array_equal(labels, expected.target)
+    read_alone = ("import sys; from xlatrain.data.sources import digits_images_and_labels; "
+                  "digits_images_and_labels(); assert 'sklearn' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", read_alone], check=True, capture_output=True)
 
 
 def test_text_windows_are_next_token_pairs(tmp_path):
