@@ -97,11 +97,10 @@ def option_effects(width: int, seq_len: int) -> tuple[dict, dict]:
                    "defaults, the program's own executable": None}
     for name, value in CPU_OPTIONS_TRIED.items():
         executables[f"{name}={value}"] = lowered.compile(compiler_options={**defaults, name: value})
-    results = {name: metrics_after(train_runner(program, executable), RESULT_STEPS)
-               for name, executable in executables.items()}
+    runners = {name: train_runner(program, executable) for name, executable in executables.items()}
+    results = {name: metrics_after(run, RESULT_STEPS) for name, run in runners.items()}  # then timed from there
     changes = {name: not jax.tree.all(jax.tree.map(np.array_equal, metrics, results["defaults"]))
                for name, metrics in results.items()}
-    runners = {name: train_runner(program, executable) for name, executable in executables.items()}
     medians = interleaved_medians(runners, rounds=6, steps_per_round=10, warmup=3)
     return {name: medians[name] / medians["defaults"] for name in medians}, changes
 
