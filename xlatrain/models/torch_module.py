@@ -154,9 +154,9 @@ class TorchModule:
         params_in, given, inputs = jax.tree.map(jnp.asarray, (params, given, inputs))
         t_params, t_buffers, t_inputs = env.j2t_iso((params_in, given, inputs))
         prng = key if key is not None else jax.random.PRNGKey(0)
-        # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
         trains = {id(t_params[name]): (name, name not in frozen) for name in t_params}
-        # the gradient cuts watch what an in-place op writes through a view, so they run first (the mode last in)
+        # The gradient cuts watch what an in-place op writes through a view, so they run first (the mode last in).
+        # PyTorch broadcasts by rank and promotes dtypes its own way; a strict JAX setting must not apply here.
         with env, env.override_property(prng=prng), compat.torch_in_place_on_views(), \
                 compat.torch_gradient_cuts(env), \
                 _requires_grad_kept(self.target, trains), _module_path(module) as where, \
