@@ -55,8 +55,8 @@ def test_adafactor_factored_moments_follow_their_params_split_and_train_like_rep
         for _ in range(3):
             state, metrics = program.train_step(state, batch)
             losses[strategy].append(float(metrics["loss"]))
-    for strategy in ("zero1", "fsdp"):
-        np.testing.assert_allclose(losses[strategy], losses["replicated"], rtol=1e-6)
+    for strategy in ("zero1", "fsdp"):  # fp32; sharded sums add in another order (1.8e-6 apart on an AVX2 host)
+        np.testing.assert_allclose(losses[strategy], losses["replicated"], rtol=1e-5)
 
 
 def test_init_never_builds_the_whole_state_on_one_device(devices):
