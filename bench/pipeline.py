@@ -28,6 +28,8 @@ times on fake CPU devices.
    reported as not measured), which moves a runnable thread to an idle core at once where the default
    scheduler balances the cores by their number of threads. On two cores with the default scheduler a
    pipeline's time is also how well eight device threads of unequal work per slot are spread over them.
+   Each child runs CHILD_RUNS times, in fresh processes, and the median over them is reported beside each
+   process's ratio: on a shared host one process's ratio is not the host's (stop 55: 1.10-1.26x, one core).
 
     python3 -m bench.pipeline                  # writes bench/results/pipeline.json
     python3 -m bench.pipeline --one-core       # one case of part 3, printed as JSON (what the full run calls)
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -125,11 +128,29 @@ SMALL_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4
 CORES_SHARED_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat none")}
 
 
+CHILD_RUNS = 3
+
+
 def measured_in_child(flag: str) -> dict[str, dict] | str:
     """CORES_SHARED_MEASURED in a child process that runs, with all the threads it starts, as `flag` says."""
     child = subprocess.run([sys.executable, "-m", "bench.pipeline", flag], capture_output=True, text=True,
                            check=True)
     return json.loads(child.stdout.splitlines()[-1])
+
+
+def measured_in_children(flag: str) -> dict[str, dict] | str:
+    """`measured_in_child` CHILD_RUNS times: per case the medians over the processes of its seconds per step and
+    of its ratio to data parallel, and each process's ratio."""
+    runs = [measured_in_child(flag) for _ in range(CHILD_RUNS)]
+    if isinstance(runs[0], str):
+        return runs[0]
+    def median(name: str, key: str) -> float:
+        return statistics.median(run[name][key] for run in runs)
+
+    return {name: {**first, "median_seconds_per_step": median(name, "median_seconds_per_step"),
+                   "ratio_to_data_parallel": median(name, "ratio_to_data_parallel"),
+                   "ratios_by_process": [run[name]["ratio_to_data_parallel"] for run in runs]}
+            for name, first in runs[0].items()}
 
 
 def measured_cases(model: list[str], cases: dict[str, list[str]]) -> dict[str, dict]:
@@ -160,7 +181,7 @@ def main() -> None:
     print(f"host memory: {HOST_MEMORY}")
     measured = {"width 64": measured_cases(SMALL_GPT, SMALL_MEASURED), "width 128": measured_cases(GPT, MEASURED),
                 "width 512": measured_cases(LARGE_GPT, CORES_SHARED_MEASURED),
-                **{f"width 128, {group}": measured_in_child(flag) for flag, group in CORES_SHARED.items()}}
+                **{f"width 128, {group}": measured_in_children(flag) for flag, group in CORES_SHARED.items()}}
     for model, group in measured.items():
         if isinstance(group, str):
             print(f"measured {model}: {group}")
@@ -168,8 +189,10 @@ def main() -> None:
         for name, values in group.items():
             flops = (f", XLA FLOPs x{values['xla_flops_ratio_to_unpipelined']:.2f} of the unpipelined model's"
                      if "xla_flops_ratio_to_unpipelined" in values else "")
+            processes = (" (processes: " + ", ".join(f"x{r:.2f}" for r in values["ratios_by_process"]) + ")"
+                         if "ratios_by_process" in values else "")
             print(f"measured {model}: {name:<40} {values['median_seconds_per_step'] * 1e3:8.1f} ms/step  "
-                  f"x{values['ratio_to_data_parallel']:.2f} of data parallel{flops}")
+                  f"x{values['ratio_to_data_parallel']:.2f} of data parallel{processes}{flops}")
     path = write_results("pipeline", "python3 -m bench.pipeline", {
         "model": f"GPT {LAYERS} layers, width 128 (measured also at widths 64 and 512), 4 heads, seq 64, "
                  "global batch 32, fp32, adamw",
@@ -179,7 +202,8 @@ def main() -> None:
                 "recomputed forwards; per-slot actions and ppermutes, smaller matmuls; on two cores also the time "
                 "a core idles while the other finishes a slot), not speedups. 'one core': the same devices confined "
                 "to one core, where a step's time is exactly its total work. 'real-time scheduler': both cores, "
-                "SCHED_RR, which moves a runnable thread to an idle core at once."})
+                "SCHED_RR, which moves a runnable thread to an idle core at once. Both: medians over "
+                f"{CHILD_RUNS} processes, each one's ratio in ratios_by_process."})
     print(f"wrote {path}")
 
 
