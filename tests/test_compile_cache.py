@@ -90,6 +90,32 @@ def test_an_entry_cut_short_is_replaced_instead_of_failing_every_later_start(tmp
     assert _loaded_from_cache(third) == _loaded_from_cache(cut) + 1 and "compile cache" not in third.stderr
 
 
+def test_entries_swapped_between_programs_are_replaced_instead_of_failing_in_jax(tmp_path):
+    """Two entries' files swapped (or one copied over another): JAX would load the eval step's executable for
+    the train step and fail on an AssertionError deep inside it; each is dropped and compiled afresh instead."""
+    cache = tmp_path / "cache"
+
+    def start(name):
+        return _start(tmp_path / name, cache)
+
+    assert _loaded_from_cache(start("first")) == 0
+    [train] = cache.glob("jit_train_step-*-cache")
+    [evaluate] = cache.glob("jit_eval_step-*-cache")
+    train_bytes = train.read_bytes()
+    train.write_bytes(evaluate.read_bytes())
+    evaluate.write_bytes(train_bytes)
+    swapped = start("second")
+    compiled, loaded = _compilations(swapped)
+    assert loaded == compiled - 2, (compiled, loaded)
+    warnings = sorted(line for line in swapped.stderr.splitlines() if "compile cache" in line)
+    assert warnings == [f"xlatrain: warning: compile cache entry {evaluate} holds the executable of another program "
+                        "(jit_train_step); removed it, so this compilation is written there again",
+                        f"xlatrain: warning: compile cache entry {train} holds the executable of another program "
+                        "(jit_eval_step); removed it, so this compilation is written there again"]
+    third = start("third")
+    assert _loaded_from_cache(third) == compiled and "compile cache" not in third.stderr
+
+
 def test_entries_the_file_system_refuses_are_said_once_and_removed(tmp_path, monkeypatch):
     """JAX warns for every entry it cannot write (a full disk: each compilation of the run); xlatrain says it
     once, and removes what the refused write left."""

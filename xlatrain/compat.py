@@ -102,28 +102,44 @@ def drop_unreadable_cache_entries(report: Callable[[str], None]) -> None:
     """JAX writes a cache entry in place, so a kill or a full disk during the write leaves it cut short. JAX then
     warns and compiles at every later start, and never writes that entry again, since one exists. Around JAX's
     read, an entry that cannot be read is deleted and reported instead, so the compilation that follows writes
-    a good one. Installed once per process; jax_raise_persistent_cache_errors still raises."""
+    a good one; so is an entry holding another program's executable (a file renamed or copied over another:
+    its module's name is not the one in its key), which JAX would load and fail on with an AssertionError.
+    Installed once per process; jax_raise_persistent_cache_errors still raises."""
     from jax._src import compilation_cache
 
     read = compilation_cache.get_executable_and_time
     if getattr(read, "drops_unreadable_entries", False):
         return
 
+    def drop(cache_key: str, why: str) -> tuple[None, None]:
+        entry = Path(jax.config.jax_compilation_cache_dir) / f"{cache_key}{CACHE_ENTRY_SUFFIX}"
+        entry.unlink(missing_ok=True)
+        report(f"compile cache entry {entry} {why}; removed it, so this compilation is written there again")
+        return None, None
+
     @wraps(read)
     def read_or_drop(cache_key: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         try:
-            return read(cache_key, *args, **kwargs)
+            executable, seconds = read(cache_key, *args, **kwargs)
         except Exception as err:
             if jax.config.jax_raise_persistent_cache_errors or not jax.config.jax_compilation_cache_dir:
                 raise
-            entry = Path(jax.config.jax_compilation_cache_dir) / f"{cache_key}{CACHE_ENTRY_SUFFIX}"
-            entry.unlink(missing_ok=True)
-            report(f"compile cache entry {entry} could not be read ({type(err).__name__}: {first_line(err)}); "
-                   "removed it, so this compilation is written there again")
-            return None, None
+            return drop(cache_key, f"could not be read ({type(err).__name__}: {first_line(err)})")
+        held = None if executable is None else _module_name(executable)
+        if held is not None and held != cache_key.rsplit("-", 1)[0]:
+            return drop(cache_key, f"holds the executable of another program ({held})")
+        return executable, seconds
 
     read_or_drop.drops_unreadable_entries = True  # type: ignore[attr-defined]
     compilation_cache.get_executable_and_time = read_or_drop
+
+
+def _module_name(executable: Any) -> str | None:
+    """The name of the HLO module a loaded executable was compiled from, where the runtime tells it."""
+    try:
+        return executable.hlo_modules()[0].name
+    except Exception:
+        return None
 
 
 def report_unwritable_cache_entries(report: Callable[[str], None]) -> None:
