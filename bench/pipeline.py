@@ -126,9 +126,8 @@ def simulated_cases() -> list[dict]:
 SMALL_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat full",
                                                     "1f1b p=4 m=8 (x2 data) remat none")}
 CORES_SHARED_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat none")}
-
-
 CHILD_RUNS = 3
+"""Part 3's processes per case."""
 
 
 def measured_in_child(flag: str) -> dict[str, dict] | str:
@@ -144,6 +143,7 @@ def measured_in_children(flag: str) -> dict[str, dict] | str:
     runs = [measured_in_child(flag) for _ in range(CHILD_RUNS)]
     if isinstance(runs[0], str):
         return runs[0]
+
     def median(name: str, key: str) -> float:
         return statistics.median(run[name][key] for run in runs)
 
