@@ -98,6 +98,10 @@ CACHE_ENTRY_SUFFIX = "-cache"
 """jax/_src/lru_cache.py stores a persistent-cache entry as KEY-cache in the cache directory."""
 
 
+def _cache_entry(cache_key: str) -> Path:
+    return Path(jax.config.jax_compilation_cache_dir) / f"{cache_key}{CACHE_ENTRY_SUFFIX}"
+
+
 def drop_unreadable_cache_entries(report: Callable[[str], None]) -> None:
     """JAX writes a cache entry in place, so a kill or a full disk during the write leaves it cut short. JAX then
     warns and compiles at every later start, and never writes that entry again, since one exists. Around JAX's
@@ -112,7 +116,7 @@ def drop_unreadable_cache_entries(report: Callable[[str], None]) -> None:
         return
 
     def drop(cache_key: str, why: str) -> tuple[None, None]:
-        entry = Path(jax.config.jax_compilation_cache_dir) / f"{cache_key}{CACHE_ENTRY_SUFFIX}"
+        entry = _cache_entry(cache_key)
         entry.unlink(missing_ok=True)
         report(f"compile cache entry {entry} {why}; removed it, so this compilation is written there again")
         return None, None
@@ -162,11 +166,11 @@ def report_unwritable_cache_entries(report: Callable[[str], None]) -> None:
         except OSError as err:
             if jax.config.jax_raise_persistent_cache_errors or not jax.config.jax_compilation_cache_dir:
                 raise
-            directory = Path(jax.config.jax_compilation_cache_dir)
-            (directory / f"{cache_key}{CACHE_ENTRY_SUFFIX}").unlink(missing_ok=True)
+            entry = _cache_entry(cache_key)
+            entry.unlink(missing_ok=True)
             if not reported:
                 reported = True
-                report(f"compile cache {directory}: entries cannot be written ({err.strerror or first_line(err)}); "
+                report(f"compile cache {entry.parent}: entries cannot be written ({err.strerror or first_line(err)}); "
                        "compilations are not cached until there is room (said once)")
 
     write_or_report.reports_unwritable_entries = True  # type: ignore[attr-defined]
