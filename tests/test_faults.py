@@ -20,8 +20,13 @@ from xlatrain.stop import StoppedBeforeFirstStep, StopSignals
 STEPS = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=5"]
 
 
+def _run(run_dir, steps, *extra) -> list[str]:
+    """The digits MLP's overrides for a run of `steps` steps in run_dir."""
+    return [*DIGITS_MLP, *STEPS, f"trainer.steps={steps}", f"trainer.run_dir={run_dir}", *extra]
+
+
 def _train(run_dir, steps, *extra):
-    return run_cli("train", *DIGITS_MLP, *STEPS, f"trainer.steps={steps}", f"trainer.run_dir={run_dir}", *extra)
+    return run_cli("train", *_run(run_dir, steps, *extra))
 
 
 def _flip_bytes_inside_the_arrays(step_dir):
@@ -231,8 +236,7 @@ def test_the_learning_rate_horizon_is_fixed_when_the_run_is_created(tmp_path):
     def train_to(run_dir, steps, *extra) -> str:
         """In this process: what the run printed."""
         lines = []
-        train(load_config(None, [*DIGITS_MLP, *STEPS, f"trainer.steps={steps}", f"trainer.run_dir={run_dir}",
-                                 "optimizer.warmup_steps=4", *extra]), echo=lines.append)
+        train(load_config(None, _run(run_dir, steps, "optimizer.warmup_steps=4", *extra)), echo=lines.append)
         return "\n".join(lines)
 
     kept, stretched, fresh = tmp_path / "kept", tmp_path / "stretched", tmp_path / "fresh"
@@ -260,7 +264,7 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_in_one_line_and_the_run_re
     from xlatrain.config import load_config
     from xlatrain.trainer import train
 
-    run = [*DIGITS_MLP, *STEPS, "trainer.steps=6", f"trainer.run_dir={tmp_path / 'run'}"]
+    run = _run(tmp_path / "run", 6)
     free = iter([10**9, 0])  # the first checkpoint fits, then the disk is full
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=next(free)))
     with pytest.raises(CheckpointNotWritten, match=rf"checkpoint 4 could not be written to {tmp_path}/run/checkpoints "
@@ -340,8 +344,7 @@ def test_the_error_that_stopped_a_run_is_reported_and_the_save_it_left_unwritten
 
     monkeypatch.setattr(Checkpoints, "wait_until_written", refused)
     with pytest.raises(RuntimeError, match="a hook failed"):
-        train(load_config(None, [*DIGITS_MLP, *STEPS, "trainer.steps=4", f"trainer.run_dir={tmp_path / 'run'}"]),
-              hooks=[fail_at_step_3], echo=lambda _: None)
+        train(load_config(None, _run(tmp_path / "run", 4)), hooks=[fail_at_step_3], echo=lambda _: None)
     assert "xlatrain: warning: checkpoint 2 could not be written" in capsys.readouterr().err
 
 
