@@ -146,6 +146,25 @@ def test_what_a_first_start_leaves_before_its_run_exists_is_started_again(tmp_pa
     assert losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "stopped").final_step == 2
 
 
+def test_a_start_refused_before_its_run_exists_removes_the_directories_it_made_and_only_those(tmp_path):
+    """A config mistake found while the step is built (here the mesh) is found after the run directory is made and
+    locked; the directories made for it go again. One that existed before stays, with the lock in it."""
+    from xlatrain.errors import UserError
+
+    mismatched = [*DIGITS_MLP, "trainer.steps=2", "mesh.data=4"]
+    with pytest.raises(UserError, match="mesh.data=4 needs 4 devices but 8 cpu device"):
+        losses(mismatched, tmp_path, "new/run")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(UserError, match="mesh.data=4 needs 4 devices"):
+        losses(mismatched, tmp_path, "mine/run")
+    assert list(tmp_path.iterdir()) == [tmp_path / "mine"] and not any((tmp_path / "mine").iterdir())
+    with pytest.raises(UserError, match="mesh.data=4 needs 4 devices"):
+        losses(mismatched, tmp_path, "mine")
+    assert [path.name for path in (tmp_path / "mine").iterdir()] == [".lock"]
+    assert losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "mine").final_step == 2
+
+
 HOLD_RUN_DIR = """import sys, time
 from pathlib import Path
 from xlatrain.run_dir import exclusive_run_dir

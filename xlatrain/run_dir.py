@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -35,22 +36,48 @@ LOCK_FILE = ".lock"
 """Locked (flock) by process 0 of the run that trains into the directory, and naming that process."""
 
 
+@dataclass
+class RunDirHold:
+    """A start's hold on its run directory: the directories it made for it (outermost first), and whether its run
+    exists there yet (save_run_config has written its config.yaml)."""
+
+    made: list[Path]
+    run_exists: bool = False
+
+
 @contextlib.contextmanager
-def exclusive_run_dir(run_dir: Path) -> Iterator[None]:
+def exclusive_run_dir(run_dir: Path) -> Iterator[RunDirHold]:
     """Held while a run trains into `run_dir`: process 0 locks RUN_DIR/.lock, and a second run into the same
     directory is refused on every one of its processes before it reads or writes anything there (the two would
     write the same checkpoints and logs). The kernel drops the lock when its process ends, however it ends, so a
-    run killed with -9 resumes at once."""
-    check_writable(run_dir)
+    run killed with -9 resumes at once. A start that ends before its run exists (a mistake in the config found
+    while the step is built, a signal while it compiles) removes the directories it made, so that it leaves no
+    empty run directory behind."""
+    hold = RunDirHold(check_writable(run_dir))
     held, refusal = _lock(run_dir / LOCK_FILE) if is_primary() else (None, "")
     refusal = as_primary_has_it("run-dir-lock", refusal)
     if refusal:
         raise UserError(refusal)
     try:
-        yield
+        yield hold
     finally:
         if held is not None:
             os.close(held)
+            if not hold.run_exists and hold.made:
+                _remove_unstarted(run_dir, hold.made)
+
+
+def _remove_unstarted(run_dir: Path, made: list[Path]) -> None:
+    """Remove the directories `made` (outermost first, `run_dir` last) for a run that never started, while
+    `run_dir` still holds nothing of a run; anything else found in them keeps them."""
+    if not _holds_no_run_yet(run_dir):
+        return
+    with contextlib.suppress(OSError):
+        (run_dir / LOCK_FILE).unlink(missing_ok=True)
+        if (run_dir / CHECKPOINTS_DIR).is_dir():
+            (run_dir / CHECKPOINTS_DIR).rmdir()
+        for directory in reversed(made):
+            directory.rmdir()
 
 
 def _lock(path: Path) -> tuple[int | None, str]:
@@ -113,13 +140,14 @@ def _holds_no_run_yet(run_dir: Path) -> bool:
                for path in run_dir.iterdir())
 
 
-def save_run_config(config: Config, derived: Derived) -> None:
+def save_run_config(config: Config, derived: Derived, hold: RunDirHold) -> None:
     """Process 0 writes config.yaml (atomically); called once the run's state exists, so a run that fails to
-    start or restore leaves the saved config as it was."""
+    start or restore leaves the saved config as it was. From then on the run exists in the directory `hold`s."""
     if is_primary():
         saved_path = config.run_dir() / CONFIG_FILE
         text = config_and_derived_to_yaml(config, derived.as_dict())
         replace_file(saved_path, lambda partial: partial.write_text(text))
+    hold.run_exists = True
     compat.barrier("xlatrain-run-dir-ready")
 
 
@@ -157,9 +185,12 @@ def _with_horizon(config: Config, steps: int) -> Config:
     return config.model_copy(update={"optimizer": config.optimizer.model_copy(update={"decay_steps": steps})})
 
 
-def check_writable(run_dir: Path) -> None:
-    existing = run_dir
+def check_writable(run_dir: Path) -> list[Path]:
+    """Make `run_dir` (and its missing parents) unless it cannot be: returns the directories made, outermost
+    first."""
+    existing, missing = run_dir, []
     while not existing.exists() and existing != existing.parent:
+        missing.append(existing)
         existing = existing.parent
     if existing != run_dir and not existing.is_dir():
         raise UserError(f"trainer.run_dir={str(run_dir)!r} lies under {str(existing)!r}, which is a file; choose a "
@@ -174,6 +205,7 @@ def check_writable(run_dir: Path) -> None:
     except OSError as err:
         raise UserError(f"trainer.run_dir={str(run_dir)!r} cannot be created ({err.strerror or first_line(err)}); "
                         "choose another path") from None
+    return missing[::-1]
 
 
 def _check_same_run(config: Config, saved: Config, saved_path: Path) -> None:

@@ -38,6 +38,7 @@ from xlatrain.profiling import ProfileWindow
 from xlatrain.program import Program, build_program
 from xlatrain.run_dir import (
     CHECKPOINTS_DIR,
+    RunDirHold,
     check_still_there,
     directory_identity,
     exclusive_run_dir,
@@ -77,12 +78,12 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
     compile_log = CompileLog()
     with stop_signals() as stop, compile_log.listening(), watching(config.distributed, host_name()) as progress:
         check_processes_agree(config)
-        with exclusive_run_dir(config.run_dir()):
+        with exclusive_run_dir(config.run_dir()) as hold:
             config = open_run_dir(config, echo)
             with compile_log.phase("set-up"), progress.during("compiling"):
                 program = build_program(config, devices, pinned_partition(config.run_dir()))
             _describe(program, echo)
-            return _Run(program, echo, compile_log, hooks, stop, progress).execute()
+            return _Run(program, echo, compile_log, hooks, stop, progress, hold).execute()
 
 
 def _silent(_: str) -> None:
@@ -112,8 +113,9 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
 
 class _Run:
     def __init__(self, program: Program, echo: Callable[[str], None], compile_log: CompileLog,
-                 hooks: Sequence[Hook], stop: StopSignals, progress: Progress):
+                 hooks: Sequence[Hook], stop: StopSignals, progress: Progress, hold: RunDirHold):
         self.program = program
+        self.hold = hold
         self.config = program.config
         self.trainer = program.config.trainer
         self.echo = echo
@@ -153,7 +155,7 @@ class _Run:
             self.program.check_steps_fit()  # before config.yaml is written: a refused start leaves no run behind
         with self.compile_log.phase("state"), self.progress.during("compiling"):
             state, data_state, start = self._initial_state()
-        save_run_config(self.config, self.program.derived)
+        save_run_config(self.config, self.program.derived, self.hold)
         self.run_dir_identity = directory_identity(self.run_dir)
         result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log, summary=self.summary)
         self.summary.start_step = self.summary.final_step = start
