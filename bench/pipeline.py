@@ -20,16 +20,19 @@ times on fake CPU devices.
    step against the unpipelined model's (lowering/pipeline_work.py). The GPT is of width 128; the same three
    cases (data parallel, 1f1b p=4 m=8 with remat full and none) also run at width 64, where a pipeline
    microbatch (2 rows of 64 tokens) is so small that XLA:CPU's cost per kernel shows, and data parallel
-   against 1f1b p=4 m=8 remat none at width 512, where each kernel does 16x the work of width 128's.
-3. How the cores are shared. Data parallel and 1f1b p=4 m=8 (width 128) once more in two child processes
-   that set, before JAX starts its threads, what the threads inherit: confined to one core
-   (`sched_setaffinity`), where a step's time is exactly its total work; and on both cores under the
-   real-time round-robin scheduler (SCHED_RR, which needs root or CAP_SYS_NICE; without it the case is
-   reported as not measured), which moves a runnable thread to an idle core at once where the default
-   scheduler balances the cores by their number of threads. On two cores with the default scheduler a
-   pipeline's time is also how well eight device threads of unequal work per slot are spread over them.
-   Each child runs CHILD_RUNS times, in fresh processes, and the median over them is reported beside each
-   process's ratio: on a shared host one process's ratio is not the host's (stop 55: 1.10-1.26x, one core).
+   against 1f1b p=4 m=8 and m=4 remat none at width 512, where each kernel does 16x the work of width 128's.
+   1f1b p=4 also runs with m=4 (= p, 1F1B's fewest): a microbatch of 4 rows, as many as a data-parallel
+   device's batch, so its kernels are data parallel's size and there are 14 slots instead of 22; its bubble,
+   which costs a real pipeline time, costs fake devices on shared cores almost nothing (an idle stage waits).
+3. How the cores are shared. Data parallel and 1f1b p=4 m=8 and m=4 (width 128) once more in two child
+   processes that set, before JAX starts its threads, what the threads inherit: confined to one core
+   (`sched_setaffinity`), where a step's time is exactly its total work; and on both cores under the real-time
+   round-robin scheduler (SCHED_RR, which needs root or CAP_SYS_NICE; without it the case is reported as not
+   measured), which moves a runnable thread to an idle core at once where the default scheduler balances the
+   cores by their number of threads. On two cores with the default scheduler a pipeline's time is also how
+   well eight device threads of unequal work per slot are spread over them. Each child runs CHILD_RUNS times,
+   in fresh processes, and the median over them is reported beside each process's ratio: on a shared host one
+   process's ratio is not the host's (stop 55: 1.10-1.26x, one core).
 
     python3 -m bench.pipeline                  # writes bench/results/pipeline.json
     python3 -m bench.pipeline --one-core       # one case of part 3, printed as JSON (what the full run calls)
@@ -83,6 +86,7 @@ SIMULATED = [(name, p, m, v, remat) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p
 PIPELINES = {
     "gpipe p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.microbatches=8"],
     "1f1b p=4 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=8"],
+    "1f1b p=4 m=4 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=4"],
     "interleaved p=4 v=2 m=8 (x2 data)": ["mesh.stage=4", "parallel.pipeline.schedule=interleaved",
                                           "parallel.pipeline.microbatches=8"],
     "1f1b p=2 m=4 (x4 data)": ["mesh.stage=2", "parallel.pipeline.microbatches=4"],
@@ -125,7 +129,8 @@ def simulated_cases() -> list[dict]:
 
 SMALL_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat full",
                                                     "1f1b p=4 m=8 (x2 data) remat none")}
-CORES_SHARED_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat none")}
+CORES_SHARED_MEASURED = {name: MEASURED[name] for name in ("data parallel 8", "1f1b p=4 m=8 (x2 data) remat none",
+                                                           "1f1b p=4 m=4 (x2 data) remat none")}
 CHILD_RUNS = 3
 """Part 3's processes per case."""
 
