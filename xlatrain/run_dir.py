@@ -38,8 +38,8 @@ LOCK_FILE = ".lock"
 
 @dataclass
 class RunDirHold:
-    """A start's hold on its run directory: the directories it made for it (outermost first), and whether its run
-    exists there yet (save_run_config has written its config.yaml)."""
+    """A start's hold on its run directory: the directories it made for it (the run directory first, then the
+    parents it made), and whether its run exists there yet (save_run_config has written its config.yaml)."""
 
     made: list[Path]
     run_exists: bool = False
@@ -68,15 +68,15 @@ def exclusive_run_dir(run_dir: Path) -> Iterator[RunDirHold]:
 
 
 def _remove_unstarted(run_dir: Path, made: list[Path]) -> None:
-    """Remove the directories `made` (outermost first, `run_dir` last) for a run that never started, while
-    `run_dir` still holds nothing of a run; anything else found in them keeps them."""
+    """Remove the directories `made` (`run_dir` first, then the parents made for it) for a run that never started,
+    while `run_dir` still holds nothing of a run; anything else found in them keeps them."""
     if not _holds_no_run_yet(run_dir):
         return
     with contextlib.suppress(OSError):
         (run_dir / LOCK_FILE).unlink(missing_ok=True)
         if (run_dir / CHECKPOINTS_DIR).is_dir():
             (run_dir / CHECKPOINTS_DIR).rmdir()
-        for directory in reversed(made):
+        for directory in made:
             directory.rmdir()
 
 
@@ -186,8 +186,8 @@ def _with_horizon(config: Config, steps: int) -> Config:
 
 
 def check_writable(run_dir: Path) -> list[Path]:
-    """Make `run_dir` (and its missing parents) unless it cannot be: returns the directories made, outermost
-    first."""
+    """Make `run_dir` (and its missing parents) unless it cannot be: returns the directories made, `run_dir` first
+    (the order they can be removed in)."""
     existing, missing = run_dir, []
     while not existing.exists() and existing != existing.parent:
         missing.append(existing)
@@ -205,7 +205,7 @@ def check_writable(run_dir: Path) -> list[Path]:
     except OSError as err:
         raise UserError(f"trainer.run_dir={str(run_dir)!r} cannot be created ({err.strerror or first_line(err)}); "
                         "choose another path") from None
-    return missing[::-1]
+    return missing
 
 
 def _check_same_run(config: Config, saved: Config, saved_path: Path) -> None:
