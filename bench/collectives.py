@@ -9,18 +9,18 @@ absolute numbers are memory-copy numbers; the ratios are what this measures.
 
     python3 -m bench.collectives            # writes bench/results/collectives.json
 
-The process keeps freed host memory as the `xlatrain` command does (xlatrain/host_memory.py), so the large
+The process tunes malloc to keep freed memory as the `xlatrain` command does (xlatrain/runtime/malloc.py), so the large
 sizes measure the collectives, not the kernel mapping fresh output pages for both sides;
-`XLATRAIN_HOST_MEMORY=release` in front of the command measures with the system allocator's defaults instead.
+`XLATRAIN_MALLOC=release` in front of the command measures with the system allocator's defaults instead.
 """
 
 from __future__ import annotations
 
 import os
 
-from xlatrain.host_memory import keep_freed_host_memory
+from xlatrain.runtime.malloc import tune_malloc
 
-HOST_MEMORY = keep_freed_host_memory()  # before JAX starts a thread
+MALLOC = tune_malloc()  # before JAX starts a thread
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
 
@@ -31,8 +31,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bench.common import interleaved_medians, write_results  # noqa: E402
-from xlatrain import compat  # noqa: E402
 from xlatrain import custom_calls as ours  # noqa: E402
+from xlatrain.compat.mapping import shard_map  # noqa: E402
 
 AXIS = "d"
 SIZES = [4 * 2**10 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
@@ -47,7 +47,7 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
 
 
 def runner(mesh, fn, x):
-    compiled = jax.jit(compat.shard_map(fn, mesh, P(AXIS), P(AXIS))).lower(x).compile()
+    compiled = jax.jit(shard_map(fn, mesh, P(AXIS), P(AXIS))).lower(x).compile()
     return lambda: compiled(x)
 
 
@@ -73,7 +73,7 @@ def measure(mesh, op: str, dtype: str, size: int) -> dict:
 def main() -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), (AXIS,))
     rows = []
-    print(f"host memory: {HOST_MEMORY}")
+    print(f"malloc: {MALLOC}")
     for op in OPS:
         for dtype in DTYPES:
             for size in SIZES:
@@ -83,7 +83,7 @@ def main() -> None:
                 print(f"{op:<15} {dtype:<9} {size / 2**10:>8.0f} KiB  xlatrain {ms['xlatrain']:8.3f} ms  "
                       f"xla {ms['xla']:8.3f} ms  bandwidth ratio {row['bandwidth_ratio']:.2f}", flush=True)
     write_results("collectives", "python3 -m bench.collectives", {
-        "devices": mesh.size, "host_memory": HOST_MEMORY,
+        "devices": mesh.size, "malloc": MALLOC,
         "note": "8 CPU devices sharing the machine's cores: ratios, not absolute speed",
         "targets": "all_reduce bandwidth >= 1.0x XLA at >= 1 MiB; latency <= 1.5x XLA at 4 KiB",
         "rows": rows})

@@ -56,7 +56,7 @@ def environment(command: str) -> dict[str, str]:
 def host_probe_ms(size: int = 1024, calls: int = 15) -> float:
     """Median milliseconds of one float32 [size, size] @ [size, size] matmul on jax's first device, measured as a
     results file is written. The same probe in every file tells runs on one host apart when the host's speed
-    drifts: stops 49-51 saw PyTorch's default GPT step take 44.6, 103.7 and 50.9 ms on the same Intel host."""
+    drifts: three runs on one Intel host within a day saw PyTorch's default GPT step take 44.6, 103.7 and 50.9 ms."""
     x = jax.device_put(np.ones((size, size), np.float32), jax.devices()[0])
     matmul = jax.jit(lambda a: a @ a)
     seconds = interleaved_medians({"matmul": lambda: matmul(x)}, rounds=1, steps_per_round=calls, warmup=1)["matmul"]

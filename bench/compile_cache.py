@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import time_to_first_step, write_results
-from xlatrain.compile_cache import MIN_COMPILE_TIME_ENV
+from xlatrain.runtime.compile_cache import MIN_COMPILE_TIME_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 3

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import write_results
-from xlatrain.metrics import read_metrics
+from xlatrain.run.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 3

@@ -9,22 +9,22 @@ width-256 GPT on sequences of 128 (batch 16). The PyTorch side is examples/torch
 architecture with the same parameter count. Target: xlatrain / PyTorch eager <= 1.0 on both.
 
 xlatrain runs as `xlatrain train` does by default (one XLA:CPU device; model.scan_layers=auto: unrolled on CPU;
-causal attention in query blocks, xlatrain/attention.py), with the dense causal attention it ran before, scanned,
+causal attention in query blocks, xlatrain/models/attention.py), with the dense causal attention it ran before, scanned,
 and with mesh.cpu_devices=per_core (data-parallel over one XLA:CPU device per core, as far as the batch
-and memory allow: xlatrain/cpu_devices.py): one device's XLA:CPU program leaves the cores partly idle (some
+and memory allow: xlatrain/runtime/cpu_devices.py): one device's XLA:CPU program leaves the cores partly idle (some
 kernels keep to one thread), PyTorch's kernels keep every core busy.
 
-The process keeps freed host memory as the `xlatrain` command does (xlatrain/host_memory.py), for both sides;
-`XLATRAIN_HOST_MEMORY=release` in front of the command measures with the system allocator's defaults instead.
+The process tunes malloc to keep freed memory as the `xlatrain` command does (xlatrain/runtime/malloc.py), for both
+sides; `XLATRAIN_MALLOC=release` in front of the command measures with the system allocator's defaults instead.
 """
 
 from __future__ import annotations
 
 from unittest import mock
 
-from xlatrain.host_memory import keep_freed_host_memory
+from xlatrain.runtime.malloc import tune_malloc
 
-HOST_MEMORY = keep_freed_host_memory()  # before JAX or torch start a thread
+MALLOC = tune_malloc()  # before JAX or torch start a thread
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -34,8 +34,7 @@ from xlatrain.lowering.xla_options import CPU_OPTIONS_TRIED, compiler_options  #
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
 from bench.torch_bridge import eager_runner  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
-from xlatrain.cpu_devices import apply_cpu_devices  # noqa: E402
-from xlatrain.program import build_program  # noqa: E402
+from xlatrain.program import apply_cpu_devices, build_program  # noqa: E402
 
 SHAPES = {
     "default GPT (4 x 128, seq 64)": {"width": 128, "seq_len": 64},
@@ -65,7 +64,7 @@ def programs(width: int, seq_len: int) -> dict:
         "per_core": build_program(load_config(None, [*gpt, PER_CORE])),
         "scanned": build_program(load_config(None, [*gpt, ONE_DEVICE, "model.scan_layers=true"]), first),
     }
-    with mock.patch("xlatrain.attention.query_blocks", return_value=1):  # traced when the step compiles, inside
+    with mock.patch("xlatrain.models.attention.query_blocks", return_value=1):  # traced when the step compiles, inside
         built["dense_attention"] = build_program(load_config(None, [*gpt, ONE_DEVICE]), first)
         built["dense_attention"].train_step.first
     assert len({p.param_count for p in built.values()}) == 1, {k: p.param_count for k, p in built.items()}
@@ -117,7 +116,7 @@ def metrics_after(run, steps: int) -> dict:
 
 
 def main() -> None:
-    print(f"host memory: {HOST_MEMORY}; CPU devices with {PER_CORE}: {PER_CORE_DEVICES.describe()}")
+    print(f"malloc: {MALLOC}; CPU devices with {PER_CORE}: {PER_CORE_DEVICES.describe()}")
     results = {}
     for label, shape in SHAPES.items():
         results[label] = against_pytorch(**shape)
@@ -129,7 +128,7 @@ def main() -> None:
         print(f"option {name:60s} {ratio:.3f}x the defaults' step time{', changes results' * changes[name]}")
     path = write_results("cpu_speed", "PYTHONPATH=examples/torch_model python3 -m bench.cpu_speed",
                          {"target": "xlatrain / PyTorch eager <= 1.0", "torch_threads": torch.get_num_threads(),
-                          "host_memory": HOST_MEMORY, "per_core_cpu_devices": PER_CORE_DEVICES.describe(),
+                          "malloc": MALLOC, "per_core_cpu_devices": PER_CORE_DEVICES.describe(),
                           "shapes": results, "xla_cpu_options_alone_over_defaults": effects,
                           f"xla_cpu_options_change_results_in_{RESULT_STEPS}_steps": changes})
     print(f"wrote {path}")

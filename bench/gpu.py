@@ -8,7 +8,7 @@ timed to its first step. Then the parts of the step whose formulation xlatrain c
 
 The data is the built-in text source (bytes, so only 256 of the vocabulary's ids occur; the embedding and the
 head still have GPT-2's shape and cost). MFU is against the datasheet's dense bf16 peak of the device
-(xlatrain/peaks.py); the goal on an H100 is >= 45%.
+(xlatrain/observe/peaks.py); the goal on an H100 is >= 45%.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import yaml
 
 from bench.common import time_to_first_step, write_results
-from xlatrain.peaks import peak_per_device
+from xlatrain.observe.peaks import peak_per_device
 
 REPO = Path(__file__).resolve().parents[1]
 MFU_GOAL = 0.45
@@ -46,7 +46,7 @@ MEASURED_FROM_STEP = {False: 20, True: 12}
 def steady_step_seconds(records: list[dict], measured_from: int) -> float:
     """Median wall seconds per step over the logged intervals that start at `measured_from` or later and hold no
     evaluation or checkpoint: in a steady run an interval lasts exactly its steps. (The rates the trainer logged
-    until stop 27 counted each window from its first step's dispatch, while the step before still ran on the
+    before 2026-11-26 counted each window from its first step's dispatch, while the step before still ran on the
     device, and so read low: on the H200, 54.5 ms per step against 45.5 ms by the intervals.)"""
     intervals = [r for r in records if "interval_seconds" in r]
     return statistics.median(this["interval_seconds"] / (this["step"] - previous["step"])

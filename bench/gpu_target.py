@@ -1,7 +1,7 @@
 """XLA's memory per GPU of GPT-2 small's train step in 4 pipeline stages, for each schedule and remat, compiled for
-H100s on a host without one (`xlatrain lower --target h100`; needs jax's CUDA plugin, README "Compile for a GPU
-you do not have"); the unpipelined step on one H100 beside it. One stage per device: SPMD runs the same program,
-so the same buffers, on every stage, and XLA's memory analysis of that program is each stage's memory.
+H100s on a host without one (`xlatrain lower --target h100`; needs jax's CUDA plugin, docs/performance.md,
+"Compile for a GPU you do not have"); the unpipelined step on one H100 beside it. One stage per device: SPMD runs the
+same program, so the same buffers, on every stage, and XLA's memory analysis of that program is each stage's memory.
 
     pip install jax-cuda13-plugin==$JAX jax-cuda13-pjrt==$JAX   (in an environment of its own)
     python3 -m bench.gpu_target

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import metrics_steps, time_to_first_step, write_results
-from xlatrain.launch import free_port
+from xlatrain.commands.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = ["examples/configs/digits_mlp.yaml", "model.hidden=[32]", "trainer.progress=false", "trainer.log_every=1",
@@ -56,10 +56,10 @@ def all_reduce_worker() -> None:
     from xlatrain.custom_calls.backend import check_mpi_spans
 
     from bench.common import interleaved_medians
-    from xlatrain import compat
     from xlatrain import custom_calls as ours
+    from xlatrain.compat.mapping import shard_map
     from xlatrain.config import DistributedConfig
-    from xlatrain.distributed import initialize
+    from xlatrain.runtime.distributed import initialize
 
     initialize(DistributedConfig())
     check_mpi_spans(jax.process_count(), jax.process_index())
@@ -70,7 +70,7 @@ def all_reduce_worker() -> None:
         sharding = NamedSharding(mesh, P("data"))
         x = jax.make_array_from_callback((n * per_device,), sharding,
                                          lambda index: np.ones((n * per_device,), np.float32)[index])
-        compiled = {name: jax.jit(compat.shard_map(fn, mesh, P("data"), P("data"))).lower(x).compile()
+        compiled = {name: jax.jit(shard_map(fn, mesh, P("data"), P("data"))).lower(x).compile()
                     for name, fn in (("xlatrain", lambda v: ours.all_reduce(v, "data")),
                                      ("xla", lambda v: jax.lax.psum(v, "data")))}
         runners = {name: partial(executable, x) for name, executable in compiled.items()}

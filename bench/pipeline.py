@@ -2,7 +2,7 @@
 times on fake CPU devices.
 
 1. Simulation. The costs of one microbatch through `before_blocks`, one block and `after_blocks` + loss
-   come from XLA's cost analysis (lowering/block_costs.py) for a GPT of LAYERS blocks; for each p, m, v
+   come from XLA's cost analysis (lowering/pipeline/block_costs.py) for a GPT of LAYERS blocks; for each p, m, v
    the blocks are partitioned automatically and the schedule's table is replayed with each chunk's
    forward and backward FLOPs as durations (xlatrain.pipeline.schedule.simulate). The global batch is
    fixed, so a microbatch costs 1/m of the batch. Each schedule is replayed with remat: full (a backward
@@ -17,7 +17,7 @@ times on fake CPU devices.
    Fake CPU devices share this machine's cores, so these times show the pipeline's *overheads*
    (with remat: full the recomputed forwards; per-slot actions and ppermutes, smaller matmuls), never a
    speedup. Each pipelined case runs with remat: full and remat: none, and reports XLA's FLOPs of the
-   step against the unpipelined model's (lowering/pipeline_work.py). The GPT is of width 128; the same three
+   step against the unpipelined model's (lowering/pipeline/work.py). The GPT is of width 128; the same three
    cases (data parallel, 1f1b p=4 m=8 with remat full and none) also run at width 64, where a pipeline
    microbatch (2 rows of 64 tokens) is so small that XLA:CPU's cost per kernel shows, and data parallel
    against 1f1b p=4 m=8 and m=4 remat none at width 512, where each kernel does 16x the work of width 128's.
@@ -32,7 +32,7 @@ times on fake CPU devices.
    cores by their number of threads. On two cores with the default scheduler a pipeline's time is also how
    well eight device threads of unequal work per slot are spread over them. Each child runs CHILD_RUNS times,
    in fresh processes, and the median over them is reported beside each process's ratio: on a shared host one
-   process's ratio is not the host's (stop 55: 1.10-1.26x, one core).
+   process's ratio is not the host's (1.10-1.26x on one core, in one day's processes).
 
     python3 -m bench.pipeline                  # writes bench/results/pipeline.json
     python3 -m bench.pipeline --one-core       # one case of part 3, printed as JSON (what the full run calls)
@@ -47,9 +47,9 @@ import statistics
 import subprocess
 import sys
 
-from xlatrain.host_memory import keep_freed_host_memory
+from xlatrain.runtime.malloc import tune_malloc
 
-HOST_MEMORY = keep_freed_host_memory()  # as the xlatrain command runs; before JAX starts a thread
+MALLOC = tune_malloc()  # as the xlatrain command runs; before JAX starts a thread
 CORES_SHARED = {"--one-core": "one core", "--realtime": "two cores, real-time scheduler (SCHED_RR)"}
 """Part 3's child processes: the flag each runs with, and the group its results join."""
 CHILD = sys.argv[1] if sys.argv[1:] and sys.argv[1] in CORES_SHARED else None
@@ -183,7 +183,7 @@ def main() -> None:
               f"bubble {c['simulated_bubble']:.1%} (theory {c['theoretical_bubble']:.1%}), "
               f"efficiency {c['efficiency']:.2f} (lockstep {c['lockstep_efficiency']:.2f}), "
               f"partition {c['partition']}")
-    print(f"host memory: {HOST_MEMORY}")
+    print(f"malloc: {MALLOC}")
     measured = {"width 64": measured_cases(SMALL_GPT, SMALL_MEASURED), "width 128": measured_cases(GPT, MEASURED),
                 "width 512": measured_cases(LARGE_GPT, CORES_SHARED_MEASURED),
                 **{f"width 128, {group}": measured_in_children(flag) for flag, group in CORES_SHARED.items()}}
@@ -201,7 +201,7 @@ def main() -> None:
     path = write_results("pipeline", "python3 -m bench.pipeline", {
         "model": f"GPT {LAYERS} layers, width 128 (measured also at widths 64 and 512), 4 heads, seq 64, "
                  "global batch 32, fp32, adamw",
-        "simulated": cases, "measured_on_fake_cpu_devices": measured, "host_memory": HOST_MEMORY,
+        "simulated": cases, "measured_on_fake_cpu_devices": measured, "malloc": MALLOC,
         "note": "Simulated: XLA FLOPs per chunk replayed through each schedule's table (fixed global batch). "
                 "Measured: 8 fake CPU devices on 2 shared cores; the ratios show pipeline overheads (remat full: "
                 "recomputed forwards; per-slot actions and ppermutes, smaller matmuls; on two cores also the time "

@@ -1,7 +1,7 @@
 """Time to build a pipelined step's program: tracing (JAX: the Python model run on abstract values, its VJP,
 lowering to StableHLO) and XLA's compilation, of the gradients program of each schedule, against the same
 model's unpipelined data-parallel gradients on the same 8 CPU devices, in one process. A pipelined step traces
-each kind of chunk once (lowering/pipeline_chunks.py: `TracedChunk`) and its slots evaluate those programs.
+each kind of chunk once (lowering/pipeline/chunks.py: `TracedChunk`) and its slots evaluate those programs.
 Rounds alternate the cases' order; medians of ROUNDS. The persistent compilation cache is off (nothing loaded).
 
     python3 -m bench.pipeline_trace                 # writes bench/results/pipeline_trace.json
@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import write_results  # noqa: E402
 from bench.pipeline import GPT  # noqa: E402
-from xlatrain import compat  # noqa: E402
+from xlatrain.compat.monitoring import backend_compile_listener  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.data.loader import make_global, split_microbatches  # noqa: E402
 from xlatrain.mesh import train_batch_sharding  # noqa: E402
@@ -47,7 +47,7 @@ def build_times(program, state, batch) -> dict[str, float]:
     """Seconds to trace and lower the gradients program, and to compile it (XLA)."""
     compiled: list[float] = []
     loaded: list[None] = []
-    with compat.backend_compile_listener(lambda name, seconds: compiled.append(seconds), lambda: loaded.append(None)):
+    with backend_compile_listener(lambda name, seconds: compiled.append(seconds), lambda: loaded.append(None)):
         began = time.perf_counter()
         program.compiled_gradients(state, batch)
         total = time.perf_counter() - began

@@ -2,10 +2,10 @@
 own. Three ways, over the same slots:
 
 - after the switch: each branch of a `lax.switch` returns a slot-sized buffer, zeros from the branches that
-  keep nothing, and one dynamic-update-slice writes it into the pool (how lowering/pipeline_step.py did it);
+  keep nothing, and one dynamic-update-slice writes it into the pool (how lowering/pipeline/gradients.py did it);
 - inside the branch: the pool passed through the switch, written in place by the forward branch alone, read by
   the backward branch, untouched by an idle one;
-- in a while loop: each action a `while_loop` of zero or one trips over the pool (lowering/pipeline_step.py's
+- in a while loop: each action a `while_loop` of zero or one trips over the pool (lowering/pipeline/gradients.py's
   `run_when`, how it runs now), the forward writing into the pool and the backward reading it in place.
 
 The second and third move fewer bytes on paper; this measures whether XLA:CPU keeps the pool in place.
@@ -22,7 +22,7 @@ import re
 
 import jax
 import jax.numpy as jnp
-from xlatrain.lowering.pipeline_step import run_when
+from xlatrain.lowering.pipeline.gradients import run_when
 
 from bench.common import interleaved_medians, write_results
 

@@ -6,14 +6,14 @@ clipping, one host read of the step's metrics per step on every side.
 
 The GPT: 4 blocks, width 128, 4 heads, MLP ratio 4, 256 tokens, sequences of 64, batch 16 (the default run's
 shape; examples/torch_model/tiny_gpt.py and xlatrain/models/gpt.py are the same architecture). The process keeps
-freed host memory as the `xlatrain` command does (xlatrain/host_memory.py), for every side.
+freed memory as the `xlatrain` command does (xlatrain/runtime/malloc.py), for every side.
 """
 
 from __future__ import annotations
 
-from xlatrain.host_memory import keep_freed_host_memory
+from xlatrain.runtime.malloc import tune_malloc
 
-HOST_MEMORY = keep_freed_host_memory()  # before JAX or torch start a thread
+MALLOC = tune_malloc()  # before JAX or torch start a thread
 
 import copy  # noqa: E402
 
@@ -22,10 +22,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
+from xlatrain.commands.torch_parity import optimizer_spec  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
-from xlatrain.torch_parity import optimizer_spec  # noqa: E402
-from xlatrain.torch_reference import build_optimizer, loss_sum  # noqa: E402
+from xlatrain.torch_bridge.eager import build_optimizer, loss_sum  # noqa: E402
 
 COMMON = ["mesh.data=1", "optimizer.weight_decay=0.01", "data.seq_len=64", "batch.global_size=16"]
 TORCH = ["examples/configs/torch_gpt.yaml"]
@@ -78,7 +78,7 @@ def main() -> None:
         print(f"{name:40s} {ratio:.3f}")
     path = write_results("torch_bridge", "PYTHONPATH=examples/torch_model python3 -m bench.torch_bridge",
                          {"target": "torch_via_xlatrain / flax_via_xlatrain <= 1.05",
-                          "torch_threads": torch.get_num_threads(), "host_memory": HOST_MEMORY,
+                          "torch_threads": torch.get_num_threads(), "malloc": MALLOC,
                           "params": torch_program.param_count,
                           "median_step_seconds": medians, "ratios": ratios, "steps_per_candidate": 100})
     print(f"wrote {path}")

@@ -16,14 +16,14 @@ from __future__ import annotations
 from contextlib import nullcontext
 from unittest import mock
 
-from xlatrain.host_memory import keep_freed_host_memory
+from xlatrain.runtime.malloc import tune_malloc
 
-HOST_MEMORY = keep_freed_host_memory()  # as the `xlatrain` command does, before JAX starts a thread
+MALLOC = tune_malloc()  # as the `xlatrain` command does, before JAX starts a thread
 
 import jax  # noqa: E402
 
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
-from xlatrain import compat  # noqa: E402
+from xlatrain.compat.monitoring import cost_analysis  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.models import blocks  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
@@ -44,7 +44,7 @@ def build(layers: int, variant: int, indexed: bool):
         program = build_program(config, jax.devices()[:1])
         compiled = program.train_step.first.compiled
     return program, {"temporary_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                     "bytes_accessed": compat.cost_analysis(compiled)["bytes accessed"]}
+                     "bytes_accessed": cost_analysis(compiled)["bytes accessed"]}
 
 
 def compare(layers: int) -> dict:
@@ -69,7 +69,7 @@ def main() -> None:
         print(f"{layers:2d} layers, split over indexed: temporary bytes {ratios['temporary_bytes']:.2f}x, bytes "
               f"accessed {ratios['bytes_accessed']:.2f}x, step time {result['step_time_split_over_indexed']:.3f}x")
     path = write_results("unrolled_layers", "python3 -m bench.unrolled_layers",
-                         {"host_memory": HOST_MEMORY, "shapes": results})
+                         {"malloc": MALLOC, "shapes": results})
     print(f"wrote {path}")
 
 

@@ -13,7 +13,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from xlatrain import compat
+from xlatrain.compat.multihost import detected_cluster
+from xlatrain.compat.primitives import ffi_lowering, lowering_mesh, register_ffi_targets
 from xlatrain.errors import UserError
 
 PREFIX = {"cpu": "xlatrain_cpu_", "cuda": "xlatrain_cuda_"}
@@ -28,7 +29,7 @@ def extension(platform: str) -> Any | None:
         module = importlib.import_module(_EXTENSION[platform])
     except ImportError:
         return None
-    compat.register_ffi_targets(module.handlers(), PREFIX[platform], platform)
+    register_ffi_targets(module.handlers(), PREFIX[platform], platform)
     return module
 
 
@@ -91,8 +92,8 @@ def lowering(op: str, attributes: Callable[..., dict[str, Any]]) -> dict[str, Ca
             if platform == "cuda":
                 attrs["comm"] = np.int64(communicator_key(axis_name))
             else:
-                attrs["processes"] = np.int64(processes_along(compat.lowering_mesh(ctx), axis_name))
-            return compat.ffi_lowering(PREFIX[platform] + op)(ctx, x, where, **attrs)
+                attrs["processes"] = np.int64(processes_along(lowering_mesh(ctx), axis_name))
+            return ffi_lowering(PREFIX[platform] + op)(ctx, x, where, **attrs)
 
         return rule
 
@@ -106,7 +107,7 @@ def _finalize_mpi_at_exit() -> None:
 
 def check_mpi_spans(processes: int, process: int) -> None:
     """Refuse, with the fix, a multi-process run whose CPU collectives cannot reach the other processes."""
-    size, rank = cpu_extension().mpi_world() if compat.detected_cluster() == "ompi" else (None, None)
+    size, rank = cpu_extension().mpi_world() if detected_cluster() == "ompi" else (None, None)
     if size == processes and rank == process:
         _finalize_mpi_at_exit()
         return

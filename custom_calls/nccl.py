@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from xlatrain.custom_calls.backend import communicator_key, cuda_extension
 
-from xlatrain import compat
+from xlatrain.compat.multihost import key_value_get, key_value_set
 
 
 def setup_communicators(mesh, axes: tuple[str, ...] | None = None) -> None:
@@ -27,6 +27,6 @@ def setup_communicators(mesh, axes: tuple[str, ...] | None = None) -> None:
 def _shared_unique_id(cuda, name: str, group) -> bytes:
     if group[0].process_index == jax.process_index():
         unique_id = cuda.new_unique_id()
-        compat.key_value_set(name, unique_id)
+        key_value_set(name, unique_id)
         return unique_id
-    return compat.key_value_get(name)
+    return key_value_get(name)

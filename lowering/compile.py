@@ -11,11 +11,11 @@ from typing import Any, Callable, Iterator
 
 import jax
 from jax.sharding import NamedSharding
-from xlatrain.lowering.platform import compiling_for
 from xlatrain.lowering.xla_options import compiler_options
 
-from xlatrain import compat
+from xlatrain.compat.monitoring import backend_compile_listener
 from xlatrain.errors import UserError
+from xlatrain.runtime.platform import compiling_for
 
 
 @dataclass
@@ -46,8 +46,8 @@ class CompileLog:
             self.current_phase = outer
 
     def listening(self):
-        return compat.backend_compile_listener(lambda fun, secs: self.events.append((fun, secs, self.current_phase)),
-                                               self._count_cache_hit)
+        return backend_compile_listener(lambda fun, secs: self.events.append((fun, secs, self.current_phase)),
+                                        self._count_cache_hit)
 
     def _count_cache_hit(self) -> None:
         self.cache_hits += 1

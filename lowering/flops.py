@@ -5,7 +5,7 @@ What is counted is what MFU conventionally counts: the multiply-adds of the matr
 convolutions (2 FLOPs each) of one forward and backward over the global batch, each loop's body times its
 trip count. Attention counts as it runs: the dense attention of XLA's implementation computes every
 query-key product and masks the future, so a causal attention costs as much as a full one, except where
-xlatrain.attention cuts it into query blocks (on CPU), whose products are counted as any others; cuDNN's fused
+xlatrain.models.attention cuts it into query blocks (on CPU), whose products are counted as any others; cuDNN's fused
 attention (xlatrain's on GPUs in bf16/f16) skips the masked products, so there a causal attention counts its
 unmasked query-key pairs only, with two products over them forward and four backward (the forward that its
 backward recomputes is not model work). Elementwise work (norms, activations, the optimizer) is left out, as in
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from xlatrain import compat
+from xlatrain.compat.jaxprs import without_dead_code
 
 
 class UncountedLoop(Exception):
@@ -115,4 +115,4 @@ def _sub_jaxprs(params: dict) -> list[Any]:
 def step_flops(fn: Callable, *abstract_args: Any) -> float:
     """Model FLOPs of fn(*abstract_args), traced (nothing is compiled or run). Products no output needs are not
     counted, as XLA drops them."""
-    return jaxpr_flops(compat.without_dead_code(jax.make_jaxpr(fn)(*abstract_args).jaxpr))
+    return jaxpr_flops(without_dead_code(jax.make_jaxpr(fn)(*abstract_args).jaxpr))

@@ -9,8 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from xlatrain import compat
-
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
                "collective-broadcast")
 
@@ -76,20 +74,6 @@ def peak_memory_bytes(compiled: Any) -> int:
     needed = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
               - stats.alias_size_in_bytes)
     return int(max(needed, getattr(stats, "peak_memory_in_bytes", 0)))
-
-
-def _flops_or_none(analysis: dict[str, float]) -> float | None:
-    """XLA's FLOP count; None where the backend gives no cost analysis (a compile-only GPU)."""
-    return float(analysis["flops"]) if "flops" in analysis else None
-
-
-def step_report(lowered: Any, compiled: Any, params: int) -> dict[str, Any]:
-    return {
-        "params": params,
-        "flops": _flops_or_none(compat.cost_analysis(compiled)),
-        "peak_memory_bytes": peak_memory_bytes(compiled),
-        "collectives": collectives(compiled.as_text()),
-    }
 
 
 def dump(lowered: Any, compiled: Any, directory: Path, name: str) -> list[Path]:

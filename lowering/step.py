@@ -101,7 +101,7 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
     metric sums and the new model state (each replica updates it through its microbatches in order, like
     eager PyTorch; the replicas' results are averaged). `gradients(params, batch, key, scale, total_weight)`
     replaces the microbatch loop below for one replica of a model without model state (a pipeline:
-    lowering/pipeline_step.py)."""
+    lowering/pipeline/gradients.py)."""
     forward = make_forward(model, policy, compute_params)
 
     def scaled_objective(params, model_state, micro, key, scale, total_weight):

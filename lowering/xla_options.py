@@ -4,13 +4,13 @@
 option of CPU_OPTIONS_TRIED alone on the default GPT's train step, and whether it changes the step's results
 (bench/results/cpu_speed.json); an option joins CPU_OPTIONS only when it makes that step faster beyond the
 benchmark's noise without changing its results.
-The other setting that changes CPU step time is not XLA's: glibc's allocator (xlatrain/host_memory.py).
+The other setting that changes CPU step time is not XLA's: glibc's allocator (xlatrain/runtime/malloc.py).
 """
 
 from __future__ import annotations
 
 CPU_OPTIONS: dict[str, bool | int | str] = {}
-"""None so far: no option tried below made the default GPT's step faster (README, "Benchmarks")."""
+"""None so far: no option tried below made the default GPT's step faster (bench/README.md)."""
 
 CPU_OPTIONS_TRIED: dict[str, bool | int | str] = {
     "xla_cpu_multi_thread_eigen": False,  # Eigen's own thread pool for dots and convolutions (on by default)

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 from xlatrain.custom_calls import ops
 from xlatrain.custom_calls.backend import check_mpi_spans
 
-from xlatrain import compat
+from xlatrain.compat.mapping import shard_map
 from xlatrain.config import DistributedConfig
-from xlatrain.distributed import initialize
+from xlatrain.runtime.distributed import initialize
 
 
 def meshes() -> dict[str, Mesh]:
@@ -54,7 +54,7 @@ def run_both(mesh: Mesh, custom, reference, block: tuple, dtype: str) -> int:
     data = np.random.default_rng(rows).normal(size=(rows, *block[1:])) * 4
     global_x = (data.round() if dtype == "int32" else data).astype(dtype)
     x = jax.make_array_from_callback(global_x.shape, NamedSharding(mesh, spec), lambda index: global_x[index])
-    outs = [jax.jit(compat.shard_map(fn, mesh, spec, spec))(x) for fn in (custom, reference)]
+    outs = [jax.jit(shard_map(fn, mesh, spec, spec))(x) for fn in (custom, reference)]
     tolerance = {"bfloat16": 2e-2}.get(dtype, 1e-6)
     for got, want in zip(outs[0].addressable_shards, outs[1].addressable_shards, strict=True):
         np.testing.assert_allclose(np.asarray(got.data, np.float64), np.asarray(want.data.astype(jnp.float32),
@@ -67,7 +67,7 @@ def missing_process_is_named(mesh: Mesh) -> str:
     if jax.process_index() == 1:
         return "skipped the all-reduce"
     x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")), lambda index: np.ones(8, np.float32)[index])
-    reduce = jax.jit(compat.shard_map(lambda v: ops.all_reduce.all_reduce(v, "x", timeout_s=2.0), mesh, P("x"), P("x")))
+    reduce = jax.jit(shard_map(lambda v: ops.all_reduce.all_reduce(v, "x", timeout_s=2.0), mesh, P("x"), P("x")))
     try:
         jax.block_until_ready(reduce(x))
     except Exception as error:  # jax's runtime error type differs between versions

@@ -13,10 +13,13 @@ import sys
 import time
 
 import jax
+from xlatrain.lowering.pipeline import parallel as pipeline_parallel
 
-from xlatrain import checkpoint, program, state, trainer
+from xlatrain import program, trainer
 from xlatrain.cli import main
 from xlatrain.data.loader import DeviceLoader
+from xlatrain.run import checkpoints as checkpoint
+from xlatrain.runtime import device_memory
 
 FOREVER_S = 3600
 
@@ -66,16 +69,16 @@ def slow_start() -> None:
 
 
 def small_host() -> None:
-    real = state.host_memory
+    real = device_memory.host_memory
 
     def host_memory():
         return (64 * 2**10, "a host's 64 KiB of RAM") if jax.process_index() == 1 else real()
 
-    state.host_memory = host_memory
+    device_memory.host_memory = host_memory
 
 
 def other_device() -> None:
-    measure, peak = program.measure_block_costs, program.peak_memory_bytes
+    measure, peak = pipeline_parallel.measure_block_costs, program.peak_memory_bytes
 
     def heavy_first_piece(*args, **kwargs):
         costs = measure(*args, **kwargs)
@@ -84,7 +87,7 @@ def other_device() -> None:
     def larger_step(compiled):
         return peak(compiled) + (64 * 2**20 if jax.process_index() == 1 else 0)
 
-    program.measure_block_costs, program.peak_memory_bytes = heavy_first_piece, larger_step
+    pipeline_parallel.measure_block_costs, program.peak_memory_bytes = heavy_first_piece, larger_step
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Causal attention in query blocks (xlatrain/attention.py): the same values and gradients as the dense causal
+"""Causal attention in query blocks (xlatrain/models/attention.py): the same values and gradients as the dense causal
 attention, and how many blocks a length gets."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from xlatrain.lowering.flops import step_flops
 
-from xlatrain.attention import attention, causal_attention_in_query_blocks, query_blocks
+from xlatrain.models.attention import attention, causal_attention_in_query_blocks, query_blocks
 
 
 @pytest.mark.parametrize("length, blocks", [(256, 4), (128, 4), (96, 3), (64, 2), (48, 1), (32, 1), (8, 1)])

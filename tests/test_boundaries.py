@@ -8,7 +8,7 @@ from conftest import DIGITS_MLP
 
 from xlatrain.config import load_config
 from xlatrain.errors import UserError
-from xlatrain.metrics import read_metrics
+from xlatrain.run.metrics import read_metrics
 from xlatrain.trainer import train
 
 COMMON = [*DIGITS_MLP, "trainer.steps=16", "optimizer.schedule=constant", "trainer.eval_every=6",

@@ -9,7 +9,7 @@ import yaml
 from conftest import run_cli
 
 from xlatrain.cli import _parse_intermixed, _parser
-from xlatrain.metrics import read_metrics
+from xlatrain.run.metrics import read_metrics
 
 
 def test_train_writes_metrics_tensorboard_config_and_checkpoints(tmp_path):
@@ -50,7 +50,7 @@ def test_a_start_writes_tensorboard_events_without_importing_torch(tmp_path):
     xlatrain logs numbers. torch stays importable for a model that needs it."""
     pytest.importorskip("torch")
     code = ("import sys; from pathlib import Path; import xlatrain.cli, xlatrain.trainer; "
-            "from xlatrain.metrics import MetricsWriter; "
+            "from xlatrain.run.metrics import MetricsWriter; "
             f"w = MetricsWriter(Path({str(tmp_path)!r}), 0); w.write({{'step': 1, 'loss': 0.5}}); w.close(); "
             "assert 'torch' not in sys.modules, 'torch imported'; import torch; print(torch.ones(2).sum().item())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

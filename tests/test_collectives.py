@@ -15,7 +15,7 @@ from conftest import REPO
 from jax.sharding import PartitionSpec as P
 from xlatrain.custom_calls.ops import all_gather, all_reduce, broadcast, ppermute, reduce_scatter
 
-from xlatrain import compat
+from xlatrain.compat.mapping import shard_map
 
 DTYPES = ["float32", "float64", "bfloat16", "float16", "int32"]
 SHAPES = {"empty": (0,), "one": (1,), "odd": (3, 7), "large": (2, 1000)}
@@ -31,7 +31,7 @@ def mesh():
 
 def per_device(fn, mesh):
     """Run fn on each device's block of a [8 * rows, ...] array; results are stacked the same way."""
-    return jax.jit(compat.shard_map(fn, mesh, P("d"), P("d")))
+    return jax.jit(shard_map(fn, mesh, P("d"), P("d")))
 
 
 def sample(dtype, shape, seed=0):
@@ -222,7 +222,7 @@ def test_collectives_past_the_last_level_cache_stream_their_outputs_and_stay_exa
 def test_each_row_of_a_2d_mesh_meets_on_its_own():
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("rows", "cols"))
     x = jnp.arange(8.0).reshape(2, 4)
-    run = lambda fn: jax.jit(compat.shard_map(fn, mesh, P("rows", "cols"), P("rows", "cols")))(x)  # noqa: E731
+    run = lambda fn: jax.jit(shard_map(fn, mesh, P("rows", "cols"), P("rows", "cols")))(x)  # noqa: E731
     np.testing.assert_array_equal(run(lambda v: all_reduce.all_reduce(v, "cols")),
                                   [[6.0] * 4, [22.0] * 4])
     np.testing.assert_array_equal(run(lambda v: all_reduce.all_reduce(v, "rows")), [[4, 6, 8, 10]] * 2)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from conftest import DIGITS_MLP, run_cli
 
-from xlatrain.compile_cache import MIN_COMPILE_TIME_ENV, cache_dir, use_compile_cache
 from xlatrain.errors import UserError
+from xlatrain.runtime.compile_cache import MIN_COMPILE_TIME_ENV, cache_dir, use_compile_cache
 
 
 def test_auto_is_jaxs_own_directory_when_set_else_a_per_user_one(monkeypatch, tmp_path):
@@ -125,7 +125,7 @@ def test_entries_the_file_system_refuses_are_said_once_and_removed(tmp_path, mon
     import jax
     from jax._src import compilation_cache
 
-    from xlatrain import compat
+    from xlatrain.compat.persistent_cache import report_unwritable_cache_entries
 
     def full_disk(cache_key, *args):
         (tmp_path / f"{cache_key}-cache").write_bytes(b"cut sh")
@@ -138,7 +138,7 @@ def test_entries_the_file_system_refuses_are_said_once_and_removed(tmp_path, mon
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     said = []
     try:
-        compat.report_unwritable_cache_entries(said.append)
+        report_unwritable_cache_entries(said.append)
         for key in ("jit_init-1", "jit_train_step-2"):
             compilation_cache.put_executable_and_time(key, "module", None, None, 1)
         with pytest.raises(ValueError, match="not the file system"):  # JAX's own warning reports it

@@ -196,7 +196,7 @@ def test_a_schedule_named_as_elsewhere_points_to_xlatrains(name, pointer):
 
 
 def test_each_parity_side_gets_the_devices_of_its_whole_mesh():
-    from xlatrain.parity import side_devices
+    from xlatrain.commands.parity import side_devices
 
     assert len(side_devices(load_config(None, ["mesh.data=3", "mesh.stage=2"]))) == 6
     assert len(side_devices(load_config(None, ["mesh.data=2"]))) == 2

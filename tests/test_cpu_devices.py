@@ -8,11 +8,12 @@ import sys
 import pytest
 from conftest import COMPILE_FASTER, REPO, TINY_GPT
 
-from xlatrain import compat
+from xlatrain.compat.backends import set_cpu_device_count
 from xlatrain.config import load_config
-from xlatrain.cpu_devices import available_memory_bytes, count_set_by_environment, host_memory, plan_cpu_devices
 from xlatrain.errors import UserError
-from xlatrain.metrics import read_metrics
+from xlatrain.run.metrics import read_metrics
+from xlatrain.runtime.cpu_devices import count_set_by_environment, plan_cpu_devices
+from xlatrain.runtime.host_memory import available_memory_bytes, host_memory
 
 GIB = 2**30
 
@@ -78,9 +79,9 @@ def test_a_bad_count_is_a_config_error(capsys):
 
 
 def test_a_started_backend_keeps_its_count_or_refuses_another(devices):
-    compat.set_cpu_device_count(len(devices))
+    set_cpu_device_count(len(devices))
     with pytest.raises(UserError, match="started JAX with 8 CPU device"):
-        compat.set_cpu_device_count(3)
+        set_cpu_device_count(3)
 
 
 def _xlatrain(*args, cores, **extra_env):
@@ -122,7 +123,7 @@ def test_training_over_a_device_per_core_says_so_and_counts_the_dispatch_wait_as
     """XLA:CPU runs each device's part of a step on one worker thread per core (or per device, if more), so with a
     device per core dispatching a step returns only once the step before has finished: that wait is device time,
     and the run is not host-bound (counted as host work, it made this run 88% host, 2% device, host-bound)."""
-    from xlatrain.cpu_devices import dispatch_waits_for_the_previous_step
+    from xlatrain.runtime.cpu_devices import dispatch_waits_for_the_previous_step
 
     assert dispatch_waits_for_the_previous_step(devices) == (len(os.sched_getaffinity(0)) <= len(devices))
     assert not dispatch_waits_for_the_previous_step(devices[:2])  # 2 of this process's 8 workers

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import DIGITS_MLP, REPO, run_cli
 
-from xlatrain.metrics import read_metrics
-from xlatrain.stop import StoppedBeforeFirstStep, StopSignals
+from xlatrain.run.metrics import read_metrics
+from xlatrain.runtime.signals import StoppedBeforeFirstStep, StopSignals
 
 STEPS = ["trainer.checkpoint_every=2", "trainer.keep_checkpoints=5"]
 
@@ -260,8 +260,8 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_in_one_line_and_the_run_re
     """Refused before orbax starts writing, from the state's size and the directory's free space."""
     import shutil
 
-    from xlatrain.checkpoint import CheckpointNotWritten
     from xlatrain.config import load_config
+    from xlatrain.run.checkpoints import CheckpointNotWritten
     from xlatrain.trainer import train
 
     run = _run(tmp_path / "run", 6)
@@ -281,7 +281,7 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_in_one_line_and_the_run_re
 def test_a_save_the_file_system_refuses_midway_is_one_line_and_any_other_failure_keeps_its_traceback(tmp_path):
     import jax.numpy as jnp
 
-    from xlatrain.checkpoint import CheckpointNotWritten, Checkpoints
+    from xlatrain.run.checkpoints import CheckpointNotWritten, Checkpoints
 
     checkpoints = Checkpoints(tmp_path / "checkpoints", keep=2)
     checkpoints.save(1, {"w": jnp.ones(4)}, {"position": 1})
@@ -314,7 +314,7 @@ def test_a_save_the_file_system_refuses_midway_is_one_line_and_any_other_failure
 def test_orbax_logs_of_a_write_the_file_system_refused_are_dropped_and_others_kept(tmp_path, caplog):
     import logging
 
-    from xlatrain.checkpoint import Checkpoints
+    from xlatrain.run.checkpoints import Checkpoints
 
     Checkpoints(tmp_path / "checkpoints", keep=1).close()  # installs the filter
     absl = logging.getLogger("absl")
@@ -330,8 +330,8 @@ def test_orbax_logs_of_a_write_the_file_system_refused_are_dropped_and_others_ke
 
 def test_the_error_that_stopped_a_run_is_reported_and_the_save_it_left_unwritten_is_said_too(tmp_path, monkeypatch,
                                                                                              capsys):
-    from xlatrain.checkpoint import Checkpoints
     from xlatrain.config import load_config
+    from xlatrain.run.checkpoints import Checkpoints
     from xlatrain.trainer import train
 
     def refused(self):
@@ -349,12 +349,12 @@ def test_the_error_that_stopped_a_run_is_reported_and_the_save_it_left_unwritten
 
 
 def test_a_log_line_the_file_system_refuses_stops_the_run_in_one_line(tmp_path, monkeypatch):
-    import xlatrain.metrics
     from xlatrain.config import load_config
+    from xlatrain.run import metrics
     from xlatrain.trainer import train
 
-    monkeypatch.setattr(xlatrain.metrics, "open_for_append", lambda path: open("/dev/full", "a"))  # writes: ENOSPC
-    with pytest.raises(xlatrain.metrics.LogNotWritten, match=r"/run/metrics.jsonl or its TensorBoard events could not "
+    monkeypatch.setattr(metrics, "open_for_append", lambda path: open("/dev/full", "a"))  # writes: ENOSPC
+    with pytest.raises(metrics.LogNotWritten, match=r"/run/metrics.jsonl or its TensorBoard events could not "
                        r"be written at step 1 \(No space left on device\): make room or repair the directory, then run "
                        "the same command to resume from the newest checkpoint"):
         train(load_config(None, [*DIGITS_MLP, "trainer.steps=2", f"trainer.run_dir={tmp_path / 'run'}"]),
@@ -364,8 +364,8 @@ def test_a_log_line_the_file_system_refuses_stops_the_run_in_one_line(tmp_path, 
 def test_a_full_or_read_only_file_system_anywhere_is_one_line_naming_the_file(tmp_path):
     import errno
 
-    from xlatrain.atomic import replace_file
     from xlatrain.errors import UserError, file_system_refusals_named
+    from xlatrain.run.atomic import replace_file
 
     def fill_the_disk(partial):
         partial.write_text("half a file")
@@ -462,7 +462,7 @@ def test_what_a_library_prints_after_a_failure_already_reported_is_dropped_and_n
 @pytest.mark.parametrize("stopped_code, expected", [(0, 0), (None, 128 + signal.SIGTERM)])
 def test_start_up_that_outlives_the_grace_period_exits_with_the_commands_line_and_status(monkeypatch, stopped_code,
                                                                                            expected):
-    from xlatrain import stop as stop_module
+    from xlatrain.runtime import signals as stop_module
 
     exits = []
     monkeypatch.setattr(stop_module, "_exit_now", lambda message, code: exits.append((message, code)))

@@ -10,10 +10,10 @@ import pytest
 from conftest import DIGITS_MLP, TINY_GPT
 from xlatrain.lowering.flops import COUNTED, UncountedLoop, attended_pairs, step_flops
 
-from xlatrain.attention import query_blocks
 from xlatrain.config import load_config
+from xlatrain.models.attention import query_blocks
 from xlatrain.models.linear import dense_dot_general
-from xlatrain.peaks import known_peak
+from xlatrain.observe.peaks import known_peak
 from xlatrain.program import build_program
 from xlatrain.trainer import train
 
@@ -36,13 +36,14 @@ def test_the_gpt_is_counted_as_by_hand_and_near_the_6nt_rule(scan, devices):
     seq = program.config.data.seq_len
     assert (seq, query_blocks(seq)) == (64, 2)
     tokens = d.global_batch * seq
-    assert d.model_flops_per_step == gpt_flops(m.layers, m.width, m.mlp_ratio, seq, m.vocab, d.global_batch, 2)
-    assert 0.95 < d.model_flops_per_step / (6 * program.param_count * tokens) < 1.05
+    flops = program.measured.model_flops_per_step
+    assert flops == gpt_flops(m.layers, m.width, m.mlp_ratio, seq, m.vocab, d.global_batch, 2)
+    assert 0.95 < flops / (6 * program.param_count * tokens) < 1.05
 
 
 def test_accumulation_and_pipelines_count_the_same_model(devices):
     flops = {name: build_program(load_config(None, [*TINY_GPT, "batch.global_size=32", *overrides]),
-                                 devices).derived.model_flops_per_step
+                                 devices).measured.model_flops_per_step
              for name, overrides in {"plain": [], "accumulated": ["batch.microbatches=4"],
                                      "pipelined": ["mesh.stage=2", "parallel.mode=shard_map"]}.items()}
     assert len(set(flops.values())) == 1, flops
@@ -126,12 +127,10 @@ def test_metrics_carry_tflops_per_device_and_mfu(tmp_path, devices):
 
 
 def _throughput_clock(now: list[float]):
-    from xlatrain.trainer import _Throughput
+    """8 samples of 64 tokens and 2e9 FLOPs per step on one device of 1e12 FLOP/s."""
+    from xlatrain.observe.throughput import Throughput
 
-    spec = SimpleNamespace(input_shape=(64,), input_dtype=jnp.dtype("int32"))
-    derived = SimpleNamespace(global_batch=8, model_flops_per_step=2e9, devices=1)
-    return _Throughput(SimpleNamespace(dataset=SimpleNamespace(spec=spec), derived=derived), 1e12,
-                       clock=lambda: now[0])
+    return Throughput(8, 8 * 64, 2e9, 1e12, clock=lambda: now[0])
 
 
 def test_rates_on_an_asynchronous_device_count_each_step_once():

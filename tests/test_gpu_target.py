@@ -15,7 +15,7 @@ from conftest import REPO, TINY_GPT, run_cli
 from xlatrain.lowering.platform import compiling_for, lowering_platform
 
 from xlatrain.attention import causal_attention
-from xlatrain.compat import installed_cuda_plugin
+from xlatrain.compat.backends import installed_cuda_plugin
 from xlatrain.errors import UserError
 from xlatrain.gpu_targets import (
     GPU_TARGETS,

@@ -9,6 +9,7 @@ from conftest import DIGITS_MLP, run_cli, xla_flags
 from test_precision import digits_batch, every_shard, on_devices, program_for
 from xlatrain.lowering.grad_sync import bucket_bounds, bucketed_sum
 
+from xlatrain.commands.lower import amp_order_problems
 from xlatrain.config import load_config
 from xlatrain.errors import UserError
 from xlatrain.trainer import train
@@ -58,7 +59,7 @@ def test_every_mode_follows_the_same_loss_trajectory_over_50_steps(tmp_path):
 @pytest.mark.parametrize("mode", ["shard_map-xla", "shard_map-custom", "shard_map-custom-zero1", "pmap-custom"])
 def test_explicit_modes_keep_the_amp_order_and_skip_an_overflow_everywhere(mode):
     program = program_for(["precision.policy=fp16", *MODES[mode]])
-    assert program.amp_order_problems() == []
+    assert amp_order_problems(program) == []
     batch = digits_batch(program)
     batch["inputs"][11] = np.inf  # one replica's rows
     state = program.create_state()

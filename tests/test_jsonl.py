@@ -1,14 +1,14 @@
 """JSON-lines logs after a writer was killed mid-line: the fragment is dropped, never glued to the next record;
-and the files xlatrain rewrites are replaced whole (xlatrain/atomic.py)."""
+and the files xlatrain rewrites are replaced whole (xlatrain/run/atomic.py)."""
 
 import errno
 import json
 
 import pytest
 
-from xlatrain.atomic import replace_file
 from xlatrain.errors import UserError
-from xlatrain.jsonl import open_for_append, read_records, write_records
+from xlatrain.run.atomic import replace_file
+from xlatrain.run.jsonl import open_for_append, read_records, write_records
 
 
 def test_a_torn_last_line_is_dropped_and_cut_before_the_next_record(tmp_path):

@@ -11,7 +11,7 @@ import optax
 import pytest
 from conftest import DIGITS_MLP, REPO
 from flax import nnx
-from xlatrain.lowering.residuals import saving_matmuls
+from xlatrain.lowering.pipeline.residuals import saving_matmuls
 from xlatrain.lowering.step import cross_entropy_with_integer_labels
 
 from xlatrain.config import derive, load_config

@@ -15,11 +15,11 @@ import pytest
 import yaml
 from conftest import REPO, TINY_GPT, xla_flags
 
+from xlatrain.commands.launch import free_port
 from xlatrain.config import load_config
-from xlatrain.launch import free_port
-from xlatrain.metrics import read_metrics
+from xlatrain.run.metrics import read_metrics
+from xlatrain.runtime.watchdog import WATCHDOG_EXIT
 from xlatrain.trainer import train
-from xlatrain.watchdog import WATCHDOG_EXIT
 
 CONFIG = "examples/configs/digits_mlp.yaml"
 COMMON = ["trainer.steps=12", "trainer.log_every=1", "trainer.eval_every=6", "trainer.checkpoint_every=6",
@@ -197,7 +197,7 @@ def test_the_launcher_names_the_rank_whose_failure_came_first_not_its_peers_reac
     vanished, often before the launcher's next poll), over one that exited with an error code."""
     from types import SimpleNamespace
 
-    from xlatrain.launch import _first_failure
+    from xlatrain.commands.launch import _first_failure
 
     ranks = [SimpleNamespace(index=i, process=SimpleNamespace(returncode=code)) for i, code in enumerate(codes)]
     failed = _first_failure(ranks)

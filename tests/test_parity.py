@@ -10,7 +10,7 @@ import pytest
 from conftest import DIGITS_MLP, REPO
 
 from xlatrain.cli import main
-from xlatrain.parity import compare
+from xlatrain.commands.parity import compare
 
 
 def test_one_device_and_eight_devices_fsdp_agree(capsys, devices):

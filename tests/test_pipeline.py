@@ -18,11 +18,12 @@ import yaml
 from conftest import REPO, TINY_GPT, run_cli, token_batch, xla_flags
 from jax.sharding import PartitionSpec as P
 from xlatrain.lowering.inspect import collectives, peak_memory_bytes
-from xlatrain.lowering.pipeline_step import run_when
-from xlatrain.lowering.stage_link import StagedTrees
+from xlatrain.lowering.pipeline.gradients import run_when
+from xlatrain.lowering.pipeline.stage_link import StagedTrees
 
-from xlatrain import compat
 from xlatrain.cli import main
+from xlatrain.commands.lower import amp_order_problems, pipeline_report
+from xlatrain.compat.jaxprs import evaluate, without_exact_roundings
 from xlatrain.config import load_config
 from xlatrain.data.loader import make_global
 from xlatrain.errors import UserError
@@ -108,13 +109,13 @@ def test_roundings_of_residuals_to_their_own_precision_are_dropped_where_they_ar
         return y, pullback(jnp.ones_like(y))
 
     traced = jax.make_jaxpr(value_and_pullback)(w, x)
-    stripped = compat.without_exact_roundings(traced)
+    stripped = without_exact_roundings(traced)
 
     def roundings(closed):
         return sum(eqn.primitive.name == "reduce_precision" for eqn in closed.jaxpr.eqns)
 
     assert (roundings(traced), roundings(stripped)) == (2, kept)
-    for want, got in zip(jax.tree.leaves(value_and_pullback(w, x)), compat.evaluate(stripped, [w, x]), strict=True):
+    for want, got in zip(jax.tree.leaves(value_and_pullback(w, x)), evaluate(stripped, [w, x]), strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -160,7 +161,7 @@ def test_every_schedule_keeps_the_amp_order(schedule, remat, devices):
     program = program_for(["mesh.stage=2", "model.layers=4", "precision.policy=fp16",
                            "parallel.pipeline.microbatches=4", f"parallel.pipeline.schedule={schedule}",
                            f"parallel.pipeline.remat={remat}"])
-    assert program.amp_order_problems() == []
+    assert amp_order_problems(program) == []
 
 
 def test_one_data_replica_keeps_the_amp_order_and_the_check_catches_stages_deciding_alone(devices, monkeypatch):
@@ -173,9 +174,9 @@ def test_one_data_replica_keeps_the_amp_order_and_the_check_catches_stages_decid
     program = program_for(overrides, devices[:2])
     hlo = program.train_step.first.compiled.as_text()
     assert not re.search(r"/sync/(reduce_scatter|all_gather)", hlo)
-    assert program.amp_order_problems() == []
+    assert amp_order_problems(program) == []
     monkeypatch.setattr(StagedTrees, "norm", lambda self, tree: optax.tree.norm(tree))
-    problems = program_for(overrides, devices[:2]).amp_order_problems()
+    problems = amp_order_problems(program_for(overrides, devices[:2]))
     assert problems == ["the finite check depends on the batch without passing a cross-replica reduction"]
 
 
@@ -379,7 +380,7 @@ def test_1f1b_holds_p_microbatches_of_activations_and_residuals_where_gpipe_hold
     reports = {}
     for schedule, remat in itertools.product(("gpipe", "1f1b"), ("full", "none")):
         program = program_for([*common, f"parallel.pipeline.schedule={schedule}", f"parallel.pipeline.remat={remat}"])
-        reports[schedule, remat] = program.pipeline_report(program.train_step.first.compiled)
+        reports[schedule, remat] = pipeline_report(program, program.train_step.first.compiled)
     for remat in ("full", "none"):
         assert reports["1f1b", remat]["activation_buffers"] == 4 and reports["gpipe", remat]["activation_buffers"] == 16
     assert reports["1f1b", "none"]["residual_buffers"] == 4 and reports["gpipe", "none"]["residual_buffers"] == 16
@@ -393,7 +394,7 @@ def test_1f1b_holds_p_microbatches_of_activations_and_residuals_where_gpipe_hold
 
     # zb1p holds what 1F1B holds, and B's stash for the W's it defers (stage s defers up to s of them)
     program = program_for([*common, "parallel.pipeline.schedule=zb1p", "parallel.pipeline.remat=none"])
-    zb = program.pipeline_report(program.train_step.first.compiled)
+    zb = pipeline_report(program, program.train_step.first.compiled)
     assert (zb["activation_buffers"], zb["residual_buffers"]) == (4, 4), zb
     assert 1 <= zb["stash_buffers"] <= 4, zb
     stash = zb["stash_bytes_per_microbatch"]
@@ -421,7 +422,7 @@ def test_remat_auto_keeps_residuals_only_when_xlas_memory_analysis_of_the_step_f
             ) in tight.remat.reason
     assert len(tight.compile_book.records) == 1  # the measurement; the train step is not compiled yet
     assert peak_memory_bytes(tight.train_step.first.compiled) < needed and len(tight.compile_book.records) == 2
-    report = tight.pipeline_report(tight.train_step.first.compiled)
+    report = pipeline_report(tight, tight.train_step.first.compiled)
     assert (report["remat"], report["residual_buffers"], report["remat_reason"]) == ("full", 0, tight.remat.reason)
 
 
@@ -478,7 +479,7 @@ def test_a_pipelined_step_traces_the_models_blocks_once_per_kind_of_chunk(schedu
 
 @pytest.mark.slow
 def test_remat_none_does_the_unpipelined_models_work_and_full_recomputes_the_forward(devices):
-    """XLA's FLOPs of every action of the table (lowering/pipeline_work.py) against the gradient of the whole
+    """XLA's FLOPs of every action of the table (lowering/pipeline/work.py) against the gradient of the whole
     model over the same microbatches: equal within 5% with remat: none; a forward more (~4/3) with full.
     The GPT is TINY_GPT's width (32), not PIPELINE's 16: remat none rebuilds the elementwise ops between the
     matmuls in the backward, ~1/3 of a forward's FLOPs at width 16 (the ratio is 1.09 there)."""

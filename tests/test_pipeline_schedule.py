@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from xlatrain.pipeline.gantt import draw
+from xlatrain.observe.gantt import draw
 from xlatrain.pipeline.schedule import (
     Action,
     ScheduleError,

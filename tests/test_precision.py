@@ -10,7 +10,8 @@ from conftest import DIGITS_MLP, TINY_GPT
 from jax.sharding import PartitionSpec as P
 from xlatrain.lowering.hlo_graph import amp_order_problems, parse_hlo
 
-from xlatrain import compat
+from xlatrain.commands import lower
+from xlatrain.compat.mapping import shard_map
 from xlatrain.config import LossScaleConfig, load_config
 from xlatrain.data.loader import make_global
 from xlatrain.mesh import train_batch_sharding
@@ -118,7 +119,7 @@ def test_communication_dtype_rounds_the_gradient_sum():
 ], ids=["fp16", "bf16-zero1-accumulate", "fp32-fsdp-skip", "noclip-bf16comm"])
 def test_compiled_step_keeps_the_amp_order(overrides):
     program = program_for(overrides)
-    assert program.amp_order_problems() == []
+    assert lower.amp_order_problems(program) == []
 
 
 def test_the_order_check_catches_a_step_that_checks_finiteness_before_the_all_reduce():
@@ -141,8 +142,8 @@ def test_the_order_check_catches_a_step_that_checks_finiteness_before_the_all_re
         return jax.tree.map(lambda p, g: jnp.where(finite, p - g, p), params, grads)
 
     def bad_train_step(state, batch):
-        params = compat.shard_map(local_step, mesh, in_specs=(P(), P(), P(None, "data"), P(None, "data")),
-                                  out_specs=P())(
+        params = shard_map(local_step, mesh, in_specs=(P(), P(), P(None, "data"), P(None, "data")),
+                           out_specs=P())(
             state.params, state.loss_scale.scale, batch["inputs"], batch["targets"])
         return state.replace(params=params)
 
@@ -185,13 +186,13 @@ def test_loss_scale_is_checkpointed_and_resumes_exactly(tmp_path):
     resumed = run(8, "resumed")
     assert resumed.start_step == 3
     assert [resumed.losses[s] for s in range(4, 9)] == [straight.losses[s] for s in range(4, 9)]
-    from xlatrain.metrics import read_metrics
+    from xlatrain.run.metrics import read_metrics
     scales = [r["loss_scale"] for r in read_metrics(tmp_path / "straight" / "metrics.jsonl") if "loss" in r]
     assert scales == [1024, 1024, 2048, 2048, 4096, 4096, 8192, 8192]
 
 
 MIXED_TOLERANCE = {"bf16": 0.01, "fp16": 0.005}
-"""Largest relative loss difference to the fp32 run allowed at any of 60 steps (stated in the README)."""
+"""Largest relative loss difference to the fp32 run allowed at any of 60 steps (stated in docs/training-step.md)."""
 
 
 @pytest.mark.slow

@@ -7,10 +7,10 @@ import json
 import pytest
 from conftest import DIGITS_MLP, run_cli
 
-from xlatrain.cli import claim_profile_dir
+from xlatrain.commands.profile import claim_profile_dir
 from xlatrain.config import load_config
 from xlatrain.errors import UserError
-from xlatrain.profiling import LONG_WINDOW, ProfileWindow
+from xlatrain.observe.profiling import LONG_WINDOW, ProfileWindow
 
 
 def test_xlatrain_profile_traces_the_steps_in_a_fresh_run_directory(tmp_path):
@@ -55,7 +55,7 @@ def test_a_malformed_step_window_is_one_line():
 def test_a_trace_the_file_system_refuses_is_a_warning_and_leaves_no_partial_trace(tmp_path, monkeypatch, capsys):
     import jax
 
-    from xlatrain.profiling import TRACE_SESSIONS, ProfileWindow
+    from xlatrain.observe.profiling import TRACE_SESSIONS, ProfileWindow
 
     sessions = tmp_path / "profile" / TRACE_SESSIONS
     (sessions / "2026_11_27_10_00_00").mkdir(parents=True)  # an earlier session's trace: kept
@@ -89,7 +89,7 @@ def test_a_trace_the_file_system_refuses_is_a_warning_and_leaves_no_partial_trac
 def test_a_session_resumed_inside_the_window_says_which_steps_it_traced(tmp_path, monkeypatch):
     import jax
 
-    from xlatrain.profiling import ProfileWindow
+    from xlatrain.observe.profiling import ProfileWindow
 
     monkeypatch.setattr(jax.profiler, "start_trace", lambda *args, **kwargs: None)
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
@@ -105,7 +105,8 @@ def test_xlatrain_profile_that_wrote_no_trace_fails_unless_a_stop_signal_ended_i
                                                                                    signalled):
     import signal
 
-    from xlatrain import cli, stop
+    from xlatrain import cli
+    from xlatrain.runtime import signals as stop
 
     def train_without_tracing(_config_path, _overrides, _args, once_joined):
         once_joined()  # claims the directory

@@ -12,8 +12,8 @@ from xlatrain.config import load_config
 from xlatrain.data.loader import make_global, pad_to_bucket
 from xlatrain.data.sources import paragraph_spans
 from xlatrain.mesh import eval_batch_sharding
-from xlatrain.metrics import read_metrics
 from xlatrain.program import build_program
+from xlatrain.run.metrics import read_metrics
 from xlatrain.trainer import train
 
 

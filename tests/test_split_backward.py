@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_GPT
-from xlatrain.lowering.pipeline_chunks import chunk_functions, chunk_inputs, vjp_of
-from xlatrain.lowering.split_backward import split_pullback
+from xlatrain.lowering.pipeline.chunks import chunk_functions, chunk_inputs, vjp_of
+from xlatrain.lowering.pipeline.split_backward import split_pullback
 
 from xlatrain.config import load_config
 from xlatrain.models.blocks import split_blocks

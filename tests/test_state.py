@@ -92,7 +92,7 @@ def test_same_seed_same_params_other_seed_other_params(devices):
 def test_a_checkpoint_written_before_model_state_existed_restores(tmp_path, devices):
     import dataclasses
 
-    from xlatrain.checkpoint import Checkpoints
+    from xlatrain.run.checkpoints import Checkpoints
     from xlatrain.state import with_shardings
 
     program = build_program(load_config(None, [*DIGITS_MLP, "mesh.data=1"]), devices[:1])

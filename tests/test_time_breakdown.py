@@ -1,4 +1,5 @@
-"""Where the loop's time goes (xlatrain/time_breakdown.py) and the bottleneck rules (xlatrain/bottlenecks.py)."""
+"""Where the loop's time goes (xlatrain/observe/time_breakdown.py) and the bottleneck rules
+(xlatrain/observe/bottlenecks.py)."""
 
 import json
 import re
@@ -7,17 +8,17 @@ import time
 import pytest
 from conftest import DIGITS_MLP, TINY_GPT
 
-from xlatrain.bottlenecks import (
+from xlatrain.observe.bottlenecks import (
     INTERVAL_RULES,
     BottleneckRules,
     Interval,
     Knobs,
     stage_imbalance,
 )
-from xlatrain.metrics import read_metrics
+from xlatrain.observe.summary import format_report
+from xlatrain.observe.time_breakdown import CATEGORIES, TimeBreakdown, fractions
 from xlatrain.pipeline.partition import Balance
-from xlatrain.run_summary import format_report
-from xlatrain.time_breakdown import CATEGORIES, TimeBreakdown, fractions
+from xlatrain.run.metrics import read_metrics
 
 
 class FakeClock:
@@ -132,15 +133,15 @@ def _train(tmp_path, overrides, hooks=()):
 
 def _slow_batches(monkeypatch):
     """The device loader's thread takes 30 ms to lay out each batch: slower than the tiny MLP's step."""
-    import xlatrain.trainer
+    from xlatrain.data import loader
 
-    make_global = xlatrain.trainer.make_global
+    make_global = loader.make_global
 
     def slowly(*args, **kwargs):
         time.sleep(0.03)
         return make_global(*args, **kwargs)
 
-    monkeypatch.setattr(xlatrain.trainer, "make_global", slowly)
+    monkeypatch.setattr(loader, "make_global", slowly)
 
 
 @pytest.mark.parametrize("slow, rule, category", [("data", "data-bound", "time_data"),

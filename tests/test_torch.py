@@ -17,12 +17,13 @@ torch = pytest.importorskip("torch", reason="PyTorch (the [torch] extra) is not 
 if importlib.util.find_spec("torchax") is None:
     pytest.skip("torchax (the [torch] extra) is not installed", allow_module_level=True)
 
+from xlatrain.commands.export import export_torch_state_dict  # noqa: E402
+from xlatrain.commands.lower import amp_order_problems  # noqa: E402
+from xlatrain.commands.torch_parity import host_batches, optimizer_spec, run_torch_parity  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.errors import UserError  # noqa: E402
-from xlatrain.export import export_torch_state_dict  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
-from xlatrain.torch_parity import host_batches, optimizer_spec, run_torch_parity  # noqa: E402
-from xlatrain.torch_reference import train as torch_train  # noqa: E402
+from xlatrain.torch_bridge.eager import train as torch_train  # noqa: E402
 from xlatrain.trainer import train  # noqa: E402
 
 EXAMPLES = REPO / "examples" / "torch_model"
@@ -73,6 +74,28 @@ def test_forward_equals_torch_eager_in_train_and_eval_mode(overrides, devices):
                                         "optimizer.warmup_steps=5"]], ids=["sgd", "adamw"])
 def test_twenty_steps_track_torch_eager(optimizer):
     report = run_torch_parity(config_for([*TORCH_GPT, *optimizer, "batch.microbatches=2"]), "torch", 20, 1e-4)
+    assert report.first is None, report.summary()
+
+
+HF_CAUSAL_LM = ["model.name=torch", "model.target=hf_causal_lm:CausalLM", "model.kwargs.vocab_size=256",
+                "model.kwargs.bos_token_id=0", "model.kwargs.eos_token_id=0", "data.seq_len=32",
+                "data.max_bytes=400000", "batch.global_size=16", *QUIET]
+HF_MODELS = {
+    "gpt2": ["model.kwargs.model_type=gpt2", "model.kwargs.n_embd=32", "model.kwargs.n_layer=2",
+             "model.kwargs.n_head=2", "model.kwargs.n_positions=32", "model.kwargs.resid_pdrop=0",
+             "model.kwargs.embd_pdrop=0", "model.kwargs.attn_pdrop=0"],
+    "llama": ["model.kwargs.model_type=llama", "model.kwargs.hidden_size=32", "model.kwargs.intermediate_size=64",
+              "model.kwargs.num_hidden_layers=2", "model.kwargs.num_attention_heads=4",
+              "model.kwargs.num_key_value_heads=2", "model.kwargs.max_position_embeddings=32"],
+}
+"""Tiny Hugging Face models made from their configs (examples/torch_model/hf_causal_lm.py; no hub), bytes as tokens,
+without dropout (the two sides would draw different masks); llama with grouped-query attention."""
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_MODELS))
+def test_a_hugging_face_model_trains_through_the_bridge_as_in_torch_eager(model_type):
+    pytest.importorskip("transformers", reason="transformers (the [test] extra) is not installed")
+    report = run_torch_parity(config_for([*HF_CAUSAL_LM, *HF_MODELS[model_type]]), "torch", 5, 1e-5)
     assert report.first is None, report.summary()
 
 
@@ -243,7 +266,7 @@ def test_fsdp_shards_each_parameter_on_its_largest_divisible_dimension(devices):
 
 def test_amp_order_holds_in_the_compiled_step_of_a_torch_model(devices):
     program = build_program(config_for([*TORCH_CNN, "precision.policy=fp16"]), devices)
-    assert program.amp_order_problems() == []
+    assert amp_order_problems(program) == []
 
 
 @pytest.mark.slow

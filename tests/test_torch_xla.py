@@ -6,7 +6,7 @@ import os
 import pytest
 from conftest import REPO, run_cli
 
-from xlatrain.torch_parity import TORCH_XLA_PYTHON
+from xlatrain.commands.torch_parity import TORCH_XLA_PYTHON
 
 pytestmark = pytest.mark.skipif(not os.environ.get(TORCH_XLA_PYTHON), reason=(
     f"set {TORCH_XLA_PYTHON} to the Python of a virtual environment with the [torch-xla] extra (.ci/run does)"))

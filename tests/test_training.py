@@ -12,7 +12,7 @@ from conftest import DIGITS_MLP, REPO, TINY_GPT
 
 from xlatrain.config import load_config
 from xlatrain.errors import NonFiniteLoss
-from xlatrain.metrics import read_metrics
+from xlatrain.run.metrics import read_metrics
 from xlatrain.trainer import train
 
 
@@ -167,7 +167,7 @@ def test_a_start_refused_before_its_run_exists_removes_the_directories_it_made_a
 
 HOLD_RUN_DIR = """import sys, time
 from pathlib import Path
-from xlatrain.run_dir import exclusive_run_dir
+from xlatrain.run.directory import exclusive_run_dir
 with exclusive_run_dir(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(600)

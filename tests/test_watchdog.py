@@ -5,10 +5,10 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from xlatrain import compat
 from xlatrain.config import Config, DistributedConfig, StallTimeouts, flatten
-from xlatrain.distributed import StopAgreement, as_primary_has_it, check_processes_agree, disagreements
-from xlatrain.watchdog import Observer, coordinator_lost, verdict
+from xlatrain.runtime import distributed
+from xlatrain.runtime.distributed import StopAgreement, as_primary_has_it, check_processes_agree, disagreements
+from xlatrain.runtime.watchdog import Observer, coordinator_lost, verdict
 
 CONFIG = DistributedConfig(stall_timeout={"training": 30, "hook": 5}, heartbeat_timeout=10)
 
@@ -118,9 +118,9 @@ def process_0_of_2(monkeypatch) -> dict[str, bytes]:
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 0)
-    monkeypatch.setattr(compat, "key_value_set", publish)
-    monkeypatch.setattr(compat, "key_value_get", lambda key, timeout_s=0: store[key])
-    monkeypatch.setattr(compat, "key_value_dir_get",
+    monkeypatch.setattr(distributed, "key_value_set", publish)
+    monkeypatch.setattr(distributed, "key_value_get", lambda key, timeout_s=0: store[key])
+    monkeypatch.setattr(distributed, "key_value_dir_get",
                         lambda prefix: [(k, v) for k, v in store.items() if k.startswith(prefix)])
     return store
 

@@ -1,7 +1,7 @@
 """Step boundaries and step closures: the only places where host code sees values from the device.
 
 A boundary is the end of one dispatched executable (one optimizer step, or `trainer.steps_per_sync`
-fused steps). Between boundaries the loop runs under `compat.forbid_implicit_transfers()` (jax's
+fused steps). Between boundaries the loop runs under `forbid_implicit_transfers()` (jax's
 transfer guard, extended to XLA:CPU), so reading a device value implicitly (`float(loss)`,
 `np.asarray(x)`) is an error instead of a hidden sync. Host work
 is queued with `Boundary.add_step_closure(fn, *values)`: `fn` later receives those values, fetched to
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from xlatrain import compat
+from xlatrain.compat.transfers import allow_transfers
 from xlatrain.errors import UserError
 
 
@@ -57,7 +57,7 @@ class StepClosures:
         self._queue = [c for c in self._queue if through_step is not None and c[0] > through_step]
         if not self._queue:
             self.must_run_before_dispatch = False
-        with compat.allow_transfers():  # a boundary: the fetch, and closures are host code
+        with allow_transfers():  # a boundary: the fetch, and closures are host code
             start = time.perf_counter()
             waits = not all(leaf.is_ready() for leaf in jax.tree.leaves(ready[-1][2]) if isinstance(leaf, jax.Array))
             with self._waiting():

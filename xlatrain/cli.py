@@ -1,23 +1,17 @@
-"""`xlatrain train | config | lower | parity | pipeline | report | export`: every user error is one line on
-stderr, exit 2."""
+"""The `xlatrain` command line: `train | config | lower | parity | pipeline | profile | plot | report | export |
+launch`, each parsed here and run by its body (xlatrain/commands/ for all but train and config). Every user error
+is one line on stderr, exit 2."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
-import json
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, NoReturn
+from typing import Callable, NoReturn
 
-from xlatrain.errors import NonFiniteLoss, UserError, file_system_refusals_named, first_line, make_writable_directory
-
-if TYPE_CHECKING:
-    from xlatrain.gpu_targets import GpuTarget
+from xlatrain.errors import NonFiniteLoss, UserError, file_system_refusals_named, make_writable_directory
 
 USAGE_EXAMPLES = """examples:
   xlatrain train                                  the built-in default: a byte-level GPT on Python's stdlib
@@ -40,11 +34,11 @@ PIPELINE_EXAMPLES = """examples (8 CPU devices: export XLA_FLAGS=--xla_force_hos
 
 
 def run() -> int:
-    """The `xlatrain` command: host memory is set up before anything starts a thread, then main()."""
-    from xlatrain.host_memory import keep_freed_host_memory
+    """The `xlatrain` command: malloc is tuned before anything starts a thread, then main()."""
+    from xlatrain.runtime.malloc import tune_malloc
 
     try:
-        keep_freed_host_memory()
+        tune_malloc()
     except UserError as err:
         print(f"xlatrain: error: {err}", file=sys.stderr)
         return err.exit_code
@@ -187,12 +181,12 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
 def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace,
            once_joined: Callable[[], list[str]] = list) -> int:
     """`once_joined()`: more overrides, found after this process joined the others (if any)."""
-    from xlatrain.stop import STOPPED_BEFORE_FIRST_STEP, StoppedBeforeFirstStep, stop_signals
+    from xlatrain.runtime.signals import STOPPED_BEFORE_FIRST_STEP, StoppedBeforeFirstStep, stop_signals
 
     with stop_signals():
         try:
             from xlatrain.config import load_config
-            from xlatrain.distributed import initialize
+            from xlatrain.runtime.distributed import initialize
             from xlatrain.trainer import train
 
             config = _config_with_cpu_devices(config_path, overrides)
@@ -221,25 +215,25 @@ def _train(config_path: str | None, overrides: list[str], _args: argparse.Namesp
 def _in_multi_process_run() -> bool:
     if "jax" not in sys.modules:
         return False
-    from xlatrain import compat
+    from xlatrain.compat.multihost import distributed_client
 
-    return compat.distributed_client() is not None
+    return distributed_client() is not None
 
 
 def _leave(code: int) -> int:
     """A failing process of a multi-process run exits at once: jax.distributed's orderly shutdown would wait at
     a barrier for the other processes, which this failure stops (their watchdogs see it)."""
     if _in_multi_process_run():
-        from xlatrain.watchdog import leave_now
+        from xlatrain.runtime.watchdog import leave_now
 
         leave_now(code)
     return code
 
 
 def _config_with_cpu_devices(config_path: str | None, overrides: list[str]):
-    """The config, with mesh.cpu_devices applied before JAX starts (xlatrain.cpu_devices)."""
+    """The config, with mesh.cpu_devices applied before JAX starts (xlatrain/runtime/cpu_devices.py)."""
     from xlatrain.config import load_config
-    from xlatrain.cpu_devices import apply_cpu_devices
+    from xlatrain.program import apply_cpu_devices
 
     config = load_config(config_path, overrides)
     apply_cpu_devices(config)
@@ -247,7 +241,7 @@ def _config_with_cpu_devices(config_path: str | None, overrides: list[str]):
 
 
 def _launch(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.launch import launch
+    from xlatrain.commands.launch import launch
 
     return launch(args.nproc, args.devices_per_proc, config_path, overrides)
 
@@ -255,83 +249,29 @@ def _launch(config_path: str | None, overrides: list[str], args: argparse.Namesp
 def _config(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
     import jax
 
-    from xlatrain import cpu_devices, host_memory
     from xlatrain.config import config_and_derived_to_yaml, derive
+    from xlatrain.runtime import cpu_devices, malloc
 
     config = _config_with_cpu_devices(config_path, overrides)
     derived = derive(config, jax.devices())
     print(config_and_derived_to_yaml(config, derived.as_dict()), end="")
     if jax.default_backend() == "cpu":
         print(f"# CPU devices: {cpu_devices.applied.describe()}")
-    print(f"# host memory: {host_memory.applied or 'as the system allocates (set by the xlatrain command only)'}")
+    print(f"# malloc: {malloc.applied or 'as the system allocates (set by the xlatrain command only)'}")
     return 0
 
 
 def _lower(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.lowering.inspect import dump, step_report
-    from xlatrain.program import build_program
+    from xlatrain.commands.lower import gpu_target, lower
 
     if args.devices is not None and not args.target:
         raise UserError("lower: --devices counts the GPUs of --target; without --target the devices are this host's")
     if args.dump:  # made before the compile whose text goes there, so that a bad one fails at once
         make_writable_directory(args.dump, "lower: --dump")
-    config, target, devices = (_gpu_target(config_path, overrides, args) if args.target
+    config, target, devices = (gpu_target(config_path, overrides, args.target, args.devices) if args.target
                                else (_config_with_cpu_devices(config_path, overrides), None, None))
-    with _refused_by_target(target):
-        program = build_program(config, devices)
-        step = program.train_step.first
-        report = step_report(step.lowered, step.compiled, program.param_count)
-    if target is not None:
-        report["target"] = {"asked": target.label, "device_kind": target.device_kind, "devices": len(devices),
-                            "memory_bytes": target.memory_bytes}
-    available, where = program.device_memory
-    report["device_memory"] = {"bytes": available, "of": where}
-    report["model_flops"] = program.derived.model_flops_per_step
-    report["amp_order"] = program.amp_order_problems() if program.steps_per_sync == 1 else None
-    report["loss_scaled"] = program.policy.dynamic_scale
-    report["gradients_synchronised"] = program.gradients_synchronised
-    if program.pipeline is not None:
-        report["pipeline"] = program.pipeline_report(step.compiled)
-    if args.dump:
-        for path in dump(step.lowered, step.compiled, args.dump, "train_step"):
-            print(f"wrote {path}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(_format_report(report, program.derived.devices))
+    lower(config, target, devices, args.dump, args.json)
     return 0
-
-
-@contextlib.contextmanager
-def _refused_by_target(target: GpuTarget | None):
-    """XLA:GPU refusing the step for a --target (a compute capability its ptxas has dropped, a limit of the
-    device the step exceeds) as one line. For the host's own devices an XLA error is xlatrain's to fix: it
-    keeps its traceback."""
-    import jax
-
-    try:
-        yield
-    except jax.errors.JaxRuntimeError as error:
-        if target is None:
-            raise
-        raise UserError(f"--target {target.label}: XLA:GPU cannot compile the train step for a {target.device_kind}: "
-                        f"{first_line(error)}") from None
-
-
-def _gpu_target(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> tuple:
-    """(config, GpuTarget, compile-only GPUs) for `lower --target`, before jax starts its backends. The persistent
-    compilation cache stays off: a later run on the GPU itself must never load an executable compiled without it."""
-    from xlatrain import compat
-    from xlatrain.config import load_config
-    from xlatrain.gpu_targets import resolve_target, target_devices
-
-    target = resolve_target(args.target)
-    config = load_config(config_path, [*overrides, "trainer.compile_cache=off"])
-    if config.collectives.impl == "custom":
-        raise UserError("lower --target: collectives.impl=custom compiles against xlatrain's NCCL library, which "
-                        "needs the GPUs themselves; compile with collectives.impl=xla")
-    count = target_devices(config.mesh.data, config.mesh.stage, args.devices)
-    return config, target, compat.compile_only_gpus(target.config_text, count, target.label)
 
 
 PARITY_STOPPED = "parity stopped before its comparison ended; nothing compared"
@@ -340,7 +280,7 @@ PARITY_STOPPED = "parity stopped before its comparison ended; nothing compared"
 def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
     """A stop signal ends parity at the next step boundary of the side training (at once before its first
     step), with no verdict: the exit status is the shell's for a process the signal ended, never 0 or 1."""
-    from xlatrain.stop import StoppedBeforeFirstStep, stop_signals
+    from xlatrain.runtime.signals import StoppedBeforeFirstStep, stop_signals
 
     with stop_signals(PARITY_STOPPED, stopped_code=None) as stop:
         try:
@@ -356,9 +296,9 @@ def _parity(_config_path: str | None, _overrides: list[str], args: argparse.Name
 
 
 def _compare_sides(args: argparse.Namespace) -> int:
+    from xlatrain.commands.parity import run_parity
     from xlatrain.config import load_config
-    from xlatrain.cpu_devices import apply_cpu_devices
-    from xlatrain.parity import run_parity
+    from xlatrain.program import apply_cpu_devices
 
     if len(args.configs) > 2:
         raise UserError(f"parity takes at most two configs, got {len(args.configs)}: {args.configs}")
@@ -369,7 +309,7 @@ def _compare_sides(args: argparse.Namespace) -> int:
             raise UserError("parity --plot draws two xlatrain runs; with --against, side B is not one: drop --plot")
         return _parity_against_torch(args)
     if args.plot:
-        from xlatrain.plot import figure_path
+        from xlatrain.observe.plot import figure_path
 
         args.plot = figure_path("parity", "--plot", args.plot)
     paths = (args.configs or [None]) * (2 if len(args.configs) < 2 else 1)
@@ -383,7 +323,7 @@ def _compare_sides(args: argparse.Namespace) -> int:
 
 
 def _parity_against_torch(args: argparse.Namespace) -> int:
-    from xlatrain.torch_parity import run_torch_parity
+    from xlatrain.commands.torch_parity import run_torch_parity
 
     if len(args.configs) > 1 or args.b:
         raise UserError(f"parity --against {args.against} compares one config (side A, --a overrides) with "
@@ -396,7 +336,7 @@ def _parity_against_torch(args: argparse.Namespace) -> int:
 
 
 def _export(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.export import export_torch_state_dict
+    from xlatrain.commands.export import export_torch_state_dict
 
     path, step = export_torch_state_dict(args.run_dir, args.torch, args.step)
     print(f"wrote {path} (step {step})")
@@ -404,72 +344,21 @@ def _export(_config_path: str | None, _overrides: list[str], args: argparse.Name
 
 
 def _pipeline(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.pipeline.gantt import draw
-    from xlatrain.plot import figure_path
-    from xlatrain.program import build_program
+    from xlatrain.commands.pipeline import show_pipeline
 
-    config = _config_with_cpu_devices(config_path, overrides)
-    if config.mesh.stage == 1:
-        raise UserError("pipeline: this config runs no pipeline (mesh.stage=1); set mesh.stage to the number of "
-                        "stages, e.g. mesh.stage=4 parallel.mode=shard_map")
-    out = figure_path("pipeline", "--out", args.out)
-    program = build_program(config)
-    plan = program.pipeline
-    print("\n".join(plan.summary(program.remat, program.derived.pipeline_microbatch_size, count_work=True)))
-    print(plan.table_text())
-    draw(plan.schedule, out, plan.simulated(), "time (mean chunk forward = 1), from XLA's FLOPs per chunk")
-    print(f"wrote {out}")
+    show_pipeline(_config_with_cpu_devices(config_path, overrides), args.out)
     return 0
 
 
 def _profile(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """`xlatrain train` of steps 1..B into RUN_DIR-profile-<time>, never into the config's own run."""
-    from xlatrain.config import load_config
-    from xlatrain.distributed import as_primary_has_it, is_primary
-    from xlatrain.profiling import TRACE_SESSIONS, trace_directory
-    from xlatrain.stop import stop_signals
+    from xlatrain.commands.profile import profile
 
-    config = load_config(config_path, overrides)
-    first, last = args.steps
-    k = config.trainer.steps_per_sync
-    stamp = time.strftime('%Y%m%d-%H%M%S')
-    run_dir = Path()
-
-    def in_a_fresh_directory() -> list[str]:
-        """Process 0 claims the directory and every process of the run takes its name."""
-        nonlocal run_dir
-        claimed = str(claim_profile_dir(config.run_dir(), stamp)) if is_primary() else ""
-        run_dir = Path(as_primary_has_it("profile_dir", claimed))
-        return [f"trainer.run_dir={run_dir}"]
-
-    with stop_signals() as stop:
-        code = _train(config_path, [*overrides, f"trainer.steps={-(-last // k) * k}",
-                                    f"trainer.profile_steps=[{first},{last}]"], args, in_a_fresh_directory)
-    if code != 0 or stop.requested:
-        return code
-    traces = trace_directory(run_dir)
-    if not any((traces / TRACE_SESSIONS).glob("*/*.xplane.pb")):
-        raise UserError(f"profile: no trace was written to {traces} (the warning above says why)")
-    return code
-
-
-def claim_profile_dir(run_dir: Path, stamp: str) -> Path:
-    """Creates RUN_DIR-profile-STAMP, or -STAMP-2, -3...: two profiles started in the same second would otherwise
-    share a directory, and the second would resume the first's finished run instead of tracing."""
-    for n in itertools.count(1):
-        candidate = Path(f"{run_dir}-profile-{stamp}" + (f"-{n}" if n > 1 else ""))
-        try:
-            candidate.parent.mkdir(parents=True, exist_ok=True)
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        except OSError:
-            pass  # train's check of trainer.run_dir says what is wrong with the place
-        return candidate
+    return profile(config_path, overrides, args.steps,
+                   lambda path, more, once_joined: _train(path, more, args, once_joined))
 
 
 def _plot(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.plot import figure_path, plot_runs
+    from xlatrain.observe.plot import figure_path, plot_runs
 
     out = figure_path("plot", "--out", args.out)
     panels = plot_runs(args.run_dirs, out)
@@ -478,66 +367,10 @@ def _plot(_config_path: str | None, _overrides: list[str], args: argparse.Namesp
 
 
 def _report(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.run_summary import format_report
+    from xlatrain.observe.summary import format_report
 
     print(format_report(args.run_dir))
     return 0
-
-
-def _fits(peak: int, memory: dict) -> str:
-    """Against one device's memory, as `xlatrain train` holds the step before running it."""
-    if not memory["bytes"]:
-        return ""
-    verdict = "fits" if peak <= memory["bytes"] else "does NOT fit (`xlatrain train` refuses it)"
-    return f", {peak / memory['bytes']:.1%} of {memory['of']}: {verdict}"
-
-
-def _format_report(report: dict, devices: int) -> str:
-    from xlatrain.lowering.hlo_graph import SINGLE_DEVICE
-
-    target = report.get("target")
-    lines = [f"target             {target['devices']} x {target['device_kind']} (--target {target['asked']}), "
-             "compiled only: nothing ran"] if target else []
-    lines += [f"params             {report['params']:,}",
-              "FLOPs per step     " + (f"{report['flops']:.4g} (XLA cost analysis, per device program: a loop's "
-                                       "body counted once)" if report["flops"] is not None
-                                       else "not given (XLA has no cost analysis of a compile-only GPU)"),
-             "model FLOPs        " + (f"{report['model_flops']:.4g} per step, all devices (matmuls of the forward "
-                                      "and backward over the global batch, counted on the jaxpr with every loop's "
-                                      "trip count)" if report["model_flops"] else "not counted (a while loop)"),
-             f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)"
-             + _fits(report["peak_memory_bytes"], report["device_memory"]),
-             "collectives        " + ("none" if not report["collectives"] else "")]
-    lines += [f"  {c['kind']:<26} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
-    if "pipeline" in report:
-        p = report["pipeline"]
-        lines += [f"pipeline           {p['schedule']}: {p['stages']} stages x {p['virtual_stages']} chunk(s), "
-                  f"{p['microbatches']} microbatches, bubble {p['bubble']:.1%}",
-                  f"  partition        {p['partition_source']} {p['partition']}: max/mean per stage compute "
-                  f"{p['compute_balance']:.2f}, memory {p['memory_balance']:.2f}",
-                  f"  activations      {p['activation_buffers']} microbatch(es) x "
-                  f"{p['activation_bytes_per_microbatch'] / 2**10:.1f} KiB held per stage (gpipe holds "
-                  f"{p['gpipe_activation_buffers']}); XLA temporaries {p['temp_bytes'] / 2**20:.2f} MiB per device",
-                  f"  remat            {p['remat']}: " + (
-                      f"{p['residual_buffers']} microbatch(es) x {p['residual_bytes_per_microbatch'] / 2**10:.1f} KiB "
-                      "of residuals held per stage, no forward recomputed" if p["remat"] == "none"
-                      else "each chunk's backward recomputes its forward") + f"; {p['remat_reason']}",
-                  "  FLOPs            of one time slot: XLA counts the body of the slot loop once"]
-    order = report["amp_order"]
-    scaled = ("scaled gradients", "unscale, ") if report["loss_scaled"] else ("gradients (no loss scale)", "")
-    if order is None:
-        lines.append("AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)")
-    elif order == [SINGLE_DEVICE]:
-        lines.append(f"AMP order          single device: {scaled[0]} -> {scaled[1]}finite check, clip -> update")
-    elif order:
-        lines.append("AMP order          VIOLATED: " + "; ".join(order))
-    elif not report["gradients_synchronised"]:
-        lines.append(f"AMP order          holds in the optimised HLO: each stage's {scaled[0]} -> {scaled[1]}"
-                     "norm summed over the stages (all-reduce) -> finite check, clip -> update (one data replica)")
-    else:
-        lines.append(f"AMP order          holds in the optimised HLO: {scaled[0]} -> all-reduce -> "
-                     f"{scaled[1]}finite check, clip -> update")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

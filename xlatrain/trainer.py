@@ -14,29 +14,34 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from xlatrain import compat, cpu_devices
-from xlatrain.bottlenecks import BottleneckRules, Finding, Interval, Knobs
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
-from xlatrain.checkpoint import CheckpointNotWritten, Checkpoints
+from xlatrain.compat.transfers import allow_transfers, forbid_implicit_transfers
 from xlatrain.config import Config
 from xlatrain.data.identity import data_change, identity_record
-from xlatrain.data.loader import (
-    DeviceLoader,
-    eval_batches,
-    make_global,
-    split_microbatches,
-    stack_steps,
-    train_iterator,
-)
-from xlatrain.distributed import StopAgreement, check_processes_agree, host_name, is_primary
+from xlatrain.data.loader import DeviceLoader, device_eval_batches, device_train_loader
 from xlatrain.errors import NonFiniteLoss, first_line, warn
 from xlatrain.lowering.compile import FIRST_COMPILATION, CompileLog
-from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
-from xlatrain.metrics import DiscardedMetrics, MetricsWriter
-from xlatrain.peaks import peak_per_device
-from xlatrain.profiling import ProfileWindow
+from xlatrain.observe.bottlenecks import BottleneckRules, Finding, Interval, Knobs
+from xlatrain.observe.peaks import peak_per_device
+from xlatrain.observe.profiling import ProfileWindow
+from xlatrain.observe.summary import SUMMARY_FILE, RunSummary
+from xlatrain.observe.throughput import Throughput
+from xlatrain.observe.time_breakdown import TimeBreakdown, fractions
+from xlatrain.phases import (
+    CHECKPOINTING,
+    COMPILING_STEPS,
+    CREATING_STATE,
+    EVALUATING,
+    IN_A_HOOK,
+    LOADING_DATA,
+    SETTING_UP,
+    TRAINING,
+    WAITING_FOR_THE_DEVICE,
+    Phases,
+)
 from xlatrain.program import Program, build_program
-from xlatrain.run_dir import (
+from xlatrain.run.checkpoints import CheckpointNotWritten, Checkpoints
+from xlatrain.run.directory import (
     CHECKPOINTS_DIR,
     RunDirHold,
     check_still_there,
@@ -47,11 +52,12 @@ from xlatrain.run_dir import (
     run_dir_gone,
     save_run_config,
 )
-from xlatrain.run_summary import SUMMARY_FILE, RunSummary
+from xlatrain.run.metrics import DiscardedMetrics, MetricsWriter
+from xlatrain.runtime import cpu_devices
+from xlatrain.runtime.distributed import StopAgreement, check_processes_agree, host_name, is_primary
+from xlatrain.runtime.signals import StopSignals, stop_signals
+from xlatrain.runtime.watchdog import watching
 from xlatrain.state import with_shardings
-from xlatrain.stop import StopSignals, stop_signals
-from xlatrain.time_breakdown import TimeBreakdown, fractions
-from xlatrain.watchdog import Progress, watching
 
 
 @dataclass
@@ -72,18 +78,20 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
 
     Each hook is called with a `Boundary` right after every executable is dispatched; it reads values
     only through `boundary.add_step_closure` (see xlatrain/boundaries.py). A SIGTERM/SIGINT before the first
-    step raises StoppedBeforeFirstStep; after it, the run saves a checkpoint and returns (xlatrain/stop.py)."""
+    step raises StoppedBeforeFirstStep; after it, the run saves a checkpoint and returns
+    (xlatrain/runtime/signals.py)."""
     if not is_primary():
         echo = _silent
     compile_log = CompileLog()
     with stop_signals() as stop, compile_log.listening(), watching(config.distributed, host_name()) as progress:
+        phases = Phases(progress, compile_log, TimeBreakdown())
         check_processes_agree(config)
         with exclusive_run_dir(config.run_dir()) as hold:
             config = open_run_dir(config, echo)
-            with compile_log.phase("set-up"), progress.during("compiling"):
+            with phases.entered(SETTING_UP):
                 program = build_program(config, devices, pinned_partition(config.run_dir()))
             _describe(program, echo)
-            return _Run(program, echo, compile_log, hooks, stop, progress, hold).execute()
+            return _Run(program, echo, phases, hooks, stop, hold).execute()
 
 
 def _silent(_: str) -> None:
@@ -112,8 +120,8 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
 
 
 class _Run:
-    def __init__(self, program: Program, echo: Callable[[str], None], compile_log: CompileLog,
-                 hooks: Sequence[Hook], stop: StopSignals, progress: Progress, hold: RunDirHold):
+    def __init__(self, program: Program, echo: Callable[[str], None], phases: Phases, hooks: Sequence[Hook],
+                 stop: StopSignals, hold: RunDirHold):
         self.program = program
         self.hold = hold
         self.config = program.config
@@ -122,14 +130,15 @@ class _Run:
         self.run_dir = program.config.run_dir()
         self.stop = stop
         self.stop_agreement = StopAgreement(stop)
-        self.progress = progress
+        self.phases = phases
+        self.progress = phases.progress
         self.checkpoints = Checkpoints(self.run_dir / CHECKPOINTS_DIR, self.trainer.keep_checkpoints)
-        self.data_identity = identity_record(program.derived.data_examples, program.derived.data_digest)
-        self.compile_log = compile_log
+        self.data_identity = identity_record(program.measured.data_examples, program.measured.data_digest)
+        self.compile_log = phases.compile_log
         self.hooks = hooks
-        self.breakdown = TimeBreakdown()
+        self.breakdown = phases.breakdown
         self.dispatch_waits = cpu_devices.dispatch_waits_for_the_previous_step(list(program.mesh.devices.flat))
-        self.closures = StepClosures(waiting=lambda: self.breakdown.spending("device"))
+        self.closures = StepClosures(waiting=lambda: self.phases.entered(WAITING_FOR_THE_DEVICE))
         self.summary = RunSummary()
         self.rules = BottleneckRules(_knobs(program), self._say)
         self._interval_first_step = 1
@@ -151,11 +160,11 @@ class _Run:
         return result
 
     def _execute(self) -> TrainResult:
-        with self.compile_log.phase("steps"), self.progress.during("compiling"):
+        with self.phases.entered(COMPILING_STEPS):
             self.program.check_steps_fit()  # before config.yaml is written: a refused start leaves no run behind
-        with self.compile_log.phase("state"), self.progress.during("compiling"):
+        with self.phases.entered(CREATING_STATE):
             state, data_state, start = self._initial_state()
-        save_run_config(self.config, self.program.derived, self.hold)
+        save_run_config(self.config, self.program.saved_derived(), self.hold)
         self.run_dir_identity = directory_identity(self.run_dir)
         result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log, summary=self.summary)
         self.summary.start_step = self.summary.final_step = start
@@ -165,7 +174,7 @@ class _Run:
         loader = self._loader(data_state)
         metrics_writer = MetricsWriter(self.run_dir, start) if is_primary() else DiscardedMetrics()
         evaluation = self._eval_batches()
-        with self.compile_log.phase("steps"), self.progress.during("compiling"):
+        with self.phases.entered(COMPILING_STEPS):
             train_step, eval_step = self.program.train_step, self.program.eval_step
         k = self.trainer.steps_per_sync
         self.echo(f"  compiled train step in {train_step.first.compile_seconds:.1f}s; training steps {start}..."
@@ -174,60 +183,32 @@ class _Run:
             self.echo(f"  pipeline remat {self.program.remat.describe()}")
         bar = tqdm(total=self.trainer.steps, initial=start, disable=not (self.trainer.progress and is_primary()),
                    unit="step", dynamic_ncols=True)
-        clock = _Throughput(self.program, self._peak_flops())
-        record = partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock)
-        step, began = start, time.perf_counter()
+        clock = _throughput(self.program, self._peak_flops())
+        loop = _Loop(partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock), clock,
+                     ProfileWindow(self.trainer.profile_steps, self.run_dir, self.echo), train_step, eval_step,
+                     evaluation, loader, metrics_writer, result)
+        began = time.perf_counter()
         self.breakdown.start(began)
         self._interval_first_step = start + 1
         if self.program.pipeline is not None:
             self.rules.check_partition(self.program.pipeline.balance, self.program.pipeline.partition_source)
-        stopping = False
-        profile = ProfileWindow(self.trainer.profile_steps, self.run_dir, self.echo)
-        try:
-            self.stop.begin_loop()
-            self.progress.phase = "training"
-            with compat.forbid_implicit_transfers(), self.compile_log.phase("steps"):
-                while step < self.trainer.steps and not stopping:
-                    if self.closures.must_run_before_dispatch:
-                        self.closures.run()
-                    batch = self._next_batch(loader)
-                    clock.dispatching(step + 1)
-                    profile.before_dispatch(step + 1, step + k)
-                    with self.breakdown.spending("device") if self.dispatch_waits else contextlib.nullcontext():
-                        state, metrics = self._dispatch(train_step, state, batch)
-                    if self.dispatch_waits:  # the call returned when the step before finished and this one began
-                        clock.dispatching(step + 1)
-                    self.closures.will_donate(state)
-                    first, step = step + 1, step + k
-                    self.progress.step = step
-                    boundary = Boundary(first, step, state, metrics, self.closures)
-                    boundary.add_step_closure(partial(record, first), metrics)
-                    with self.progress.during("hook"):
-                        for hook in self.hooks:
-                            call_hook(hook, boundary)
-                    self.closures.run(through_step=first - 1)
-                    profile.after_boundary(step, state)
-                    self.summary.boundaries += 1
-                    stopping = self.stop_agreement.should_stop(self.summary.boundaries)
-                    if self._crossed(self.trainer.eval_every, first, step) or step == self.trainer.steps:
-                        self._evaluate(step, state, eval_step, evaluation, result, metrics_writer)
-                    if self._crossed(self.trainer.checkpoint_every, first, step) or step == self.trainer.steps \
-                            or stopping:
-                        # Run this step's closures first: a non-finite state must never become a checkpoint.
-                        self.closures.run()
-                        self._save(step, state, loader)
-                    if self._crossed(self.trainer.log_every, first, step) or step == self.trainer.steps or stopping:
-                        self._time_interval(step, metrics_writer, clock,
-                                            traced=profile.touches(self._interval_first_step, step))
-                self.closures.run()
-                result.interrupted = stopping
-        finally:
-            profile.close()
-            bar.close()
-            loader.close()
-            metrics_writer.close()
-            self._summarise(step, began)  # also when the run stops on an error: `xlatrain report` shows why
-        self.checkpoints.wait_until_written()
+        step = start
+        with self.phases.entered(TRAINING):
+            try:
+                self.stop.begin_loop()
+                with forbid_implicit_transfers():
+                    stopping = False
+                    while step < self.trainer.steps and not stopping:
+                        state, step, stopping = self._boundary(loop, state, step)
+                    self.closures.run()
+                    result.interrupted = stopping
+            finally:
+                loop.profile.close()
+                bar.close()
+                loader.close()
+                metrics_writer.close()
+                self._summarise(step, began)  # also when the run stops on an error: `xlatrain report` shows why
+            self.checkpoints.wait_until_written()
         result.final_step = step
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
                   f"checkpoint and metrics in {self.run_dir}")
@@ -235,9 +216,45 @@ class _Run:
             self.echo(f"  {line}")
         return result
 
+    def _boundary(self, loop: _Loop, state: Any, step: int) -> tuple[Any, int, bool]:
+        """Dispatch the next executable (k fused steps), then the boundary's host work: hooks, the closures of the
+        steps before, evaluation, checkpoint and timing where due. (state, its last step, whether to stop)."""
+        k = self.trainer.steps_per_sync
+        if self.closures.must_run_before_dispatch:
+            self.closures.run()
+        batch = self._next_batch(loop.loader)
+        loop.clock.dispatching(step + 1)
+        loop.profile.before_dispatch(step + 1, step + k)
+        with self.phases.entered(WAITING_FOR_THE_DEVICE) if self.dispatch_waits else contextlib.nullcontext():
+            state, metrics = self._dispatch(loop.train_step, state, batch)
+        if self.dispatch_waits:  # the call returned when the step before finished and this one began
+            loop.clock.dispatching(step + 1)
+        self.closures.will_donate(state)
+        first, step = step + 1, step + k
+        self.progress.step = step
+        boundary = Boundary(first, step, state, metrics, self.closures)
+        boundary.add_step_closure(partial(loop.record, first), metrics)
+        with self.phases.entered(IN_A_HOOK):
+            for hook in self.hooks:
+                call_hook(hook, boundary)
+        self.closures.run(through_step=first - 1)
+        loop.profile.after_boundary(step, state)
+        self.summary.boundaries += 1
+        stopping = self.stop_agreement.should_stop(self.summary.boundaries)
+        last = step == self.trainer.steps
+        if self._crossed(self.trainer.eval_every, first, step) or last:
+            self._evaluate(step, state, loop.eval_step, loop.evaluation, loop.result, loop.metrics_writer)
+        if self._crossed(self.trainer.checkpoint_every, first, step) or last or stopping:
+            self.closures.run()  # this step's closures first: a non-finite state must never become a checkpoint
+            self._save(step, state, loop.loader)
+        if self._crossed(self.trainer.log_every, first, step) or last or stopping:
+            self._time_interval(step, loop.metrics_writer, loop.clock,
+                                traced=loop.profile.touches(self._interval_first_step, step))
+        return state, step, stopping
+
     def _peak_flops(self) -> float | None:
         """One device's peak for MFU; said once at the start, with the step's model FLOPs."""
-        flops = self.program.derived.model_flops_per_step
+        flops = self.program.measured.model_flops_per_step
         if flops is None:
             self.echo("  model FLOPs per step: not counted (a while loop hides its trip count); no MFU")
             return None
@@ -254,7 +271,7 @@ class _Run:
 
     def _next_batch(self, loader: DeviceLoader) -> dict:
         started = time.perf_counter()
-        with self.progress.during("loading_data"), self.breakdown.spending("data"):
+        with self.phases.entered(LOADING_DATA):
             batch = next(loader)
         self.summary.data_wait_seconds += time.perf_counter() - started
         return batch
@@ -271,8 +288,7 @@ class _Run:
     def _save(self, step: int, state: Any, loader: DeviceLoader) -> None:
         check_still_there(self.run_dir, self.run_dir_identity, step)
         # orbax copies the state to the host itself
-        with compat.allow_transfers(), self.compile_log.phase("checkpoints"), \
-                self.progress.during("checkpointing"), self.breakdown.spending("checkpoint"):
+        with allow_transfers(), self.phases.entered(CHECKPOINTING):
             try:
                 self.checkpoints.save(step, state, loader.state(), self.data_identity)
             except CheckpointNotWritten:  # when the directory went away while it was written, that is the reason
@@ -319,34 +335,24 @@ class _Run:
         return state, data_state, step
 
     def _loader(self, data_state: dict | None) -> DeviceLoader:
-        d, k = self.program.derived, self.trainer.steps_per_sync
-        block, blocks = process_row_block(self.program.mesh)
-        host = train_iterator(self.program.dataset.train, seed=self.config.seed, shuffle=self.config.data.shuffle,
-                              local_batch=d.global_batch // blocks, block=block, blocks=blocks,
-                              buckets=self.program.dataset.spec.buckets)
-        if data_state is not None:
-            host.set_state(data_state)
-        sharding = train_batch_sharding(self.program.mesh, k)
-
-        def to_device(batches: list[dict]) -> dict:
-            split = [split_microbatches(b, d.microbatches) for b in batches]
-            local = split[0] if k == 1 else stack_steps(split)
-            self.host_to_device_bytes += sum(v.nbytes for v in local.values())
-            return make_global(local, sharding, rows_axis=2 if k > 1 else 1, blocks=blocks)
-
-        return DeviceLoader(host, to_device, self.config.data.prefetch, group=k)
+        d = self.program.derived
+        return device_train_loader(self.program.dataset, self.program.mesh, seed=self.config.seed,
+                                   shuffle=self.config.data.shuffle, global_batch=d.global_batch,
+                                   microbatches=d.microbatches, steps_per_sync=self.trainer.steps_per_sync,
+                                   prefetch=self.config.data.prefetch, data_state=data_state, moved=self._moved)
 
     def _eval_batches(self) -> list[dict]:
-        sharding = eval_batch_sharding(self.program.mesh)
-        block, blocks = process_row_block(self.program.mesh)
-        host = eval_batches(self.program.dataset.eval, local_batch=self.program.derived.global_batch // blocks,
-                            max_batches=self.trainer.eval_batches, block=block, blocks=blocks,
-                            buckets=self.program.dataset.spec.buckets)
-        self.host_to_device_bytes += sum(v.nbytes for b in host for v in b.values())
-        return [make_global(b, sharding, rows_axis=0, blocks=blocks) for b in host]
+        batches = device_eval_batches(self.program.dataset, self.program.mesh,
+                                      global_batch=self.program.derived.global_batch,
+                                      max_batches=self.trainer.eval_batches)
+        self._moved(sum(v.nbytes for b in batches for v in b.values()))
+        return batches
+
+    def _moved(self, host_to_device_bytes: int) -> None:
+        self.host_to_device_bytes += host_to_device_bytes
 
     def _record(self, first_step: int, metrics: dict, *, result: TrainResult,
-                writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:
+                writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: Throughput) -> None:
         """Step closure: the host values of the metrics of steps first_step.. (one boundary)."""
         fused = self.trainer.steps_per_sync > 1
         clock.boundary_done(first_step, self.trainer.steps_per_sync,
@@ -356,7 +362,7 @@ class _Run:
             self._record_step(first_step + offset, values, result, writer, bar, clock)
 
     def _record_step(self, step: int, values: dict[str, float], result: TrainResult,
-                     writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: _Throughput) -> None:
+                     writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: Throughput) -> None:
         finite = bool(values.pop("finite"))
         if not finite:
             self._nonfinite(step, values)
@@ -366,7 +372,7 @@ class _Run:
         if step % self.trainer.log_every == 0 or step == self.trainer.steps:
             writer.write({"step": step, **values, **clock.rates(numeric=True), "skipped": not finite})
 
-    def _time_interval(self, step: int, writer: MetricsWriter | DiscardedMetrics, clock: _Throughput,
+    def _time_interval(self, step: int, writer: MetricsWriter | DiscardedMetrics, clock: Throughput,
                        traced: bool) -> None:
         """End a logged interval in the loop itself, after its evaluation and checkpoint: its own line in
         metrics.jsonl, and the bottleneck rules (`traced`: the profiler ran in it)."""
@@ -404,7 +410,7 @@ class _Run:
         if not batches:
             return
         self.closures.run()  # the train step's own device time is not evaluation's
-        with self.progress.during("evaluating"), self.breakdown.spending("eval"):
+        with self.phases.entered(EVALUATING):
             outputs = jax.block_until_ready([self._dispatch(eval_step, state, b) for b in batches])
 
         def report(outputs: list[dict]) -> None:
@@ -421,56 +427,23 @@ def _knobs(program: Program) -> Knobs:
     return Knobs(prefetch=config.data.prefetch, steps_per_sync=config.trainer.steps_per_sync,
                  rows_per_device=d.global_batch // d.devices, policy=config.precision.policy)
 
+def _throughput(program: Program, peak_flops: float | None) -> Throughput:
+    spec, d = program.dataset.spec, program.derived
+    tokens = d.global_batch * spec.input_shape[0] if spec.input_dtype.kind in "iu" else 0
+    return Throughput(d.global_batch, tokens, (program.measured.model_flops_per_step or 0.0) / d.devices, peak_flops)
 
-class _Throughput:
-    """Samples (and tokens) per second of wall time over windows of at least 5 steps. A window ends when its
-    last boundary's results reach the host. It begins at its first boundary's dispatch (where dispatching waits
-    for the step before, when that call returns: cpu_devices.dispatch_waits_for_the_previous_step) or, when the
-    host was seen waiting for the boundary before it to finish (an asynchronous device runs one step while the
-    host dispatches the next), at the end of that wait: a queued step cannot start before the step before it has
-    finished. A rate is thus overstated by at most the time a boundary's metrics take to reach the host,
-    however the reads bunch up (fused steps, the final flush); every step of a fused group
-    (trainer.steps_per_sync) reports its window's rate."""
 
-    def __init__(self, program: Program, peak_flops: float | None, clock: Callable[[], float] = time.perf_counter):
-        spec = program.dataset.spec
-        self.samples = program.derived.global_batch
-        self.tokens = self.samples * spec.input_shape[0] if spec.input_dtype.kind in "iu" else 0
-        self.flops_per_device = (program.derived.model_flops_per_step or 0.0) / program.derived.devices
-        self.peak_flops = peak_flops
-        self.clock = clock
-        self.dispatched: dict[int, float] = {}
-        self.window: tuple[float, int] | None = None
-        self.previous_finished = float("-inf")
-        self.last: dict[str, float] = {}
+@dataclass(frozen=True)
+class _Loop:
+    """What the training loop's boundaries use, made once before the first."""
 
-    def dispatching(self, first_step: int) -> None:
-        self.dispatched[first_step] = self.clock()
-
-    def boundary_done(self, first_step: int, steps: int, seen_finishing: float | None = None) -> None:
-        """The results of steps first_step.. reached the host; `seen_finishing`: when the host, waiting for
-        them, saw their executable finish (None if they were ready before it waited)."""
-        began, counted = self.window or (max(self.dispatched[first_step], self.previous_finished), 0)
-        del self.dispatched[first_step]
-        counted += steps
-        self.previous_finished = float("-inf") if seen_finishing is None else seen_finishing
-        if counted < 5 and self.last:
-            self.window = (began, counted)
-            return
-        seconds = max(self.clock() - began, 1e-9)
-        self.last = {"samples_per_sec": self.samples * counted / seconds}
-        if self.tokens:
-            self.last["tokens_per_sec"] = self.tokens * counted / seconds
-        if self.flops_per_device:
-            self.last["tflops_per_sec_per_device"] = self.flops_per_device * counted / seconds / 1e12
-            if self.peak_flops:
-                self.last["mfu"] = self.flops_per_device * counted / seconds / self.peak_flops
-        self.window = None
-
-    def rates(self, numeric: bool = False) -> dict[str, Any]:
-        if numeric:
-            return {k: float(f"{v:.4g}") if k in ("tflops_per_sec_per_device", "mfu") else round(v, 2)
-                    for k, v in self.last.items()}
-        shown = {"samples_per_sec": ("samples/s", "{:,.0f}"), "tokens_per_sec": ("tokens/s", "{:,.0f}"),
-                 "tflops_per_sec_per_device": ("TFLOP/s/dev", "{:.3g}"), "mfu": ("MFU", "{:.1%}")}
-        return {shown[k][0]: shown[k][1].format(v) for k, v in self.last.items()}
+    record: Callable[[int, dict], None]
+    """The step closure that records the metrics of a boundary's steps."""
+    clock: Throughput
+    profile: ProfileWindow
+    train_step: Any
+    eval_step: Any
+    evaluation: list[dict]
+    loader: DeviceLoader
+    metrics_writer: MetricsWriter | DiscardedMetrics
+    result: TrainResult

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from xlatrain.custom_calls._collective import axis_location, collective_primitive, timeout_ms
+from xlatrain.custom_calls._collective import axis_location, collective_primitive, primitive, timeout_ms
 
 
 def all_gather(x: jax.Array, axis_name: str, *, tiled: bool = False, timeout_s: float | None = None) -> jax.Array:
@@ -27,10 +27,8 @@ def _batch(x, bdim, where, **params):
 
 
 def _transpose(ct, where, *, participants, timeout_ms, axis_name):
-    from xlatrain.custom_calls.ops.reduce_scatter import scatter_primitive
-
     flat = ct.reshape(-1)  # block r of the flat cotangent is ct[r], which belongs to participant r
-    summed = scatter_primitive().bind(
+    summed = primitive("reduce_scatter").bind(
         flat, where, reduction="sum", participants=participants, axis_name=axis_name, timeout_ms=timeout_ms
     )
     return summed.reshape(ct.shape[1:])
@@ -46,7 +44,3 @@ _all_gather_p = collective_primitive(
         "timeout_ms": np.int64(timeout_ms),
     },
 )
-
-
-def gather_primitive():
-    return _all_gather_p

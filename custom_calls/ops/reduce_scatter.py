@@ -11,6 +11,7 @@ from xlatrain.custom_calls._collective import (
     axis_location,
     check_reduction,
     collective_primitive,
+    primitive,
     timeout_ms,
 )
 
@@ -46,9 +47,8 @@ def _batch(x, bdim, where, **params):
 
 
 def _transpose(ct, where, *, reduction, participants, timeout_ms, axis_name):
-    from xlatrain.custom_calls.ops.all_gather import gather_primitive
-
-    gathered = gather_primitive().bind(ct, where, participants=participants, axis_name=axis_name, timeout_ms=timeout_ms)
+    gathered = primitive("all_gather").bind(ct, where, participants=participants, axis_name=axis_name,
+                                            timeout_ms=timeout_ms)
     gathered = gathered.reshape(participants * ct.shape[0], *ct.shape[1:])
     return gathered / participants if reduction == "mean" else gathered
 
@@ -64,7 +64,3 @@ _reduce_scatter_p = collective_primitive(
         "timeout_ms": np.int64(timeout_ms),
     },
 )
-
-
-def scatter_primitive():
-    return _reduce_scatter_p

@@ -8,7 +8,7 @@ overrides in `loading`, values computed from a config and the devices in `derive
 
 from xlatrain.config.base import INT32_MAX, NonNegativeInt, PositiveInt, Strict
 from xlatrain.config.data import ArrayData, DataConfig, DigitsData, TextData
-from xlatrain.config.derived import Derived, derive, resolve_data_parallel
+from xlatrain.config.derived import Derived, derive, resolve_data_parallel, saved_values
 from xlatrain.config.distributed import DistributedConfig, StallTimeouts
 from xlatrain.config.loading import (
     DERIVED_SECTION,
@@ -46,7 +46,7 @@ from xlatrain.config.trainer import TrainerConfig
 __all__ = [
     "INT32_MAX", "NonNegativeInt", "PositiveInt", "Strict",
     "ArrayData", "DataConfig", "DigitsData", "TextData",
-    "Derived", "derive", "resolve_data_parallel",
+    "Derived", "derive", "resolve_data_parallel", "saved_values",
     "DistributedConfig", "StallTimeouts",
     "DERIVED_SECTION", "config_and_derived_to_yaml", "config_to_yaml", "flatten", "load_config", "parse_yaml",
     "validate_config", "without_derived",

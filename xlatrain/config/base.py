@@ -17,7 +17,11 @@ DropoutRate = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, allow_inf_nan=False)
+    """A config section: unknown keys refused, frozen once validated; each field's docstring is its description
+    (docs/configuration.md is generated from them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 def positive_ints(value: Any) -> bool:

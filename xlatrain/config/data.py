@@ -11,24 +11,35 @@ from xlatrain.config.base import Fraction, PositiveInt, Strict
 
 
 class DataBase(Strict):
-    shuffle: bool = True
-    prefetch: PositiveInt = 2
-    """Batches kept in flight on the devices by the device loader."""
+    """Where the examples come from (docs/data.md). Each process reads its own block of rows of every global
+    batch; a held-out split is cut off once, before shuffling."""
 
+    shuffle: bool = True
+    """Shuffle the training examples, reshuffled each epoch from the seed."""
+    prefetch: PositiveInt = 2
+    """Batches the device loader keeps in flight on the devices."""
 
 class DigitsData(DataBase):
     source: Literal["digits"]
+    """scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes)."""
     holdout: Fraction = 0.2
+    """Fraction of the examples held out for evaluation."""
 
 
 class TextData(DataBase):
     source: Literal["text"]
+    """Text files read as bytes: windows of data.seq_len + 1 bytes, or one paragraph each with data.buckets."""
     path: str | None = None
-    """Directory of text files; default: this Python's standard-library sources."""
+    """Directory of text files; null: this Python's standard-library sources."""
+
     glob: str = "**/*.py"
+    """Which files under data.path, relative to it (quote a leading *: data.glob='*.txt')."""
     seq_len: PositiveInt = 64
+    """Tokens per example."""
     max_bytes: PositiveInt = 8_000_000
+    """Read at most this many bytes (files in sorted order)."""
     holdout: Fraction = 0.05
+    """Fraction of the examples held out for evaluation."""
     buckets: tuple[PositiveInt, ...] | None = None
     """Variable-length examples (one paragraph each, up to seq_len bytes), every batch padded to the
     shortest of these lengths (or seq_len) that fits it, with padding masked out of the loss.
@@ -55,9 +66,11 @@ class TextData(DataBase):
 
 class ArrayData(DataBase):
     source: Literal["arrays"]
+    """Your arrays: inputs and targets of the same number of rows."""
     path: str
     """A directory holding inputs.npy and targets.npy (memory-mapped), or an .npz file with those keys."""
     holdout: Fraction = 0.1
+    """Fraction of the examples held out for evaluation."""
 
     @model_validator(mode="after")
     def _path_exists(self) -> ArrayData:

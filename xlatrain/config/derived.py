@@ -1,4 +1,5 @@
-"""Values that follow from a config and the devices present: batch sizes, the effective LR, pipeline sizes."""
+"""Values that follow from a config and the devices present: batch sizes, the effective LR, pipeline sizes,
+the layer scan."""
 
 from __future__ import annotations
 
@@ -29,20 +30,16 @@ class Derived:
     """Per gradient-accumulation microbatch and replica (pipelines only)."""
     pipeline_microbatch_size: int | None = None
     """Rows of one pipeline microbatch on one replica (pipelines only)."""
-    pipeline_partition: tuple[int, ...] | None = None
-    """Blocks per chunk, as planned (pipelines only); saved in the run's config.yaml and kept on resume."""
     scan_layers: bool | None = None
     """Whether the GPT's blocks run in a `lax.scan` on these devices (model.scan_layers resolved; gpt only)."""
-    model_flops_per_step: float | None = None
-    """Matmul and convolution FLOPs of one step's forward and backward over the global batch, counted on the
-    jaxpr (lowering/flops.py); None until the model is built, or when a while loop hides a trip count."""
-    data_examples: tuple[int, int] | None = None
-    """Training and held-out examples of the data at this start; with data_digest (of sampled examples) saved with
-    each checkpoint, so that a resume on data that changed since says so (xlatrain/data/identity.py)."""
-    data_digest: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
+        return saved_values(self)
+
+
+def saved_values(record: Any) -> dict[str, Any]:
+    """A dataclass's fields as a run's config.yaml saves them: tuples as lists, unset (None) ones left out."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(record).items() if v is not None}
 
 
 def derive(config: Config, devices: list) -> Derived:

@@ -12,6 +12,9 @@ from xlatrain.config.precision import FloatDtype
 
 
 class MeshConfig(Strict):
+    """The device mesh: a `data` axis, and a `stage` axis for a pipeline; mesh.data x mesh.stage must be the
+    devices present, or the run stops before compiling, naming them (docs/parallelism.md)."""
+
     data: Annotated[int, Field(ge=-1)] = -1
     """Data-parallel size; -1 uses every device present (divided by mesh.stage)."""
     stage: PositiveInt = 1
@@ -123,6 +126,9 @@ class PipelineConfig(Strict):
 
 
 class ParallelConfig(Strict):
+    """How the step runs over the mesh: one global program or one device's, and what each device holds
+    (docs/parallelism.md); a pipeline's schedule over the `stage` axis (docs/pipelines.md)."""
+
     strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
     """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too."""
     logical_rules: dict[str, str | None] = DEFAULT_LOGICAL_RULES
@@ -145,6 +151,9 @@ class ParallelConfig(Strict):
 
 
 class CollectivesConfig(Strict):
+    """How gradients cross the data replicas; impl, bucket_bytes and timeout_s apply to parallel.mode shard_map
+    and pmap, where the gradient sync is written out."""
+
     dtype: FloatDtype = "float32"
     """Dtype the gradients are summed in across data replicas (still loss-scaled), in every mode."""
     impl: Literal["xla", "custom"] = "xla"

@@ -15,12 +15,17 @@ class LossScaleConfig(Strict):
     """Dynamic loss scaling (used when the compute dtype is float16)."""
 
     initial: Annotated[float, Field(gt=0)] = 2.0**15
+    """The loss scale at the start."""
     growth_factor: Annotated[float, Field(gt=1)] = 2.0
+    """Multiply the scale by this after loss_scale.growth_interval finite steps in a row."""
     growth_interval: PositiveInt = 2000
     """Grow the scale after this many consecutive steps with finite gradients."""
     backoff_factor: Fraction = 0.5
+    """Multiply the scale by this on an overflow (the update is skipped)."""
     min: Annotated[float, Field(gt=0)] = 1.0
+    """Smallest scale; an overflow at it counts as a non-finite loss (trainer.on_nonfinite)."""
     max: Annotated[float, Field(gt=0)] = 2.0**24
+    """Largest scale."""
 
     @model_validator(mode="after")
     def _ordered(self) -> LossScaleConfig:
@@ -31,6 +36,9 @@ class LossScaleConfig(Strict):
 
 
 class PrecisionConfig(Strict):
+    """Dtype policies in the AMP order: scaled gradients, synchronised, then unscaled, checked and clipped
+    before the update (docs/performance.md)."""
+
     policy: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32: everything float32. bf16 / fp16: float32 params, compute in bfloat16 / float16, float32
     outputs; fp16 adds dynamic loss scaling."""

@@ -24,9 +24,14 @@ from xlatrain.config.trainer import TrainerConfig
 
 
 class Config(Strict):
+    """A run: YAML plus dotted overrides; the built-in default trains a byte-level GPT on this Python's own
+    standard library."""
+
     _mode_chosen_for: str | None = PrivateAttr(default=None)
     name: Annotated[str, Field(pattern=r"^[\w.-]+$")] = "gpt-stdlib"
+    """The run's name; the default run directory is runs/<name>."""
     seed: Seed = 0
+    """One seed for init, dropout and data order, 0..2**32-1; replicas are checked identical after init."""
     model: ModelConfig = GPTConfig(name="gpt")
     data: DataConfig = TextData(source="text")
     batch: BatchConfig = BatchConfig()

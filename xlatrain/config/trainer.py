@@ -10,16 +10,28 @@ from xlatrain.config.base import PositiveInt, Strict, positive_ints
 
 
 class TrainerConfig(Strict):
+    """The loop: its length, what happens at step boundaries (logs, evaluation, checkpoints) and compile
+    options. Only this section (with the device and process counts and optimizer.decay_steps) may change when a
+    run resumes (docs/run-directory.md)."""
+
     steps: PositiveInt = 300
+    """Optimizer steps in total."""
     run_dir: str | None = None
     """Default: runs/<name>. An existing run directory is resumed from its latest checkpoint."""
     log_every: PositiveInt = 10
+    """Steps between metrics.jsonl records."""
     eval_every: PositiveInt = 100
+    """Steps between evaluations (and one at the end)."""
     eval_batches: PositiveInt = 4
+    """Held-out batches per evaluation."""
     checkpoint_every: PositiveInt = 100
+    """Steps between checkpoints (and one at the end)."""
     keep_checkpoints: PositiveInt = 3
+    """Checkpoints kept; older ones are removed."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    """On an inf/NaN loss or gradient: stop the run, or skip that update."""
     progress: bool = True
+    """A progress bar (step, loss, samples/s, tokens/s, ETA)."""
     steps_per_sync: PositiveInt = 1
     """Optimizer steps fused into one executable (a step boundary every k steps); host work such as
     logging, eval and checkpoints happens only at boundaries."""

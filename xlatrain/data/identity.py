@@ -9,8 +9,8 @@ import numpy as np
 
 from xlatrain.config import DataConfig
 from xlatrain.data.sources import Dataset
-from xlatrain.distributed import everyones, host_name
 from xlatrain.errors import UserError
+from xlatrain.runtime.distributed import everyones, host_name
 
 SAMPLED_EXAMPLES = 1024
 """Examples per split read for the digest, evenly spread: a bounded cost however large the data; an edit that

@@ -16,7 +16,8 @@ import grain
 import jax
 import numpy as np
 
-from xlatrain.data.sources import Source
+from xlatrain.data.sources import Dataset, Source
+from xlatrain.mesh import eval_batch_sharding, process_row_block, train_batch_sharding
 
 Batch = dict[str, Any]
 
@@ -143,3 +144,36 @@ def make_global(batch: Batch, sharding: jax.sharding.Sharding, rows_axis: int, b
 
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), global_shape(np.shape(v)))
             for k, v in batch.items()}
+
+
+def device_train_loader(dataset: Dataset, mesh: jax.sharding.Mesh, *, seed: int, shuffle: bool, global_batch: int,
+                        microbatches: int, steps_per_sync: int, prefetch: int, data_state: dict | None,
+                        moved: Callable[[int], None]) -> DeviceLoader:
+    """The run's training batches on the devices, laid out as the train step takes them (train_batch_sharding),
+    this process reading its block of rows; `data_state`: where a resumed run's data left off. `moved(bytes)` is
+    told each batch's host-to-device bytes."""
+    k = steps_per_sync
+    block, blocks = process_row_block(mesh)
+    host = train_iterator(dataset.train, seed=seed, shuffle=shuffle, local_batch=global_batch // blocks, block=block,
+                          blocks=blocks, buckets=dataset.spec.buckets)
+    if data_state is not None:
+        host.set_state(data_state)
+    sharding = train_batch_sharding(mesh, k)
+
+    def to_device(batches: list[Batch]) -> Batch:
+        split = [split_microbatches(b, microbatches) for b in batches]
+        local = split[0] if k == 1 else stack_steps(split)
+        moved(sum(v.nbytes for v in local.values()))
+        return make_global(local, sharding, rows_axis=2 if k > 1 else 1, blocks=blocks)
+
+    return DeviceLoader(host, to_device, prefetch, group=k)
+
+
+def device_eval_batches(dataset: Dataset, mesh: jax.sharding.Mesh, *, global_batch: int, max_batches: int,
+                        ) -> list[Batch]:
+    """The held-out batches every evaluation runs, on the devices (eval_batch_sharding)."""
+    sharding = eval_batch_sharding(mesh)
+    block, blocks = process_row_block(mesh)
+    host = eval_batches(dataset.eval, local_batch=global_batch // blocks, max_batches=max_batches, block=block,
+                        blocks=blocks, buckets=dataset.spec.buckets)
+    return [make_global(b, sharding, rows_axis=0, blocks=blocks) for b in host]

@@ -1,7 +1,10 @@
 """What a data source tells the model builder: example shapes and the size of the output."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 
@@ -19,3 +22,11 @@ class DataSpec:
     buckets: tuple[int, ...] | None = None
     """Variable-length examples: batches are padded to one of these lengths (the last is input_shape[0])
     and carry a `mask` shaped like `targets`."""
+
+    def abstract_batch(self, rows: tuple[int, ...], sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+        """Abstract batch entries [*rows, *example shape] (with a `mask` when examples are padded)."""
+        shapes = {"inputs": (self.input_shape, self.input_dtype), "targets": (self.target_shape, self.target_dtype)}
+        if self.buckets is not None:
+            shapes["mask"] = (self.target_shape, np.dtype(np.float32))
+        return {k: jax.ShapeDtypeStruct((*rows, *shape), dtype, sharding=sharding)
+                for k, (shape, dtype) in shapes.items()}

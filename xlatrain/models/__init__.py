@@ -1,5 +1,5 @@
-"""Model construction from config: the built-in MLP, CNN and GPT, a user's own nnx.Module, or a user's
-torch nn.Module (xlatrain/models/torch_module.py, through torchax)."""
+"""Flax models from config: the built-in MLP, CNN and GPT, or a user's own nnx.Module (a user's torch nn.Module
+comes through xlatrain/torch_bridge/)."""
 
 import inspect
 from typing import Callable
@@ -7,10 +7,9 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig, TorchModelConfig
+from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, first_line
-from xlatrain.lowering.platform import lowering_platform
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.cnn import CNN
 from xlatrain.models.flax_module import flax_model, takes_rngs
@@ -18,20 +17,9 @@ from xlatrain.models.gpt import GPT, GPTShape
 from xlatrain.models.interface import ModelDef
 from xlatrain.models.mlp import MLP
 from xlatrain.models.targets import check_kwargs, import_target
+from xlatrain.runtime.platform import lowering_platform
 
-__all__ = ["BlockStack", "ModelDef", "build_model", "model_factory", "stack_blocks", "takes_rngs"]
-
-
-def build_model(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype, seed: int,
-                data_parallel: int, scan_layers: bool | None = None) -> ModelDef:
-    """The model of a run. `seed` seeds a torch module's own initialisation; `data_parallel` is the size of
-    the `data` axis, which decides the dimension of a torch parameter that zero1/fsdp shard; `scan_layers`:
-    the run's resolved model.scan_layers (a GPT's)."""
-    if isinstance(config, TorchModelConfig):
-        from xlatrain.models.torch_module import torch_model
-
-        return torch_model(config, seed, data_parallel)
-    return flax_model(model_factory(config, spec, compute_dtype, scan_layers))
+__all__ = ["BlockStack", "ModelDef", "flax_model", "model_factory", "stack_blocks", "takes_rngs"]
 
 
 def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype = jnp.float32,

@@ -4,7 +4,7 @@ The gradient of a lookup adds each token's output gradient into its row of the t
 does that in the compute dtype: under the bf16 policy every occurrence of a token is rounded into a bf16 row.
 In a profile of GPT-2 small's bf16 step on an H200 (byte tokens: 256 rows take every add), that scatter, fused
 with its input, took 27 ms of the step's 119 ms of kernels; as a float32 sum of the gradients sorted by token it
-took 0.09 ms (README, "Benchmarks"). Alone, outside the step, an unsorted float32 scatter measured faster than
+took 0.09 ms (bench/README.md). Alone, outside the step, an unsorted float32 scatter measured faster than
 the sorted sum (0.15 against 0.23 ms; bench/results/gpu.json, parts_ms): the sort is kept, on GPUs only, for what
 was measured in the step.
 """

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlatrain.attention import causal_attention
+from xlatrain.models.attention import causal_attention
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.embedding import TokenEmbed

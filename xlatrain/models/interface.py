@@ -2,7 +2,7 @@
 
 A model is its parameters (trainable), its model state (non-trainable values the forward may update,
 such as BatchNorm running statistics; empty for most models) and a pure function applying both to a
-batch. `xlatrain.models.flax_module` and `xlatrain.models.torch_module` build one from an nnx.Module
+batch. `xlatrain.models.flax_module` and `xlatrain.torch_bridge.module` build one from an nnx.Module
 and from a torch nn.Module.
 """
 
@@ -36,7 +36,7 @@ class ModelDef:
     blocks: Any = None
     """How to run the model piece by piece (xlatrain.models.blocks.BlockParts), when it can be pipelined."""
     torch: Any = None
-    """The torch module behind the model (xlatrain.models.torch_module.TorchModule), for weights in and out."""
+    """The torch module behind the model (xlatrain.torch_bridge.module.TorchModule), for weights in and out."""
     not_pipelinable: str | None = None
     """Why the model cannot be pipelined, when `blocks` is None and there is more to say than "not a
     BlockStack"."""

@@ -5,7 +5,7 @@ share. XLA:CPU's matmul kernels want the left operand's contracted axis innermos
 a transposed layout first. JAX's differentiation rule always puts the cotangent first (dw = (dy^T @ x)^T), so the
 copy is of dy: for a GPT's first MLP layer dy has four times x's size (8 MB for the 4 x 256 GPT on 2,048 tokens,
 about 5 ms a copy on two cores). Here the weight gradient transposes whichever side is smaller, the same products
-summed in another order: 0.91x the 4 x 256 GPT's step time on an Intel Xeon (README, "GPT on CPU, the Intel host").
+summed in another order: 0.91x the 4 x 256 GPT's step time on an Intel Xeon (bench/README.md, the GPT on CPU).
 
 The layer's product is a `custom_jvp` whose tangent for the weight is a primitive of its own (`x @ dw`, linear in
 dw) with that transpose: forward-mode differentiation (jvp, jacfwd, Hessian-vector products) works as for any
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
-from xlatrain import compat
+from xlatrain.compat.primitives import define_primitive, is_being_transposed
 
 
 def linear(in_features: int, out_features: int, **kwargs) -> nnx.Linear:
@@ -74,7 +74,7 @@ def _weight_tangent_jvp(primals, tangents, precision):
 
 
 def _weight_tangent_transpose(ct, tw, x, precision):
-    if compat.is_being_transposed(tw):
+    if is_being_transposed(tw):
         return [_weight_gradient(x, ct, precision), None]
     return [None, _input_gradient(ct, tw, precision)]
 
@@ -88,7 +88,7 @@ def _weight_tangent_batch(operands, dims, precision):
     return jax.lax.dot_general(x, tw, (((x.ndim - 1,), (1,)), ((0,), (0,))), precision=precision), 0
 
 
-_times_weight_tangent = compat.define_primitive(
+_times_weight_tangent = define_primitive(
     "xlatrain_dense_weight_tangent", compute=lambda tw, x, precision: _product(x, tw, precision),
     jvp=_weight_tangent_jvp, transpose=_weight_tangent_transpose, batch=_weight_tangent_batch)
 """x @ tw for a weight tangent tw: its transpose is `_weight_gradient`, where jax's own rule for a dot's operand

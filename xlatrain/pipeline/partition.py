@@ -1,6 +1,6 @@
 """Blocks to chunks: balance compute and memory over the pipeline's chunks.
 
-The costs come from XLA (lowering/block_costs.py): FLOPs from cost analysis and bytes from the shapes
+The costs come from XLA (lowering/pipeline/block_costs.py): FLOPs from cost analysis and bytes from the shapes
 and memory analysis of one microbatch through `before_blocks`, one block, and `after_blocks` plus the
 loss. The stages run each time slot in lockstep (they exchange activations at its end), so a slot lasts
 as long as its slowest chunk, and every stage allocates the largest chunk: `auto_partition` minimises the

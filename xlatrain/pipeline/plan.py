@@ -34,7 +34,7 @@ class PipelinePlan:
     """XLA's per-piece costs, measured on first use (and then kept)."""
     count_work: Callable[[str], Any]
     """`count_work(remat)`: XLA's FLOPs of the pipelined step beside the unpipelined model's
-    (lowering/pipeline_work.py), counted on first use (and then kept)."""
+    (lowering/pipeline/work.py), counted on first use (and then kept)."""
     count_residual_bytes: Callable[[], int]
     """Bytes of one microbatch's kept residuals on a stage with remat: none, counted on first use."""
     count_stash_bytes: Callable[[], int]

@@ -1,0 +1,139 @@
+"""How a step runs over the mesh: parallel.mode (one global program, or one device's program through shard_map or
+pmap) x parallel.strategy (replicated, zero1, fsdp) over the `data` axis. A pipeline adds the `stage` axis
+(lowering/pipeline/parallel.py); the program (xlatrain/program.py) asks the same questions of either."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
+from xlatrain.lowering.step import make_eval_step
+
+from xlatrain.compat.mapping import pmap_over_rows, shard_map
+from xlatrain.config import Config, Derived
+from xlatrain.mesh import DATA, per_replica, replicated, train_batch_sharding
+from xlatrain.models.interface import ModelDef
+from xlatrain.pipeline.plan import PipelinePlan
+from xlatrain.pipeline.remat import RematChoice
+from xlatrain.precision import Policy
+from xlatrain.runtime.device_memory import DeviceMemory
+from xlatrain.sharding import param_specs
+from xlatrain.state import TrainState, state_specs
+
+Replicas = PartitionedReplicas | ExplicitReplicas
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Data parallelism alone: every device holds the whole model (or, with fsdp, a block of each parameter)."""
+
+    config: Config
+    derived: Derived
+    mesh: Mesh
+    model: ModelDef
+    policy: Policy
+
+    @property
+    def block_axes(self) -> int:
+        """Leading axes of a BlockStack's stacked parameters: [layers, ...]."""
+        return 0 if self.model.blocks is None else 1
+
+    @property
+    def arrange(self) -> Callable[[Any], Any] | None:
+        """How the model's params are laid out for training; None: as the model makes them."""
+        return None
+
+    @property
+    def pipeline(self) -> PipelinePlan | None:
+        """The run's pipeline (lowering/pipeline/parallel.py), if it has one."""
+        return None
+
+    @property
+    def partition(self) -> tuple[int, ...] | None:
+        """Blocks per pipeline chunk (pipelines only)."""
+        return None
+
+    @property
+    def gradients_synchronised(self) -> bool:
+        """Whether the update sums gradients across devices."""
+        return True
+
+    def state_specs(self, init: Callable[[], TrainState], tx: optax.GradientTransformation,
+                    ) -> tuple[TrainState, TrainState]:
+        """(abstract state, its PartitionSpecs) from the model's logical axes and parallel.logical_rules."""
+        return state_specs(init, self.model, tx, self.config.parallel.strategy, self._rules(), self.mesh)
+
+    def param_count(self, params: Any) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+    def param_split_specs(self, params: Any) -> Any:
+        """Per abstract param, its PartitionSpec when split over `data` (zero1's optimizer state, fsdp's params)."""
+        return param_specs(params, self.model.logical_axes, True, self._rules(), self.mesh)
+
+    def choose_remat(self, memory: DeviceMemory, most_bytes_with_residuals: Callable[[], int]) -> RematChoice | None:
+        """How a pipeline's backward gets its residuals; nothing to choose without one."""
+        return None
+
+    def replicas(self, params: Any) -> Replicas:
+        """How the step's replicas meet (lowering/grad_sync.py): XLA's partitioner (parallel.mode=jit), or
+        written out in the per-device program; `params`: the abstract params."""
+        if self.config.parallel.mode == "jit":
+            return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree))
+        c, strategy = self.config.collectives, self.config.parallel.strategy
+        return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s,
+                                 self._split_dims(params) if strategy in ("zero1", "fsdp") else None,
+                                 across_processes=c.impl == "custom" and self._data_axis_processes() > 1,
+                                 params_split=strategy == "fsdp")
+
+    def per_device(self, step: Any, specs: TrainState, out_specs: Any = None, steps: int | None = None,
+                   batch_spec: P | None = None) -> Any:
+        """parallel.mode=shard_map or pmap: the step as written is one device's program over its rows."""
+        mode = self.config.parallel.mode
+        batch_spec = batch_spec or train_batch_sharding(self.mesh, steps or self.config.trainer.steps_per_sync).spec
+        if mode == "shard_map":
+            return shard_map(step, self.mesh, in_specs=(specs, batch_spec),
+                             out_specs=(specs, P()) if out_specs is None else out_specs)
+        if mode == "pmap":
+            return pmap_over_rows(step, DATA, list(self.mesh.devices.ravel()), rows_axis=len(batch_spec) - 1)
+        return step
+
+    def gather_params(self, params: Any) -> Callable[[Any], Any]:
+        """params -> the whole params compute reads: FSDP keeps them sharded at rest and gathers them; other
+        strategies store them whole. `params`: the abstract params."""
+        return self._gather_whole(params) if self.config.parallel.strategy == "fsdp" else _as_they_are
+
+    def gradient_parts(self, remat: str, params: Any) -> dict[str, Any]:
+        """What make_train_step needs beside the model's own gradients: nothing without a pipeline."""
+        return {}
+
+    def eval_step(self, specs: TrainState, params: Any) -> Callable[[TrainState, dict], dict]:
+        """One global program over the whole eval batch."""
+        return make_eval_step(self.model, self.config.model.loss, self.policy, self.gather_params(params))
+
+    def _gather_whole(self, params: Any) -> Callable[[Any], Any]:
+        """In one global program the partitioner gathers what a replicated sharding constraint asks for."""
+        return lambda tree: jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: replicated(self.mesh), tree))
+
+    def _split_dims(self, params: Any) -> Any:
+        """Per param, the dimension its optimizer state (and with FSDP the param) is split along over `data`
+        (None: not split)."""
+        return jax.tree.map(lambda spec: spec.index(DATA) if DATA in spec else None, self.param_split_specs(params),
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def _data_axis_processes(self) -> int:
+        from xlatrain.custom_calls.backend import processes_along
+
+        return processes_along(self.mesh, DATA)
+
+    def _rules(self) -> dict:
+        return self.model.rules(self.config.parallel.logical_rules)
+
+
+def _as_they_are(params: Any) -> Any:
+    return params

@@ -1,0 +1,165 @@
+"""The pipeline's part of a program: the plan made from the model's measured costs, the remat chosen for it, and
+the train and eval steps run through the stages (lowering/pipeline/), beside data parallelism over `data`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+from xlatrain.lowering.data_parallel import DataParallel
+from xlatrain.lowering.pipeline.block_costs import measure_block_costs
+from xlatrain.lowering.pipeline.evaluation import make_pipeline_eval
+from xlatrain.lowering.pipeline.gradients import make_pipeline_gradients
+from xlatrain.lowering.pipeline.stage_link import StagedTrees, StageLink, stage_link
+from xlatrain.lowering.pipeline.work import pipeline_work, residual_bytes
+from xlatrain.lowering.step import eval_metrics
+
+from xlatrain.config import Config, Derived
+from xlatrain.data.spec import DataSpec
+from xlatrain.errors import UserError
+from xlatrain.mesh import eval_batch_sharding
+from xlatrain.models.interface import ModelDef
+from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
+from xlatrain.pipeline.remat import RematChoice, choose_remat, configured
+from xlatrain.precision import Policy
+from xlatrain.runtime.device_memory import DeviceMemory
+from xlatrain.runtime.distributed import as_primary_has_it
+from xlatrain.state import TrainState, init_variables, state_specs
+
+
+@dataclass(frozen=True)
+class PipelineParallel(DataParallel):
+    """A pipeline over the `stage` axis inside each data replica: every device runs the slot program of its stage,
+    holding only its stage's chunks of the blocks."""
+
+    plan: PipelinePlan
+
+    @property
+    def pipeline(self) -> PipelinePlan:
+        return self.plan
+
+    @property
+    def block_axes(self) -> int:
+        """The stage layout's leading axes of the blocks' params: [virtual stages, stages, blocks, ...]."""
+        return 3
+
+    @property
+    def arrange(self) -> Callable[[Any], Any]:
+        return self.plan.layout.stage_params
+
+    @property
+    def partition(self) -> tuple[int, ...]:
+        return self.plan.layout.partition
+
+    @property
+    def gradients_synchronised(self) -> bool:
+        """Over one data replica each stage updates its blocks from its own gradients (and only their norm and
+        finiteness are summed over the stages)."""
+        return self.derived.data_parallel > 1
+
+    def state_specs(self, init: Callable[[], TrainState], tx: optax.GradientTransformation,
+                    ) -> tuple[TrainState, TrainState]:
+        """The stage layout's specs (blocks over `stage`), split over `data` too for zero1 (the optimizer state)
+        and fsdp (the params as well)."""
+        strategy = self.config.parallel.strategy
+        return state_specs(init, self.model, tx, strategy, self._rules(), self.mesh,
+                           fixed_param_specs=self.param_split_specs if strategy == "fsdp"
+                           else self.plan.layout.param_specs,
+                           fixed_optimizer_specs=self.param_split_specs if strategy in ("zero1", "fsdp") else None)
+
+    def param_count(self, params: Any) -> int:
+        """The model's parameters, less the padding blocks of uneven chunks."""
+        return self.plan.layout.real_size(params)
+
+    def param_split_specs(self, params: Any) -> Any:
+        """StageLayout.split_specs: by whole layers for adafactor, whose update reads each layer's whole matrices."""
+        return self.plan.layout.split_specs(params, data=self.derived.data_parallel,
+                                            whole_layers=self.config.optimizer.name == "adafactor")
+
+    def choose_remat(self, memory: DeviceMemory, most_bytes_with_residuals: Callable[[], int]) -> RematChoice:
+        """parallel.pipeline.remat; `auto` measures the step compiled with remat: none against the budget."""
+        pipe = self.config.parallel.pipeline
+        zero_bubble = pipe.schedule if pipe.splits_backward() else None
+        if pipe.remat != "auto":
+            return configured(pipe.remat, zero_bubble)
+        budget, source = ((pipe.memory_budget_bytes, "parallel.pipeline.memory_budget_bytes")
+                          if pipe.memory_budget_bytes is not None else memory)
+        return choose_remat(most_bytes_with_residuals, budget, source, zero_bubble)
+
+    def gradient_parts(self, remat: str, params: Any) -> dict[str, Any]:
+        """The gradients through the stages, and the stage-split trees whose norms sum over the stages."""
+        plan, link = self.plan, self._link()
+        return {"gradients": make_pipeline_gradients(self.model.blocks, plan.layout, plan.slots,
+                                                     self.derived.pipeline_microbatches, self.config.model.loss,
+                                                     self.policy, link, remat),
+                "trees": StagedTrees(link, self.gather_params(params))}
+
+    def eval_step(self, specs: TrainState, params: Any) -> Callable[[TrainState, dict], dict]:
+        """Each replica's rows through the stages, forward only; the replicas' sums added."""
+        plan = self.plan
+        evaluate = make_pipeline_eval(self.model.blocks, plan.layout, plan.eval_slots, plan.evaluation.microbatches,
+                                      self.config.model.loss, self.policy, self._link())
+        replicas, gather = self.replicas(params), self.gather_params(params)
+
+        def eval_step(state: TrainState, batch: dict) -> dict:
+            return eval_metrics(jax.tree.map(replicas.total, evaluate(gather(state.params), batch)))
+
+        return self.per_device(eval_step, specs, out_specs=P(), batch_spec=eval_batch_sharding(self.mesh).spec)
+
+    def _gather_whole(self, params: Any) -> Callable[[Any], Any]:
+        """In the per-device program the gather is written out: an all-gather over `data`."""
+        return self.replicas(params).gather
+
+    def _link(self) -> StageLink:
+        c = self.config.collectives
+        return stage_link(self.derived.stages, c.impl, c.timeout_s)
+
+
+def pipeline_parallel(config: Config, derived: Derived, mesh: jax.sharding.Mesh, model: ModelDef, spec: DataSpec,
+                      policy: Policy, pinned_partition: tuple[int, ...] | None) -> PipelineParallel:
+    """The run's pipeline, its partition measured from the model's pieces (or `pinned_partition`: the one a resumed
+    run chose at its first start)."""
+    return PipelineParallel(config, derived, mesh, model, policy,
+                            _plan(config, derived, model, spec, policy, pinned_partition))
+
+
+def refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> None:
+    if model.blocks is None:
+        why = model.not_pipelinable or "it is not a xlatrain.models.BlockStack"
+        raise UserError(f"config: {config.model.named()} cannot be pipelined (mesh.stage={derived.stages}): {why} "
+                        "(see docs/pipelines.md); or set mesh.stage=1")
+    model_state = jax.eval_shape(model.init, jax.random.PRNGKey(0))[1]
+    if jax.tree.leaves(model_state):
+        raise UserError(f"config: {config.model.named()} cannot be pipelined (mesh.stage={derived.stages}): it "
+                        f"keeps model state ({', '.join(list(model_state)[:3])}), and a pipeline passes only "
+                        "activations between stages; or set mesh.stage=1")
+
+
+def _plan(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy,
+          pinned_partition: tuple[int, ...] | None) -> PipelinePlan:
+    def abstract() -> tuple[dict, dict]:
+        """The model's abstract params and one pipeline microbatch's abstract batch."""
+        return (jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy)[0]),
+                spec.abstract_batch((derived.pipeline_microbatch_size,)))
+
+    def measure():
+        return measure_block_costs(model.blocks, *abstract(), config.model.loss, policy,
+                                   split_backward=config.parallel.pipeline.splits_backward())
+
+    def count_work(schedule, partition, remat):
+        return pipeline_work(model.blocks, *abstract(), config.model.loss, policy, schedule, partition, remat)
+
+    def count_residual_bytes(partition, stash):
+        return residual_bytes(model.blocks, *abstract(), config.model.loss, policy, partition, stash)
+
+    def as_process_0_chose(partition: tuple[int, ...]) -> tuple[int, ...]:
+        """Every process measures the costs on its own devices, and one kind's may cut the blocks differently."""
+        return tuple(json.loads(as_primary_has_it("pipeline_partition", json.dumps(partition))))
+
+    return plan_pipeline(config.parallel.pipeline, derived.stages, derived.pipeline_microbatches,
+                         model.blocks.layers, measure, count_work, count_residual_bytes,
+                         derived.microbatches * derived.pipeline_microbatches, pinned_partition, as_process_0_chose)

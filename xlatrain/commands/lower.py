@@ -1,0 +1,179 @@
+"""`xlatrain lower`: compile the train step, on this host's devices or for a GPU it need not have, and report what
+XLA made of it: params, FLOPs, peak memory against a device's, collectives, the AMP order, a pipeline's layout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+
+from xlatrain.compat.backends import compile_only_gpus
+from xlatrain.compat.monitoring import cost_analysis
+from xlatrain.config import Config, load_config
+from xlatrain.errors import UserError, first_line
+from xlatrain.lowering import hlo_graph
+from xlatrain.lowering.inspect import collectives, dump, peak_memory_bytes
+from xlatrain.program import Program, build_program
+from xlatrain.runtime.gpu_targets import GpuTarget, resolve_target, target_devices
+
+
+def lower(config: Config, target: GpuTarget | None = None, devices: list | None = None, dump_to: Path | None = None,
+          as_json: bool = False) -> None:
+    """Prints the report (one JSON object with `as_json`); `devices`: the compile-only GPUs of `target`."""
+    with _refused_by_target(target):
+        program = build_program(config, devices)
+        step = program.train_step.first
+        report = lower_report(program, step.compiled)
+    if target is not None:
+        report["target"] = {"asked": target.label, "device_kind": target.device_kind, "devices": len(devices),
+                            "memory_bytes": target.memory_bytes}
+    if dump_to:
+        for path in dump(step.lowered, step.compiled, dump_to, "train_step"):
+            print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(report) if as_json else format_report(report, program.derived.devices))
+
+
+def lower_report(program: Program, compiled: Any) -> dict[str, Any]:
+    """What `xlatrain lower --json` prints of a compiled (first) train step."""
+    available, where = program.device_memory
+    report = {"params": program.param_count,
+              "flops": _flops_or_none(cost_analysis(compiled)),
+              "peak_memory_bytes": peak_memory_bytes(compiled),
+              "collectives": collectives(compiled.as_text()),
+              "device_memory": {"bytes": available, "of": where},
+              "model_flops": program.measured.model_flops_per_step,
+              "amp_order": amp_order_problems(program) if program.steps_per_sync == 1 else None,
+              "loss_scaled": program.policy.dynamic_scale,
+              "gradients_synchronised": program.gradients_synchronised}
+    if program.pipeline is not None:
+        report["pipeline"] = pipeline_report(program, compiled)
+    return report
+
+
+def amp_order_problems(program: Program) -> list[str]:
+    """The AMP order checked on the compiled (single-step) train program; empty when it holds."""
+    leaves = jax.tree_util.tree_flatten_with_path(program.abstract_state)[0]
+    params = [i for i, (path, _) in enumerate(leaves) if jax.tree_util.keystr(path).startswith(".params")]
+    skips = program.policy.dynamic_scale or program.config.trainer.on_nonfinite == "skip"
+    return hlo_graph.amp_order_problems(hlo_graph.parse_hlo(program.train_step.first.compiled.as_text()), params,
+                                        sorted(program.train_batch_shapes()), skips_nonfinite=skips,
+                                        clips=program.config.optimizer.clip_norm is not None,
+                                        scales=program.policy.dynamic_scale,
+                                        synchronised=program.gradients_synchronised)
+
+
+def pipeline_report(program: Program, compiled: Any) -> dict[str, Any]:
+    """The pipeline of a compiled train step: schedule, partition, bubble, and the activations a stage holds,
+    beside XLA's temporaries (memory analysis) that hold them."""
+    plan, s, remat = program.pipeline, program.pipeline.schedule, program.remat
+    memory = compiled.memory_analysis()
+    return {"schedule": s.name, "stages": s.stages, "virtual_stages": s.virtual_stages,
+            "microbatches": s.microbatches, "partition": list(plan.layout.partition),
+            "partition_source": plan.partition_source, "compute_balance": plan.balance.compute_ratio,
+            "memory_balance": plan.balance.memory_ratio,
+            "bubble": s.bubble(), "theoretical_bubble": s.theoretical_bubble(),
+            "activation_buffers": plan.slots.activation_buffers,
+            "gpipe_activation_buffers": plan.gpipe_activation_buffers(),
+            "activation_bytes_per_microbatch": plan.costs.boundary_bytes,
+            "remat": remat.remat, "remat_reason": remat.reason,
+            "residual_buffers": plan.slots.residual_buffers if remat.remat == "none" else 0,
+            "stash_buffers": plan.slots.stash_buffers,
+            "stash_bytes_per_microbatch": plan.count_stash_bytes() if plan.slots.splits_backward else 0,
+            "residual_bytes_per_microbatch": plan.count_residual_bytes() if remat.remat == "none" else 0,
+            "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else 0}
+
+
+def gpu_target(config_path: str | None, overrides: list[str], asked: str, count: int | None,
+               ) -> tuple[Config, GpuTarget, list]:
+    """(config, GpuTarget, compile-only GPUs) for `lower --target`, before jax starts its backends. The persistent
+    compilation cache stays off: a later run on the GPU itself must never load an executable compiled without it."""
+    target = resolve_target(asked)
+    config = load_config(config_path, [*overrides, "trainer.compile_cache=off"])
+    if config.collectives.impl == "custom":
+        raise UserError("lower --target: collectives.impl=custom compiles against xlatrain's NCCL library, which "
+                        "needs the GPUs themselves; compile with collectives.impl=xla")
+    devices = target_devices(config.mesh.data, config.mesh.stage, count)
+    return config, target, compile_only_gpus(target.config_text, devices, target.label)
+
+
+@contextlib.contextmanager
+def _refused_by_target(target: GpuTarget | None) -> Iterator[None]:
+    """XLA:GPU refusing the step for a --target (a compute capability its ptxas has dropped, a limit of the
+    device the step exceeds) as one line. For the host's own devices an XLA error is xlatrain's to fix: it
+    keeps its traceback."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if target is None:
+            raise
+        raise UserError(f"--target {target.label}: XLA:GPU cannot compile the train step for a {target.device_kind}: "
+                        f"{first_line(error)}") from None
+
+
+def _flops_or_none(analysis: dict[str, float]) -> float | None:
+    """XLA's FLOP count; None where the backend gives no cost analysis (a compile-only GPU)."""
+    return float(analysis["flops"]) if "flops" in analysis else None
+
+
+def _fits(peak: int, memory: dict) -> str:
+    """Against one device's memory, as `xlatrain train` holds the step before running it."""
+    if not memory["bytes"]:
+        return ""
+    verdict = "fits" if peak <= memory["bytes"] else "does NOT fit (`xlatrain train` refuses it)"
+    return f", {peak / memory['bytes']:.1%} of {memory['of']}: {verdict}"
+
+
+def format_report(report: dict, devices: int) -> str:
+    target = report.get("target")
+    lines = [f"target             {target['devices']} x {target['device_kind']} (--target {target['asked']}), "
+             "compiled only: nothing ran"] if target else []
+    lines += [f"params             {report['params']:,}",
+              "FLOPs per step     " + (f"{report['flops']:.4g} (XLA cost analysis, per device program: a loop's "
+                                       "body counted once)" if report["flops"] is not None
+                                       else "not given (XLA has no cost analysis of a compile-only GPU)"),
+              "model FLOPs        " + (f"{report['model_flops']:.4g} per step, all devices (matmuls of the forward "
+                                       "and backward over the global batch, counted on the jaxpr with every loop's "
+                                       "trip count)" if report["model_flops"] else "not counted (a while loop)"),
+              f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)"
+              + _fits(report["peak_memory_bytes"], report["device_memory"]),
+              "collectives        " + ("none" if not report["collectives"] else "")]
+    lines += [f"  {c['kind']:<26} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
+    if "pipeline" in report:
+        lines += _pipeline_lines(report["pipeline"])
+    lines.append(_amp_order_line(report))
+    return "\n".join(lines)
+
+
+def _pipeline_lines(p: dict) -> list[str]:
+    return [f"pipeline           {p['schedule']}: {p['stages']} stages x {p['virtual_stages']} chunk(s), "
+            f"{p['microbatches']} microbatches, bubble {p['bubble']:.1%}",
+            f"  partition        {p['partition_source']} {p['partition']}: max/mean per stage compute "
+            f"{p['compute_balance']:.2f}, memory {p['memory_balance']:.2f}",
+            f"  activations      {p['activation_buffers']} microbatch(es) x "
+            f"{p['activation_bytes_per_microbatch'] / 2**10:.1f} KiB held per stage (gpipe holds "
+            f"{p['gpipe_activation_buffers']}); XLA temporaries {p['temp_bytes'] / 2**20:.2f} MiB per device",
+            f"  remat            {p['remat']}: " + (
+                f"{p['residual_buffers']} microbatch(es) x {p['residual_bytes_per_microbatch'] / 2**10:.1f} KiB "
+                "of residuals held per stage, no forward recomputed" if p["remat"] == "none"
+                else "each chunk's backward recomputes its forward") + f"; {p['remat_reason']}",
+            "  FLOPs            of one time slot: XLA counts the body of the slot loop once"]
+
+
+def _amp_order_line(report: dict) -> str:
+    order = report["amp_order"]
+    scaled = ("scaled gradients", "unscale, ") if report["loss_scaled"] else ("gradients (no loss scale)", "")
+    if order is None:
+        return "AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)"
+    if order == [hlo_graph.SINGLE_DEVICE]:
+        return f"AMP order          single device: {scaled[0]} -> {scaled[1]}finite check, clip -> update"
+    if order:
+        return "AMP order          VIOLATED: " + "; ".join(order)
+    if not report["gradients_synchronised"]:
+        return (f"AMP order          holds in the optimised HLO: each stage's {scaled[0]} -> {scaled[1]}"
+                "norm summed over the stages (all-reduce) -> finite check, clip -> update (one data replica)")
+    return (f"AMP order          holds in the optimised HLO: {scaled[0]} -> all-reduce -> "
+            f"{scaled[1]}finite check, clip -> update")

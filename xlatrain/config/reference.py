@@ -1,0 +1,150 @@
+"""The configuration reference, generated from the schema: every key with its default and its description (the
+field's docstring). `python3 -m xlatrain.config.reference > docs/configuration.md` writes the page; a test fails
+when the page and the schema disagree, or a key has no description."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from xlatrain.config.schema import Config
+
+HEADER = """# Configuration reference
+
+<!-- Generated from xlatrain/config/ by `python3 -m xlatrain.config.reference > docs/configuration.md`;
+edit the schema's docstrings, not this page. -->
+
+A config is a YAML file plus dotted overrides on the command line (`xlatrain train run.yaml trainer.steps=100
+model.hidden=[64,64]`); with no file, the built-in default below is used. Override values are YAML: quote one that
+starts with `*`, `&` or `!` (in a shell: `"data.glob='*.txt'"`). A section with kinds (`model.name`, `data.source`,
+`optimizer.name`) takes the keys of its kind. `xlatrain config [CONFIG] [key=value ...]` prints the resolved config
+and the values derived from it, and a run saves both in its `config.yaml`. Every mistake (an unknown key, with a
+did-you-mean; a wrong type; a value out of range; a batch that does not divide) is one line naming the key, before
+anything compiles.
+"""
+
+
+def reference() -> str:
+    """The whole page (Markdown)."""
+    top = {name: field for name, field in Config.model_fields.items() if not _models(field.annotation)}
+    lines = [HEADER, f"## Top level\n\n{_description(Config)}\n", *_table(top.items(), "")]
+    for name, field in Config.model_fields.items():
+        if name not in top:
+            lines += _section(name, field)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def undescribed() -> list[str]:
+    """Keys whose field has no docstring."""
+    found = []
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, field in cls.model_fields.items():
+            models = _models(field.annotation)
+            for model in models:
+                walk(model, f"{prefix}{name}.")
+            if not models and not field.description:
+                found.append(f"{prefix}{name} ({cls.__name__})")
+
+    walk(Config, "")
+    return found
+
+
+def _section(name: str, field: FieldInfo) -> list[str]:
+    models = _models(field.annotation)
+    if len(models) == 1:
+        return _one_kind(name, models[0], field, level=2)
+    tag = field.discriminator or _discriminator(field.annotation)
+    default_kind = getattr(field.default, tag)
+    lines = [f"## `{name}`\n", f"{_description(models[0].__mro__[1])}\n",
+             f"`{name}.{tag}` chooses the kind (default `{default_kind}`); the keys after it belong to that kind:\n"]
+    lines += [f"- `{_tag_of(model, tag)}`: {_text(model.model_fields[tag].description)}" for model in models]
+    lines.append("")
+    shared = [key for key in models[0].model_fields
+              if key != tag and all(_same(models[0], other, key) for other in models[1:])]
+    rows = [(key, models[0].model_fields[key], "") for key in shared]
+    rows += [(key, model.model_fields[key], f" ({_tag_of(model, tag)})") for model in models
+             for key in model.model_fields if key != tag and key not in shared]
+    return lines + _rows_table([(f"{name}.{key}", f, kind) for key, f, kind in rows])
+
+
+def _one_kind(name: str, model: type[BaseModel], field: FieldInfo, level: int) -> list[str]:
+    intro = field.description or _description(model)
+    plain = [(key, f) for key, f in model.model_fields.items() if not _models(f.annotation)]
+    lines = [f"{'#' * level} `{name}`\n", f"{intro}\n", *_table(plain, f"{name}.")]
+    for key, f in model.model_fields.items():
+        if _models(f.annotation):
+            lines += _one_kind(f"{name}.{key}", _models(f.annotation)[0], f, level + 1)
+    return lines
+
+
+def _table(fields: Any, prefix: str) -> list[str]:
+    return _rows_table([(f"{prefix}{key}", field, "") for key, field in fields])
+
+
+def _rows_table(rows: list[tuple[str, FieldInfo, str]]) -> list[str]:
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{key}`{kind} | {_default(field)} | {_text(field.description)} |" for key, field, kind in rows]
+    return [*lines, ""]
+
+
+def _default(field: FieldInfo) -> str:
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    text = yaml.safe_dump(_plain(value), default_flow_style=True, width=10**6).strip()
+    return f"`{text.removesuffix('...').strip()}`"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _same(a: type[BaseModel], b: type[BaseModel], key: str) -> bool:
+    if key not in b.model_fields:
+        return False
+    fa, fb = a.model_fields[key], b.model_fields[key]
+    return (fa.description, _default(fa)) == (fb.description, _default(fb))
+
+
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    """The config classes a field holds: one for a section, several for a section with kinds."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) is not None else (annotation,)
+    found = []
+    for option in options:
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            found.append(option)
+        elif typing.get_origin(option) is not None:
+            found += _models(option)
+    return found
+
+
+def _discriminator(annotation: Any) -> str:
+    return next(m.discriminator for m in getattr(annotation, "__metadata__", ()) if hasattr(m, "discriminator"))
+
+
+def _tag_of(model: type[BaseModel], tag: str) -> str:
+    return typing.get_args(model.model_fields[tag].annotation)[0]
+
+
+def _description(cls: type) -> str:
+    return _text(cls.__doc__ or "")
+
+
+def _text(doc: str | None) -> str:
+    return " ".join((doc or "").split()).replace("|", "\\|")
+
+
+if __name__ == "__main__":
+    print(reference(), end="")

@@ -1,0 +1,302 @@
+"""orbax checkpoints of the train state and the data position: async, atomic, keep the last K, and verified.
+
+Each checkpoint carries a fingerprint of every leaf of the state (computed on the devices). A restore checks
+them; a checkpoint that cannot be read or does not match is moved aside (`<step>.corrupt`), never deleted, and
+the newest one that verifies is used instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import functools
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple
+
+import jax
+import orbax.checkpoint as ocp
+
+from xlatrain.compat.multihost import barrier
+from xlatrain.errors import UserError, drop_follow_up_errors, first_line
+from xlatrain.run.fingerprints import tree_fingerprints
+from xlatrain.runtime.distributed import is_primary
+from xlatrain.sizes import readable_bytes
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint step that cannot be read, or whose arrays do not match their saved fingerprints."""
+
+
+class CheckpointNotWritten(UserError):
+    """A checkpoint that could not be written (a full disk, a file system gone read-only): the run stops, and
+    the checkpoints written before it stay."""
+
+
+_SLICE_BYTES_FOR_REPLICA_PARALLEL = 2**20
+"""orbax splits the save of a replicated array among its replicas by slicing it, which compiles one small XLA
+program per slice shape (96 for a 2-stage pipeline's small state); below this many bytes a slice is not worth
+a compilation."""
+
+
+@functools.cache
+def _register_array_handler() -> None:
+    handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=_SLICE_BYTES_FOR_REPLICA_PARALLEL)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that it replaces its default handler: that is the point
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl.setLevel(level)
+
+
+@functools.cache
+def _drop_logged_failures(logger: str, is_dropped: Callable[[BaseException], bool]) -> None:
+    """From now on, `logger`'s records whose exception `is_dropped` picks out are dropped; every other record is
+    logged as before. Installed once per logger and rule."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[1] is not None and is_dropped(record.exc_info[1]))
+
+    logging.getLogger(logger).addFilter(keep)
+
+
+def _drop_orbax_logs_of_refused_writes() -> None:
+    """orbax logs a failed background write as an ERROR with its traceback, from each thread it passes through,
+    while the training goes on; xlatrain waits for every save it starts, and reports the ones the file system
+    refused in one line (CheckpointNotWritten). Those records are dropped; any other failure is logged as before."""
+    _drop_logged_failures("absl", _refused_write)
+
+
+class Restored(NamedTuple):
+    state: Any
+    data: dict
+    """The data position."""
+    trained_on: dict
+    """What `Checkpoints.save` was told of the data; {} for a checkpoint written before xlatrain recorded it."""
+
+
+class Checkpoints:
+    def __init__(self, directory: Path, keep: int):
+        _register_array_handler()
+        _drop_orbax_logs_of_refused_writes()
+        self.directory = directory.resolve()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._in_flight: int | None = None
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, data_state: dict, trained_on: dict | None = None) -> None:
+        """Starts an asynchronous save, once the one before it is written; orbax writes to a temporary directory
+        and renames it when done. Raises CheckpointNotWritten when this save or the one before it failed.
+        `trained_on` (JSON) says what data the state was trained on; `restore` reads it back."""
+        self.wait_until_written()
+        needed, free = sum(leaf.nbytes for leaf in jax.tree.leaves(state)), shutil.disk_usage(self.directory).free
+        if free < needed:  # refused before orbax starts: a write that fails midway is hundreds of lines of its logs
+            raise self._not_written(step, f"its {readable_bytes(needed)} do not fit in the {readable_bytes(free)} "
+                                          "free there")
+        integrity = {"fingerprints": tree_fingerprints(state), "data": trained_on or {}}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                                  integrity=ocp.args.JsonSave(integrity))
+        with self._writing(step):
+            self._manager.save(step, args=args, force=True)
+        self._in_flight = step
+
+    def wait_until_written(self) -> None:
+        """Waits for the save in flight; raises CheckpointNotWritten when it failed."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            with self._writing(step):
+                self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _writing(self, step: int) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:
+            reason = _io_failure(err)
+            if reason is None:
+                raise
+            _quiet_abandoned_io()
+            raise self._not_written(step, reason) from None
+
+    def _not_written(self, step: int, reason: str) -> CheckpointNotWritten:
+        try:
+            kept = self.all_steps()
+        except OSError:  # the directory itself is gone
+            kept = []
+        return CheckpointNotWritten(
+            f"checkpoint {step} could not be written to {self.directory} ({reason}); "
+            + (f"the newest one written, {kept[-1]}, is kept" if kept else "none was written before it")
+            + ": make room or repair the directory, then run the same command to resume")
+
+    def restore_newest_verified(self, abstract_state: Any,
+                                warn: Callable[[str], None]) -> tuple[Restored, int] | None:
+        """What the newest checkpoint that restores and verifies holds, and its step; those newer that do
+        not are moved aside with one warning each. None when there is no checkpoint; a UserError when none
+        verifies."""
+        moved = []
+        for step in reversed(self.all_steps()):
+            try:
+                return self.restore(step, abstract_state), step
+            except CorruptCheckpoint as err:
+                destination = self._move_aside(step)
+                moved.append(destination.name)
+                warn(f"checkpoint {step} is unusable ({err}); moved it to {destination} and trying an earlier one")
+        if moved:
+            raise UserError(f"no checkpoint in {self.directory} restores and verifies (moved aside: "
+                            f"{', '.join(moved)}); move one back to retry it, or set trainer.run_dir to a new "
+                            "directory to start over")
+        return None
+
+    def _check_layout(self, step: int, abstract_state: Any) -> None:
+        """A checkpoint whose arrays have other names or shapes than this run's state is not corrupt: the model
+        changed since it was written (its code, or the data its shapes follow). Refused with the differences, and
+        nothing is moved aside. One whose metadata cannot be read is left to the restore, which calls it corrupt."""
+        try:
+            metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        except Exception:  # orbax raises many types; the restore reports the checkpoint as unusable
+            return
+        stored, wanted = _shapes(getattr(metadata, "item_metadata", metadata)), _shapes(abstract_state)
+        params_first = functools.partial(sorted, key=lambda path: (not path.startswith("params/"), path))
+        problems = [f"{path} of shape {stored[path]} where the run's state has {wanted[path]}"
+                    for path in params_first(set(stored) & set(wanted)) if stored[path] != wanted[path]]
+        problems += [f"no {path}" for path in params_first(set(wanted) - set(stored))]
+        problems += [f"{path}, which the run's state has not" for path in params_first(set(stored) - set(wanted))]
+        if problems:
+            raise UserError(f"checkpoint {step} in {self.directory} holds " + "; ".join(problems[:3])
+                            + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+                            + ": the model's shapes changed since the run was written (its code, or data they "
+                            "follow, such as data.path's inputs); resume with those it was written with, or choose "
+                            "a new trainer.run_dir. Nothing was moved aside")
+
+    def restore(self, step: int, abstract_state: Any) -> Restored:
+        """The state (placed in the shardings that `abstract_state` carries), verified against the saved
+        fingerprints, with the data position and what data it was trained on."""
+        _quiet_abandoned_io()  # first: reads abandoned on an unreadable file report while orbax's call still unwinds
+        self._check_layout(step, abstract_state)
+        try:
+            state, data, integrity = self._restore(step, abstract_state)
+            written = state
+        except Exception as err:  # orbax raises many types; all mean this step cannot be used
+            legacy = _without_model_state(abstract_state)
+            if legacy is None:
+                raise CorruptCheckpoint(_unreadable(err)) from None
+            try:
+                written, data, integrity = self._restore(step, legacy)
+            except Exception:
+                raise CorruptCheckpoint(_unreadable(err)) from None
+            state = abstract_state.replace(**written, model_state={})
+        if integrity:  # the fingerprints follow the tree as it was written
+            _verify(written, integrity["fingerprints"])
+        return Restored(state, data, integrity.get("data", {}))
+
+    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
+        """The state, the data position, and the integrity record ({} for a checkpoint written before it)."""
+        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()}
+        has_integrity = (self.directory / str(step) / "integrity").is_dir()
+        if has_integrity:  # checkpoints written before fingerprints existed restore unverified
+            items["integrity"] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return restored.state, restored.data, restored.integrity if has_integrity else {}
+
+    def _move_aside(self, step: int) -> Path:
+        barrier(f"xlatrain-checkpoint-{step}-moving-aside")
+        source = self.directory / str(step)
+        destination = source.with_name(f"{step}.corrupt")
+        suffix = 1
+        while destination.exists():
+            suffix += 1
+            destination = source.with_name(f"{step}.corrupt-{suffix}")
+        if is_primary():
+            source.rename(destination)
+        barrier(f"xlatrain-checkpoint-{step}-moved-aside")
+        self._manager.reload()
+        return destination
+
+    def close(self) -> None:
+        try:
+            self.wait_until_written()
+        finally:
+            self._manager.close()
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_FILE_GONE = re.compile(r"^NOT_FOUND: .* local file ")
+"""TensorStore's status for a file of the checkpoint that was removed while orbax wrote it (it names no errno)."""
+
+
+def _io_failure(err: Exception) -> str | None:
+    """Why a save failed when the file system refused it (orbax reports TensorStore's errors as ValueError,
+    naming the errno); None for any other failure, which keeps its traceback."""
+    code = _OS_ERROR_CODE.search(str(err))
+    if code is not None:
+        return os.strerror(int(code.group(1)))
+    if _FILE_GONE.match(str(err)):
+        return os.strerror(errno.ENOENT)
+    if isinstance(err, OSError):
+        return err.strerror or first_line(err)
+    return None
+
+
+def _unreadable(err: Exception) -> str:
+    """Why a checkpoint did not restore, without the TensorStore specs (kilobytes of JSON) its errors end with."""
+    return f"{type(err).__name__}: {first_line(err).split(' [tensorstore_spec', 1)[0]}"
+
+
+def _quiet_abandoned_io() -> None:
+    """After orbax's restore or save raises on the first array it cannot read or write, the I/O still in flight
+    ends later, each printing its own error with the whole TensorStore spec (hundreds of lines) as an unraisable
+    exception or an asyncio task's unretrieved exception: the coroutine was left unawaited, or its result reached
+    the event loop after it closed."""
+    drop_follow_up_errors("orbax-abandoned-io", _from_abandoned_io)
+    _drop_logged_failures("asyncio", _abandoned)
+
+
+def _from_abandoned_io(unraisable: Any) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)
+    return (code is not None and "orbax" in Path(code.co_filename).parts) or _abandoned(unraisable.exc_value)
+
+
+def _refused_write(err: BaseException | None) -> bool:
+    return isinstance(err, Exception) and _io_failure(err) is not None
+
+
+def _abandoned(err: BaseException | None) -> bool:
+    loop_closed = isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
+    return loop_closed or _refused_write(err)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{path/of/leaf: shape} of a state or of a checkpoint's metadata (a dataclass's fields and a dict's keys
+    name alike)."""
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
+
+
+def _verify(state: Any, saved: dict[str, int]) -> None:
+    restored = tree_fingerprints(state)
+    differ = [path for path, value in restored.items() if saved.get(path) != value]
+    missing = sorted(set(saved) - set(restored))
+    if differ or missing:
+        named = differ or missing
+        raise CorruptCheckpoint(f"{len(named)} array(s) do not match the fingerprints saved with it, e.g. "
+                                f"{named[0]}")
+
+
+def _without_model_state(abstract_state: Any) -> dict | None:
+    """A train state written before TrainState had `model_state` (always empty for those models): its other
+    fields as a dict, to restore such a checkpoint; None when the state has model state to restore."""
+    if not dataclasses.is_dataclass(abstract_state) or getattr(abstract_state, "model_state", None) != {}:
+        return None
+    return {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)
+            if f.name != "model_state"}
