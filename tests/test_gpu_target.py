@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import REPO, TINY_GPT, run_cli
-from xlatrain.lowering.platform import compiling_for, lowering_platform
 
-from xlatrain.attention import causal_attention
 from xlatrain.compat.backends import installed_cuda_plugin
 from xlatrain.errors import UserError
-from xlatrain.gpu_targets import (
+from xlatrain.models.attention import causal_attention
+from xlatrain.observe.peaks import known_peak
+from xlatrain.runtime.gpu_targets import (
     GPU_TARGETS,
     parse_target_config,
     resolve_target,
@@ -25,7 +25,7 @@ from xlatrain.gpu_targets import (
     target_config_text,
     target_devices,
 )
-from xlatrain.peaks import known_peak
+from xlatrain.runtime.platform import compiling_for, lowering_platform
 
 HAS_CUDA_PLUGIN = installed_cuda_plugin() is not None
 needs_cuda_plugin = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is not installed (CI's "
@@ -198,9 +198,9 @@ def test_on_an_h100_1f1b_holds_p_microbatches_where_gpipe_holds_m():
 
 
 @needs_cuda_plugin
-def test_the_readmes_target_commands_run_as_written():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Compile for a GPU you do not have"):]
+def test_the_docs_target_commands_run_as_written():
+    performance = (REPO / "docs" / "performance.md").read_text()
+    section = performance[performance.index("## Compile for a GPU you do not have"):]
     block = section[section.index("```bash\n") + 8:section.index("```", section.index("```bash\n") + 8)]
     commands = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.startswith("xlatrain lower")]
     assert len(commands) == 2
