@@ -17,11 +17,11 @@ DropoutRate = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class Strict(BaseModel):
-    """A config section: unknown keys refused, frozen once validated; each field's docstring is its description
-    (docs/configuration.md is generated from them)."""
+    """A config section: unknown keys refused, frozen once validated. Each field's docstring is its description:
+    docs/configuration.md is generated from them (config/reference.py, which reads them from the source, so that
+    loading a config does not)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, allow_inf_nan=False,
-                              use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, allow_inf_nan=False)
 
 
 def positive_ints(value: Any) -> bool:

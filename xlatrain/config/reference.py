@@ -4,7 +4,11 @@ when the page and the schema disagree, or a key has no description."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 import typing
+from functools import cache
 from typing import Any
 
 import yaml
@@ -32,7 +36,7 @@ anything compiles.
 def reference() -> str:
     """The whole page (Markdown)."""
     top = {name: field for name, field in Config.model_fields.items() if not _models(field.annotation)}
-    lines = [HEADER, f"## Top level\n\n{_description(Config)}\n", *_table(top.items(), "")]
+    lines = [HEADER, f"## Top level\n\n{_description(Config)}\n", *_table(Config, list(top), "")]
     for name, field in Config.model_fields.items():
         if name not in top:
             lines += _section(name, field)
@@ -48,7 +52,7 @@ def undescribed() -> list[str]:
             models = _models(field.annotation)
             for model in models:
                 walk(model, f"{prefix}{name}.")
-            if not models and not field.description:
+            if not models and not _field_doc(cls, name):
                 found.append(f"{prefix}{name} ({cls.__name__})")
 
     walk(Config, "")
@@ -58,38 +62,38 @@ def undescribed() -> list[str]:
 def _section(name: str, field: FieldInfo) -> list[str]:
     models = _models(field.annotation)
     if len(models) == 1:
-        return _one_kind(name, models[0], field, level=2)
+        return _one_kind(name, models[0], _text(_field_doc(Config, name)), level=2)
     tag = field.discriminator or _discriminator(field.annotation)
     default_kind = getattr(field.default, tag)
     lines = [f"## `{name}`\n", f"{_description(models[0].__mro__[1])}\n",
              f"`{name}.{tag}` chooses the kind (default `{default_kind}`); the keys after it belong to that kind:\n"]
-    lines += [f"- `{_tag_of(model, tag)}`: {_text(model.model_fields[tag].description)}" for model in models]
+    lines += [f"- `{_tag_of(model, tag)}`: {_text(_field_doc(model, tag))}" for model in models]
     lines.append("")
     shared = [key for key in models[0].model_fields
               if key != tag and all(_same(models[0], other, key) for other in models[1:])]
-    rows = [(key, models[0].model_fields[key], "") for key in shared]
-    rows += [(key, model.model_fields[key], f" ({_tag_of(model, tag)})") for model in models
+    rows = [(models[0], key, "") for key in shared]
+    rows += [(model, key, f" ({_tag_of(model, tag)})") for model in models
              for key in model.model_fields if key != tag and key not in shared]
-    return lines + _rows_table([(f"{name}.{key}", f, kind) for key, f, kind in rows])
+    return lines + _rows_table([(f"{name}.{key}", model, key, kind) for model, key, kind in rows])
 
 
-def _one_kind(name: str, model: type[BaseModel], field: FieldInfo, level: int) -> list[str]:
-    intro = field.description or _description(model)
-    plain = [(key, f) for key, f in model.model_fields.items() if not _models(f.annotation)]
-    lines = [f"{'#' * level} `{name}`\n", f"{intro}\n", *_table(plain, f"{name}.")]
+def _one_kind(name: str, model: type[BaseModel], intro: str, level: int) -> list[str]:
+    plain = [key for key, f in model.model_fields.items() if not _models(f.annotation)]
+    lines = [f"{'#' * level} `{name}`\n", f"{intro or _description(model)}\n", *_table(model, plain, f"{name}.")]
     for key, f in model.model_fields.items():
         if _models(f.annotation):
-            lines += _one_kind(f"{name}.{key}", _models(f.annotation)[0], f, level + 1)
+            lines += _one_kind(f"{name}.{key}", _models(f.annotation)[0], _text(_field_doc(model, key)), level + 1)
     return lines
 
 
-def _table(fields: Any, prefix: str) -> list[str]:
-    return _rows_table([(f"{prefix}{key}", field, "") for key, field in fields])
+def _table(model: type[BaseModel], keys: list[str], prefix: str) -> list[str]:
+    return _rows_table([(f"{prefix}{key}", model, key, "") for key in keys])
 
 
-def _rows_table(rows: list[tuple[str, FieldInfo, str]]) -> list[str]:
+def _rows_table(rows: list[tuple[str, type[BaseModel], str, str]]) -> list[str]:
     lines = ["| key | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{key}`{kind} | {_default(field)} | {_text(field.description)} |" for key, field, kind in rows]
+    lines += [f"| `{name}`{kind} | {_default(model.model_fields[key])} | {_text(_field_doc(model, key))} |"
+              for name, model, key, kind in rows]
     return [*lines, ""]
 
 
@@ -114,8 +118,24 @@ def _plain(value: Any) -> Any:
 def _same(a: type[BaseModel], b: type[BaseModel], key: str) -> bool:
     if key not in b.model_fields:
         return False
-    fa, fb = a.model_fields[key], b.model_fields[key]
-    return (fa.description, _default(fa)) == (fb.description, _default(fb))
+    return ((_field_doc(a, key), _default(a.model_fields[key])) == (_field_doc(b, key), _default(b.model_fields[key])))
+
+
+def _field_doc(model: type[BaseModel], key: str) -> str:
+    """The docstring under `key`'s annotation in the class that declares it (the nearest in the MRO)."""
+    return next((_class_field_docs(cls)[key] for cls in model.__mro__ if key in _class_field_docs(cls)), "")
+
+
+@cache
+def _class_field_docs(cls: type) -> dict[str, str]:
+    """name -> docstring of the fields a class's own body declares (a string right after `name: type = ...`)."""
+    if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls is BaseModel:
+        return {}
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {node.target.id: inspect.cleandoc(after.value.value) for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)}
 
 
 def _models(annotation: Any) -> list[type[BaseModel]]:
