@@ -9,8 +9,6 @@ import jax
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 """Recorded by jax (jax/_src/dispatch.py) once per XLA backend compilation, with a `fun_name`."""
-
-
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 """Recorded by jax once per executable loaded from the persistent compilation cache."""
 

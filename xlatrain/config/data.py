@@ -19,6 +19,7 @@ class DataBase(Strict):
     prefetch: PositiveInt = 2
     """Batches the device loader keeps in flight on the devices."""
 
+
 class DigitsData(DataBase):
     source: Literal["digits"]
     """scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes)."""
@@ -31,7 +32,6 @@ class TextData(DataBase):
     """Text files read as bytes: windows of data.seq_len + 1 bytes, or one paragraph each with data.buckets."""
     path: str | None = None
     """Directory of text files; null: this Python's standard-library sources."""
-
     glob: str = "**/*.py"
     """Which files under data.path, relative to it (quote a leading *: data.glob='*.txt')."""
     seq_len: PositiveInt = 64

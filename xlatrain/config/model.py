@@ -58,7 +58,6 @@ class GPTConfig(ModelBase):
     """Vocabulary size (256: bytes); at least the data's token ids."""
     max_len: PositiveInt | None = None
     """Positional table size; null: data.seq_len."""
-
     dropout: DropoutRate = 0.0
     """Dropout rate while training (attention, residual and embedding dropout)."""
     scan_layers: Literal["auto"] | bool = "auto"
@@ -86,7 +85,6 @@ class CustomModelConfig(ModelBase):
     """Your own flax.nnx.Module (docs/models.md)."""
     target: Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$")]
     """"package.module:ClassName" of a flax.nnx.Module subclass that takes a keyword argument `rngs`."""
-
     kwargs: dict[str, Any] = {}
     """Keyword arguments of its constructor, checked against its signature."""
 

@@ -2,8 +2,8 @@
 
 XLA:GPU compiles from a description of the device (XLA's GpuTargetConfigProto, as text): compute capability,
 SM count, shared memory, memory size and bandwidth. jax's CUDA plugin takes one and gives compile-only devices
-(xlatrain/compat.py), so a CPU-only host can compile a config's train step for a GPU, read XLA's memory analysis
-of it, and check its HLO, before anyone rents the GPU. Nothing runs: on a host without such a GPU, XLA picks
+(xlatrain/compat/backends.py), so a CPU-only host can compile a config's train step for a GPU, read XLA's memory
+analysis of it, and check its HLO, before anyone rents the GPU. Nothing runs: on a host without such a GPU, XLA picks
 kernels without timing them (no autotuning), so they may differ from those the device itself gets.
 
 The known targets below are the vendors' figures for each device. Any other device: a target config written as

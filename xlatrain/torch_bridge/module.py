@@ -349,7 +349,7 @@ def shard_names(name: str, shape: tuple[int, ...], patterns: dict[str, int | Non
 
 def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> ModelDef:
     """xlatrain's model interface for the config's torch module. A module that keeps its repeated blocks as
-    the contract says (see torch_blocks.py) gets them stacked into params["blocks"], so it can be pipelined."""
+    the contract says (see torch_bridge/blocks.py) gets them stacked into params["blocks"], so it can be pipelined."""
     module = load_module(config, seed)
     stack, not_stackable = block_stacking(module, config.blocks)
     torch_module = TorchModule(module, config.target, stack)
