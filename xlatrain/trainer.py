@@ -342,11 +342,9 @@ class _Run:
                                    prefetch=self.config.data.prefetch, data_state=data_state, moved=self._moved)
 
     def _eval_batches(self) -> list[dict]:
-        batches = device_eval_batches(self.program.dataset, self.program.mesh,
-                                      global_batch=self.program.derived.global_batch,
-                                      max_batches=self.trainer.eval_batches)
-        self._moved(sum(v.nbytes for b in batches for v in b.values()))
-        return batches
+        return device_eval_batches(self.program.dataset, self.program.mesh,
+                                   global_batch=self.program.derived.global_batch,
+                                   max_batches=self.trainer.eval_batches, moved=self._moved)
 
     def _moved(self, host_to_device_bytes: int) -> None:
         self.host_to_device_bytes += host_to_device_bytes

@@ -170,10 +170,12 @@ def device_train_loader(dataset: Dataset, mesh: jax.sharding.Mesh, *, seed: int,
 
 
 def device_eval_batches(dataset: Dataset, mesh: jax.sharding.Mesh, *, global_batch: int, max_batches: int,
-                        ) -> list[Batch]:
-    """The held-out batches every evaluation runs, on the devices (eval_batch_sharding)."""
+                        moved: Callable[[int], None]) -> list[Batch]:
+    """The held-out batches every evaluation runs, on the devices (eval_batch_sharding); `moved(bytes)` is told
+    the host-to-device bytes of this process's rows."""
     sharding = eval_batch_sharding(mesh)
     block, blocks = process_row_block(mesh)
     host = eval_batches(dataset.eval, local_batch=global_batch // blocks, max_batches=max_batches, block=block,
                         blocks=blocks, buckets=dataset.spec.buckets)
+    moved(sum(v.nbytes for b in host for v in b.values()))
     return [make_global(b, sharding, rows_axis=0, blocks=blocks) for b in host]
