@@ -1,6 +1,6 @@
 """The `xlatrain` command line: `train | config | lower | parity | pipeline | profile | plot | report | export |
-launch`, each parsed here and run by its body (xlatrain/commands/ for all but train and config). Every user error
-is one line on stderr, exit 2."""
+launch`, each parsed here and run by its body (train's is the trainer, plot's and report's observe/'s, the others'
+xlatrain/commands/). Every user error is one line on stderr, exit 2."""
 
 from __future__ import annotations
 
