@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas
 
+from xlatrain.models.interface import Documents, documents_of
 from xlatrain.precision import Policy, cast_floats, next_loss_scale
 from xlatrain.state import ModelDef, TrainState
 
@@ -62,14 +63,14 @@ def means(sums: Metrics) -> Metrics:
 
 
 def make_forward(model: ModelDef, policy: Policy, compute_params: Callable[[Tree], Tree] = lambda p: p):
-    """params, model state, inputs, key -> (outputs, new model state): params and floating inputs in the
+    """params, model state, inputs, key, documents -> (outputs, new model state): params and floating inputs in the
     compute dtype, outputs in the output dtype, the model state kept in its own dtypes. `compute_params`
     lays params out for compute (FSDP gathers them)."""
 
     def forward(params: Tree, model_state: Tree, inputs: jax.Array, key: jax.Array | None = None,
-                ) -> tuple[jax.Array, Tree]:
+                documents: Documents | None = None) -> tuple[jax.Array, Tree]:
         in_compute = cast_floats(compute_params(params), policy.compute)
-        outputs, new_state = model.run(in_compute, model_state, cast_floats(inputs, policy.compute), key)
+        outputs, new_state = model.run(in_compute, model_state, cast_floats(inputs, policy.compute), key, documents)
         new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, model_state)
         return outputs.astype(policy.output), new_state
 
@@ -106,7 +107,7 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
 
     def scaled_objective(params, model_state, micro, key, scale, total_weight):
         with jax.named_scope("forward"):  # the backward's ops are named transpose(jvp(forward))
-            outputs, model_state = forward(params, model_state, micro["inputs"], key)
+            outputs, model_state = forward(params, model_state, micro["inputs"], key, documents_of(micro))
             sums = loss_sums(outputs, micro, loss)
             return sums["loss"] * scale / total_weight, (sums, model_state)
 
@@ -224,7 +225,8 @@ def make_eval_step(model: ModelDef, loss: str, policy: Policy,
     forward = make_forward(model, policy, compute_params)
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
-        return eval_metrics(loss_sums(forward(state.params, state.model_state, batch["inputs"])[0], batch, loss))
+        outputs = forward(state.params, state.model_state, batch["inputs"], None, documents_of(batch))[0]
+        return eval_metrics(loss_sums(outputs, batch, loss))
 
     return eval_step
 

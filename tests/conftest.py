@@ -68,6 +68,6 @@ def token_batch(program):
     from xlatrain.mesh import train_batch_sharding
 
     rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
-    batch = {k: np.stack([r[k] for r in rows]) for k in ("inputs", "targets")}
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     return make_global(split_microbatches(batch, program.derived.microbatches), train_batch_sharding(program.mesh),
                        1, 1)

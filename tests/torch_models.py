@@ -173,3 +173,29 @@ class Int8Scales(nn.Module):
 
     def forward(self, images):
         return self.linear(images.flatten(1)) * self.scale.float() / 10
+
+
+class PackedTinyLM(nn.Module):
+    """One attention layer that keeps to the packed documents it is given (`segment_ids`, `positions`)."""
+
+    def __init__(self, vocab: int, width: int, max_len: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Embedding(max_len, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens, segment_ids=None, positions=None):
+        x = self.embed(tokens) + self.position(positions)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        sees = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (positions[:, None, :] <= positions[:, :, None])
+        attended = torch.nn.functional.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None],
+                                                                    attn_mask=sees[:, None])
+        return self.head(x + attended[:, 0])
+
+
+class UnpackedTinyLM(PackedTinyLM):
+    """The same, but its forward takes no documents."""
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))

@@ -1,6 +1,6 @@
 """The `xlatrain` command line: `train | config | lower | parity | pipeline | profile | plot | report | export |
-launch`, each parsed here and run by its body (train's is the trainer, plot's and report's observe/'s, the others'
-xlatrain/commands/). Every user error is one line on stderr, exit 2."""
+launch | data prepare`, each parsed here and run by its body (train's is the trainer, plot's and report's
+observe/'s, the others' xlatrain/commands/). Every user error is one line on stderr, exit 2."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ USAGE_EXAMPLES = """examples:
   xlatrain parity examples/configs/torch_gpt.yaml --against torch --steps 10
   xlatrain export runs/torch-gpt --torch gpt.pt
   xlatrain launch --nproc 2 --devices-per-proc 4 examples/configs/digits_mlp.yaml
+  xlatrain data prepare corpus/ --glob '**/*.txt' --train-tokenizer 4096 --out shards/
 """
 
 PIPELINE_EXAMPLES = """examples (8 CPU devices: export XLA_FLAGS=--xla_force_host_platform_device_count=8 first):
@@ -148,6 +149,25 @@ def _parser() -> argparse.ArgumentParser:
                         "gives them")
     _config_arguments(launch, "what `xlatrain train` takes; distributed.* is set for each process")
     launch.set_defaults(command=_launch)
+    data = commands.add_parser("data", help="prepare training data").add_subparsers(required=True, metavar="ACTION")
+    prepare = data.add_parser("prepare", help="tokenize text files, JSONL or Parquet into token shards for "
+                              "data.source=tokens (docs/data.md)")
+    prepare.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files (.txt and others: one document "
+                         "each; .jsonl: one per line; .parquet: one per row) or directories of them")
+    prepare.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the shards and manifest go")
+    which = prepare.add_mutually_exclusive_group()
+    which.add_argument("--tokenizer", default="bytes", metavar="T", help="bytes (default), a tokenizer.json, a "
+                       "sentencepiece .model, or a directory holding one")
+    which.add_argument("--train-tokenizer", type=_positive, metavar="VOCAB", help="train a byte-level BPE of VOCAB "
+                       "ids on the training documents (saved as DIR/tokenizer.json)")
+    prepare.add_argument("--glob", default="**/*", help="which files under an INPUT directory (default **/*)")
+    prepare.add_argument("--field", default="text", help="the text field of JSONL lines and Parquet rows "
+                         "(default text)")
+    prepare.add_argument("--holdout", type=float, default=0.01, help="fraction of documents held out for "
+                         "evaluation, every k-th (default 0.01)")
+    prepare.add_argument("--shard-tokens", type=_positive, default=1 << 28, metavar="N",
+                         help="tokens per shard file, about (default 2**28)")
+    prepare.set_defaults(command=_prepare, args=[])
     return parser
 
 
@@ -238,6 +258,14 @@ def _config_with_cpu_devices(config_path: str | None, overrides: list[str]):
     config = load_config(config_path, overrides)
     apply_cpu_devices(config)
     return config
+
+
+def _prepare(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.commands.prepare import Request, prepare
+
+    prepare(Request(tuple(args.inputs), args.out, args.tokenizer, args.train_tokenizer, args.field, args.glob,
+                    args.holdout, args.shard_tokens))
+    return 0
 
 
 def _launch(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:

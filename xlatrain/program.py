@@ -31,7 +31,7 @@ from xlatrain.lowering.step import fuse_steps, loss_sums, make_forward, make_gra
 from xlatrain.mesh import build_mesh, eval_batch_sharding, train_batch_sharding
 from xlatrain.models import flax_model, model_factory
 from xlatrain.models.fit import check_model_outputs
-from xlatrain.models.interface import PARTLY_FROZEN, ModelDef
+from xlatrain.models.interface import PARTLY_FROZEN, ModelDef, documents_of
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
@@ -237,7 +237,7 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
     mesh = build_mesh(config, devices)
     if config.collectives.impl == "custom":
         prepare_custom_collectives(mesh)
-    dataset = open_dataset(config.data, config.model.loss)
+    dataset = open_dataset(config.data, config.model.loss, config.run_dir())
     examples, digest = data_identity(dataset)
     check_every_process_reads_the_same(config.data, identity_record(examples, digest))
     policy = resolve_policy(config.precision, config.collectives.dtype)
@@ -280,7 +280,8 @@ def build_model(config: Config, spec: DataSpec, compute_dtype: jnp.dtype, data_p
 def replica_state_bytes(config: Config) -> int:
     """Bytes of one replica's train state (params, optimizer state), traced without touching a device."""
     policy = resolve_policy(config.precision, config.collectives.dtype)
-    model = build_model(config, open_dataset(config.data, config.model.loss).spec, policy.compute,
+    spec = open_dataset(config.data, config.model.loss, config.run_dir()).spec
+    model = build_model(config, spec, policy.compute,
                         data_parallel=1, scan_layers=False)
     tx = build_optimizer(config.optimizer, optax.constant_schedule(config.optimizer.lr),
                          block_axes=0 if model.blocks is None else 1)
@@ -300,7 +301,7 @@ def _model_flops(config: Config, derived: Derived, model: ModelDef, spec: DataSp
     forward = make_forward(model, policy)
 
     def objective(params, model_state, batch):
-        outputs, _ = forward(params, model_state, batch["inputs"], jax.random.PRNGKey(0))
+        outputs, _ = forward(params, model_state, batch["inputs"], jax.random.PRNGKey(0), documents_of(batch))
         return loss_sums(outputs, batch, config.model.loss)["loss"]
 
     params, model_state = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy))

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
 from xlatrain.compat.transfers import allow_transfers, forbid_implicit_transfers
 from xlatrain.config import Config
-from xlatrain.data.identity import data_change, identity_record
+from xlatrain.data.identity import check_same_tokenizer, data_change, identity_record
 from xlatrain.data.loader import DeviceLoader, device_eval_batches, device_train_loader
 from xlatrain.errors import NonFiniteLoss, first_line, warn
 from xlatrain.lowering.compile import FIRST_COMPILATION, CompileLog
@@ -133,7 +133,8 @@ class _Run:
         self.phases = phases
         self.progress = phases.progress
         self.checkpoints = Checkpoints(self.run_dir / CHECKPOINTS_DIR, self.trainer.keep_checkpoints)
-        self.data_identity = identity_record(program.measured.data_examples, program.measured.data_digest)
+        self.data_identity = identity_record(program.measured.data_examples, program.measured.data_digest,
+                                             program.dataset.spec.tokenizer)
         self.compile_log = phases.compile_log
         self.hooks = hooks
         self.breakdown = phases.breakdown
@@ -327,6 +328,7 @@ class _Run:
         (state, data_state, trained_on), step = restored
         self.progress.last_checkpoint = step
         self.echo(f"  resuming from checkpoint at step {step} (verified)")
+        check_same_tokenizer(self.config.data, trained_on, self.data_identity, step)
         change = data_change(self.config.data, trained_on, self.data_identity)
         if change and is_primary():
             warn(f"the data is not what checkpoint {step} was trained on ({change}): the run goes on from step {step} "

@@ -14,6 +14,7 @@ from xlatrain.lowering.step import loss_sums
 
 from xlatrain.compat.jaxprs import evaluate, without_exact_roundings
 from xlatrain.models.blocks import BLOCKS, BlockParts, split_blocks
+from xlatrain.models.interface import documents_of
 from xlatrain.precision import Policy, cast_floats
 
 Tree = Any
@@ -45,11 +46,13 @@ def chunk_functions(parts: BlockParts, policy: Policy, loss: str, micro_j: dict,
     which a split backward's B computes through the chunk's blocks (XLA folds the addition away).
     The last returns the scaled loss and, as aux, the loss sums."""
 
+    documents = documents_of(micro_j)
+
     def run(cb, x):
-        return parts.run(cb, x, keys, active)
+        return parts.run(cb, x, keys, active, documents)
 
     def embed(cb, cr):
-        return parts.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute))
+        return parts.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute), documents)
 
     def last(cb, cr, x):
         outputs = parts.after({**cr, BLOCKS: cb}, run(cb, x)).astype(policy.output)
@@ -164,7 +167,7 @@ def microbatch_shapes(parts: BlockParts, policy: Policy, loss: str, blocks: Tree
     def one_microbatch():
         first = jax.tree.map(lambda x: x[0], micro)
         chunk = cast_floats({**rest, BLOCKS: jax.tree.map(lambda b: b[0], blocks)}, policy.compute)
-        x = parts.before(chunk, cast_floats(first["inputs"], policy.compute))
+        x = parts.before(chunk, cast_floats(first["inputs"], policy.compute), documents_of(first))
         return x, loss_sums(parts.after(chunk, x).astype(policy.output), first, loss)
 
     return jax.eval_shape(one_microbatch)

@@ -137,6 +137,10 @@ def refuse_unpipelinable(config: Config, derived: Derived, model: ModelDef) -> N
         raise UserError(f"config: {config.model.named()} cannot be pipelined (mesh.stage={derived.stages}): it "
                         f"keeps model state ({', '.join(list(model_state)[:3])}), and a pipeline passes only "
                         "activations between stages; or set mesh.stage=1")
+    if getattr(config.data, "packing", False) and not model.blocks.takes_documents:
+        raise UserError(f"config: {config.model.named()} cannot be pipelined on data.packing=true: its "
+                        "before_blocks and blocks must take the packed documents (`documents` for a flax BlockStack, "
+                        "`segment_ids` for a torch module; docs/models.md); or set data.packing=false")
 
 
 def _plan(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy,

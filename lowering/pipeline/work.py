@@ -31,6 +31,7 @@ from xlatrain.lowering.pipeline.residuals import ResidualLayout, buffer_counts, 
 
 from xlatrain.compat.monitoring import cost_analysis
 from xlatrain.models.blocks import BLOCKS, BlockParts, split_blocks
+from xlatrain.models.interface import documents_of
 from xlatrain.pipeline.schedule import Schedule
 from xlatrain.precision import Policy, cast_floats
 
@@ -108,7 +109,8 @@ def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax
 
     def whole_model(cb, cr, micro_j, keys, scales):
         def scaled_loss(cb, cr):
-            embedded = unrolled.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute))
+            embedded = unrolled.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute),
+                                       documents_of(micro_j))
             return chunk_functions(unrolled, policy, loss, micro_j, keys, None, *scales)["last"](cb, cr, embedded)[0]
 
         return jax.grad(scaled_loss, argnums=(0, 1))(cb, cr)
@@ -149,6 +151,6 @@ def abstract_chunk(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
     blocks, rest = split_blocks(abstract_params)
     resized = jax.tree.map(lambda b: jax.ShapeDtypeStruct((count, *b.shape[1:]), b.dtype), blocks)
     cb, cr = jax.eval_shape(lambda b, r: cast_floats((b, r), policy.compute), resized, rest)
-    x = jax.eval_shape(lambda cb, cr, m: parts.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute)),
-                       cb, cr, micro)
+    x = jax.eval_shape(lambda cb, cr, m: parts.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute),
+                                                      documents_of(m)), cb, cr, micro)
     return cb, cr, x

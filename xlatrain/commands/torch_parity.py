@@ -97,7 +97,7 @@ def refuse_what_differs(config: Config, module) -> None:
 
 def host_batches(config: Config, steps: int) -> list[dict[str, np.ndarray]]:
     """The first `steps` global batches, exactly as xlatrain's loader draws them."""
-    dataset = open_dataset(config.data, config.model.loss)
+    dataset = open_dataset(config.data, config.model.loss, config.run_dir())
     global_batch = derive(config, side_devices(config)).global_batch
     iterator = train_iterator(dataset.train, seed=config.seed, shuffle=config.data.shuffle, local_batch=global_batch,
                               block=0, blocks=1, buckets=dataset.spec.buckets)

@@ -7,7 +7,14 @@ overrides in `loading`, values computed from a config and the devices in `derive
 """
 
 from xlatrain.config.base import INT32_MAX, NonNegativeInt, PositiveInt, Strict
-from xlatrain.config.data import ArrayData, DataConfig, DigitsData, TextData
+from xlatrain.config.data import (
+    ArrayData,
+    DataConfig,
+    DigitsData,
+    TextData,
+    TokensData,
+    TrainedTokenizer,
+)
 from xlatrain.config.derived import Derived, derive, resolve_data_parallel, saved_values
 from xlatrain.config.distributed import DistributedConfig, StallTimeouts
 from xlatrain.config.loading import (
@@ -17,6 +24,7 @@ from xlatrain.config.loading import (
     flatten,
     load_config,
     parse_yaml,
+    upgraded_saved_config,
     validate_config,
     without_derived,
 )
@@ -45,10 +53,11 @@ from xlatrain.config.trainer import TrainerConfig
 
 __all__ = [
     "INT32_MAX", "NonNegativeInt", "PositiveInt", "Strict",
-    "ArrayData", "DataConfig", "DigitsData", "TextData",
+    "ArrayData", "DataConfig", "DigitsData", "TextData", "TokensData", "TrainedTokenizer",
     "Derived", "derive", "resolve_data_parallel", "saved_values",
     "DistributedConfig", "StallTimeouts",
     "DERIVED_SECTION", "config_and_derived_to_yaml", "config_to_yaml", "flatten", "load_config", "parse_yaml",
+    "upgraded_saved_config",
     "validate_config", "without_derived",
     "CPU_UNROLLED_LAYERS", "CNNConfig", "CustomModelConfig", "GPTConfig", "MLPConfig", "ModelConfig",
     "TorchModelConfig",

@@ -27,6 +27,28 @@ class DigitsData(DataBase):
     """Fraction of the examples held out for evaluation."""
 
 
+class TrainTokenizer(Strict):
+    vocab_size: Annotated[int, Field(ge=257, le=2**20)]
+    """Ids of the byte-level BPE trained with Hugging Face `tokenizers` (its end-of-text token among them)."""
+
+
+class TrainedTokenizer(Strict):
+    train: TrainTokenizer
+    """Train a byte-level BPE: `data prepare` on its inputs, a `text` run on its training split (saved in the run
+    directory as tokenizer-bpe-N.json, reused on resume)."""
+
+
+Tokenizer = Union[str, TrainedTokenizer]
+
+
+def check_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """`bytes`, or a path that exists (read later, by xlatrain/data/tokenizers.py), or train: {vocab_size: N}."""
+    if isinstance(tokenizer, str) and tokenizer != "bytes" and not Path(tokenizer).exists():
+        raise ValueError(f"data.tokenizer={tokenizer!r} does not exist; give `bytes`, a Hugging Face tokenizer.json, "
+                         "a sentencepiece .model, a directory holding one, or train: {vocab_size: N}")
+    return tokenizer
+
+
 class TextData(DataBase):
     source: Literal["text"]
     """Text files read as bytes: windows of data.seq_len + 1 bytes, or one paragraph each with data.buckets."""
@@ -44,6 +66,12 @@ class TextData(DataBase):
     """Variable-length examples (one paragraph each, up to seq_len bytes), every batch padded to the
     shortest of these lengths (or seq_len) that fits it, with padding masked out of the loss.
     Default: fixed windows of seq_len."""
+    tokenizer: Tokenizer = "bytes"
+    """bytes (ids 0..255); a Hugging Face tokenizer.json, a sentencepiece .model (needs the sentencepiece
+    package) or a directory holding one; or train: {vocab_size: N}. Files are tokenized at the start, joined
+    by the tokenizer's end-of-text token."""
+
+    _tokenizer_exists = field_validator("tokenizer")(check_tokenizer)
 
     @field_validator("glob")
     @classmethod
@@ -61,6 +89,9 @@ class TextData(DataBase):
             if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[-1] > self.seq_len:
                 raise ValueError(f"data.buckets={list(self.buckets)} must be strictly increasing lengths "
                                  f"no longer than data.seq_len={self.seq_len}")
+            if self.tokenizer != "bytes":
+                raise ValueError("data.buckets cuts paragraphs of bytes; with data.tokenizer, prepare shards "
+                                 "(xlatrain data prepare) and use data.source=tokens with data.packing=true")
         return self
 
 
@@ -82,4 +113,29 @@ class ArrayData(DataBase):
         return self
 
 
-DataConfig = Annotated[Union[DigitsData, TextData, ArrayData], Field(discriminator="source")]
+class TokensData(DataBase):
+    source: Literal["tokens"]
+    """Token shards prepared by `xlatrain data prepare` (docs/data.md), memory-mapped."""
+    path: str
+    """The directory `xlatrain data prepare --out` wrote (its manifest.json lists the shards)."""
+    seq_len: PositiveInt = 64
+    """Tokens per example."""
+    packing: bool = False
+    """false: windows of seq_len + 1 tokens that cross documents (the end-of-text token between them). true: whole
+    documents packed into rows, with segment ids and positions restarting at 0, so that attention and the loss
+    never cross a document; a document longer than a row is split."""
+    tokenizer: str | None = None
+    """null: the shards' own (their manifest's). A tokenizer (`bytes`, a tokenizer.json, a .model): the shards
+    must have been prepared with it, else the run is refused."""
+
+    _tokenizer_exists = field_validator("tokenizer")(lambda value: value if value is None else check_tokenizer(value))
+
+    @model_validator(mode="after")
+    def _path_exists(self) -> TokensData:
+        if not Path(self.path).is_dir():
+            raise ValueError(f"data.path={self.path!r} is not a directory; give the --out directory of "
+                             "`xlatrain data prepare`")
+        return self
+
+
+DataConfig = Annotated[Union[DigitsData, TextData, ArrayData, TokensData], Field(discriminator="source")]

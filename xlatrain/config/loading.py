@@ -47,6 +47,18 @@ def validate_config(data: dict) -> Config:
         raise UserError(_format_validation_error(err)) from None
 
 
+def upgraded_saved_config(data: dict) -> dict:
+    """A run directory's config.yaml as this version reads it: what older versions saved, converted. Before
+    model.vocab followed the tokenizer (and model.vocab_multiple existed), a GPT trained on bytes saved its default
+    vocab, 256, which is what null gives bytes now: without that conversion, an older run would be refused as a
+    different config when resumed with the defaults."""
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("name") == "gpt" and "vocab_multiple" not in model \
+            and model.get("vocab") == 256:
+        return {**data, "model": {**model, "vocab": None}}
+    return data
+
+
 def config_to_yaml(config: Config) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 

@@ -54,8 +54,12 @@ class GPTConfig(ModelBase):
     """Attention heads; must divide model.width."""
     mlp_ratio: PositiveInt = 4
     """MLP hidden width / model width."""
-    vocab: PositiveInt = 256
-    """Vocabulary size (256: bytes); at least the data's token ids."""
+    vocab: PositiveInt | None = None
+    """Vocabulary size, at least the tokenizer's ids; null: the tokenizer's (256 for bytes) rounded up to
+    model.vocab_multiple."""
+    vocab_multiple: PositiveInt = 64
+    """With model.vocab null: the vocabulary is rounded up to a multiple of this (padding rows no id reads: a
+    matmul-friendly size, and one that tensor-parallel splits divide)."""
     max_len: PositiveInt | None = None
     """Positional table size; null: data.seq_len."""
     dropout: DropoutRate = 0.0

@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import Field, PrivateAttr, model_validator
 
 from xlatrain.config.base import Seed, Strict
-from xlatrain.config.data import DataConfig, TextData
+from xlatrain.config.data import DataConfig, DigitsData, TextData, TokensData
 from xlatrain.config.distributed import DistributedConfig
 from xlatrain.config.model import CNNConfig, GPTConfig, MLPConfig, ModelConfig
 from xlatrain.config.optimizer import AdamWConfig, BatchConfig, OptimizerConfig
@@ -56,16 +56,19 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _model_fits_data(self) -> Config:
-        if isinstance(self.model, (MLPConfig, CNNConfig)) and isinstance(self.data, TextData):
+        if isinstance(self.model, (MLPConfig, CNNConfig)) and isinstance(self.data, (TextData, TokensData)):
             raise ValueError(
                 f"model.name={self.model.name} classifies arrays: use data.source=digits or arrays"
             )
         if isinstance(self.model, GPTConfig):
-            if not isinstance(self.data, TextData):
-                raise ValueError("model.name=gpt trains on token sequences: use data.source=text")
-            if self.model.max_len is not None and self.model.max_len < self.data.seq_len:
+            if isinstance(self.data, DigitsData):
+                raise ValueError("model.name=gpt trains on token sequences: use data.source=text, tokens or arrays "
+                                 "(integer token ids)")
+            seq_len = getattr(self.data, "seq_len", None)
+            if self.model.max_len is not None and seq_len is not None and self.model.max_len < seq_len:
                 raise ValueError(
-                    f"model.max_len={self.model.max_len} is shorter than data.seq_len={self.data.seq_len}"
+                    f"model.max_len={self.model.max_len} is shorter than data.seq_len={seq_len}; raise model.max_len "
+                    "or lower data.seq_len"
                 )
         return self
 

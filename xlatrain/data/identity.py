@@ -33,9 +33,25 @@ def _sampled(count: int) -> np.ndarray:
     return np.unique(np.linspace(0, count - 1, min(count, SAMPLED_EXAMPLES)).round().astype(np.int64))
 
 
-def identity_record(examples: tuple[int, int], digest: str) -> dict:
-    """The JSON a checkpoint keeps of data_identity's values."""
-    return {"examples": list(examples), "digest": digest}
+def identity_record(examples: tuple[int, int], digest: str, tokenizer: dict | None = None) -> dict:
+    """The JSON a checkpoint keeps of data_identity's values, and of token data the fingerprints of its tokenizer
+    and of its shards' manifest (DataSpec.tokenizer)."""
+    record = {"examples": list(examples), "digest": digest}
+    if tokenizer is not None:
+        record["tokenizer"] = tokenizer["fingerprint"]
+        if "shards" in tokenizer:
+            record["shards"] = tokenizer["shards"]
+    return record
+
+
+def check_same_tokenizer(config: DataConfig, then: dict, now: dict, step: int) -> None:
+    """A checkpoint's ids mean the text of the tokenizer it was trained with: resuming on ids of another is
+    refused (a checkpoint without the record, from bytes or before xlatrain kept it, is not checked)."""
+    before = then.get("tokenizer") if isinstance(then, dict) else None
+    if before is not None and before != now.get("tokenizer"):
+        raise UserError(f"{_named(config)}: checkpoint {step} was trained on ids of tokenizer {before}, but this data "
+                        f"is tokenized by {now.get('tokenizer', 'bytes')}: its ids would mean other text; resume on "
+                        "the data (or shards) the run was trained on, or start a new run")
 
 
 def data_change(config: DataConfig, then: dict, now: dict) -> str | None:
@@ -48,8 +64,13 @@ def data_change(config: DataConfig, then: dict, now: dict) -> str | None:
     if (train, held_out) != (train_now, held_out_now):
         return (f"{_named(config)}: {train} training and {held_out} held-out examples then, {train_now} and "
                 f"{held_out_now} now")
-    return (f"{_named(config)}: as many examples, but sampled ones differ (digest {then['digest']} then, "
-            f"{now['digest']} now)")
+    if then["digest"] != now["digest"]:
+        return (f"{_named(config)}: as many examples, but sampled ones differ (digest {then['digest']} then, "
+                f"{now['digest']} now)")
+    if then.get("shards", now.get("shards")) != now.get("shards"):
+        return (f"{_named(config)}: the shards' manifest changed (fingerprint {then['shards']} then, "
+                f"{now['shards']} now)")
+    return None
 
 
 def check_every_process_reads_the_same(config: DataConfig, record: dict) -> None:

@@ -1,4 +1,5 @@
-"""Built-in random-access sources: sklearn digits, byte-level text, and memory-mapped npy/npz arrays.
+"""Built-in random-access sources: sklearn digits, text (bytes or tokenized), prepared token shards, and
+memory-mapped npy/npz arrays.
 
 Each source is a (train, eval) pair of grain-compatible random-access sources plus a DataSpec.
 """
@@ -14,8 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from xlatrain.config import ArrayData, DataConfig, DigitsData, TextData
+from xlatrain.config import ArrayData, DataConfig, DigitsData, TextData, TokensData, TrainedTokenizer
+from xlatrain.data.shards import open_shards
 from xlatrain.data.spec import DataSpec
+from xlatrain.data.tokenizers import Tokenizer, load_tokenizer, token_dtype, train_bpe, trained_or_saved
+from xlatrain.data.tokens import PackedRows, ShardWindows
 from xlatrain.errors import UserError, first_line
 
 _SPLIT_SEED = 20261122
@@ -73,7 +77,7 @@ class TokenSpans:
         return {"inputs": window[:-1], "targets": window[1:]}
 
 
-Source = ArraySource | TokenWindows | TokenSpans
+Source = ArraySource | TokenWindows | TokenSpans | ShardWindows | PackedRows
 
 
 @dataclass(frozen=True)
@@ -83,12 +87,15 @@ class Dataset:
     spec: DataSpec
 
 
-def open_dataset(config: DataConfig, loss: str = "cross_entropy") -> Dataset:
-    """The data of a run, checked against the loss (model.loss) that will read its targets."""
+def open_dataset(config: DataConfig, loss: str = "cross_entropy", run_dir: Path | None = None) -> Dataset:
+    """The data of a run, checked against the loss (model.loss) that will read its targets. `run_dir`: where a
+    tokenizer that a text run trains is kept (None: in memory only, for what only traces the model)."""
     if isinstance(config, DigitsData):
         return _digits(config)
     if isinstance(config, TextData):
-        return _text(config)
+        return _text(config, run_dir)
+    if isinstance(config, TokensData):
+        return _tokens(config)
     return _arrays(config, loss)
 
 
@@ -98,17 +105,25 @@ def default_text_dir() -> Path:
 
 
 def read_text_corpus(directory: Path, pattern: str, max_bytes: int) -> np.ndarray:
-    chunks, total = [], 0
+    """The files' bytes, each followed by a newline."""
+    return np.concatenate([np.frombuffer(data + b"\n", dtype=np.uint8)
+                           for _, data in read_text_files(directory, pattern, max_bytes)])
+
+
+def read_text_files(directory: Path, pattern: str, max_bytes: int) -> list[tuple[Path, bytes]]:
+    """(path, bytes) of the files matching `pattern` in sorted order, up to max_bytes in all (a newline after
+    each counted)."""
+    files, total = [], 0
     for path in sorted(directory.glob(pattern)):
         if total >= max_bytes:
             break
         if path.is_file():
             data = path.read_bytes()[: max_bytes - total]
-            chunks.append(np.frombuffer(data + b"\n", dtype=np.uint8))
+            files.append((path, data))
             total += len(data) + 1
-    if not chunks:
+    if not files:
         raise UserError(f"config: data.path={str(directory)!r} has no files matching data.glob={pattern!r}")
-    return np.concatenate(chunks)
+    return files
 
 
 def paragraph_spans(tokens: np.ndarray, max_len: int) -> np.ndarray:
@@ -123,19 +138,75 @@ def paragraph_spans(tokens: np.ndarray, max_len: int) -> np.ndarray:
     return spans[spans[:, 1] - spans[:, 0] >= 2]
 
 
-def _text(config: TextData) -> Dataset:
+def _text(config: TextData, run_dir: Path | None) -> Dataset:
     directory = Path(config.path) if config.path else default_text_dir()
-    tokens = read_text_corpus(directory, config.glob, config.max_bytes)
     if config.buckets is not None:
-        return _text_paragraphs(tokens, config, directory)
+        return _text_paragraphs(read_text_corpus(directory, config.glob, config.max_bytes), config, directory)
+    if config.tokenizer == "bytes":
+        tokens, vocab, described = read_text_corpus(directory, config.glob, config.max_bytes), 256, None
+    else:
+        texts = [decoded(path, data) for path, data in read_text_files(directory, config.glob, config.max_bytes)]
+        tokenizer = _text_tokenizer(config, texts, run_dir)
+        tokens, vocab, described = tokenize_documents(texts, tokenizer), tokenizer.vocab_size, tokenizer.describe()
     windows = (len(tokens) - 1) // config.seq_len
     held_out = max(1, int(windows * config.holdout))
     if windows - held_out < 1:
-        raise UserError(f"config: data.path={str(directory)!r} holds {len(tokens)} bytes, too few for "
+        raise UserError(f"config: data.path={str(directory)!r} holds {len(tokens)} tokens, too few for "
                         f"data.seq_len={config.seq_len}; add text or lower data.seq_len")
-    spec = DataSpec((config.seq_len,), np.dtype(np.int32), (config.seq_len,), np.dtype(np.int32), 256)
+    spec = DataSpec((config.seq_len,), np.dtype(np.int32), (config.seq_len,), np.dtype(np.int32), vocab,
+                    f"data.path={str(directory)!r}", tokenizer=described)
     return Dataset(TokenWindows(tokens, config.seq_len, 0, windows - held_out),
                    TokenWindows(tokens, config.seq_len, windows - held_out, held_out), spec)
+
+
+def decoded(path: Path | str, data: bytes) -> str:
+    """A file's text; one that is not UTF-8 is an error naming it and the byte where it stops being so."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path} is not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r}); convert "
+                        "it (iconv -t utf-8) or leave it out") from None
+
+
+def _text_tokenizer(config: TextData, texts: list[str], run_dir: Path | None) -> Tokenizer:
+    """data.tokenizer of a text run; one to train learns from the files of the leading, training part."""
+    if not isinstance(config.tokenizer, TrainedTokenizer):
+        return load_tokenizer(config.tokenizer)
+    vocab_size = config.tokenizer.train.vocab_size
+    training = texts[: max(1, int(len(texts) * (1 - config.holdout)))]
+    if run_dir is None:
+        return train_bpe(training, vocab_size)
+    return trained_or_saved(run_dir, lambda: training, vocab_size)
+
+
+def tokenize_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
+    """The texts' ids, each text followed by end-of-text, as one stream of the smallest dtype that holds them."""
+    end = np.asarray([tokenizer.end_of_text], np.uint32)
+    ids = tokenizer.encode_batch(texts)
+    return np.concatenate([part for text_ids in ids for part in (text_ids.astype(np.uint32), end)]).astype(
+        token_dtype(tokenizer.vocab_size))
+
+
+def _tokens(config: TokensData) -> Dataset:
+    shards = open_shards(Path(config.path))
+    if config.tokenizer is not None:
+        expected = load_tokenizer(config.tokenizer)
+        made_with = shards.manifest["tokenizer"]
+        if expected.fingerprint != made_with["fingerprint"]:
+            raise UserError(f"data.path={config.path!r} was prepared with tokenizer {made_with['name']} "
+                            f"(fingerprint {made_with['fingerprint']}), not data.tokenizer="
+                            f"{config.tokenizer!r} ({expected.fingerprint}); prepare the shards with it, or drop "
+                            "data.tokenizer")
+    source = PackedRows if config.packing else ShardWindows
+    train, held_out = source(shards.train, config.seq_len), source(shards.eval, config.seq_len)
+    for split, examples in (("training", train), ("held-out", held_out)):
+        if not len(examples):
+            raise UserError(f"data.path={config.path!r}: its {split} shards hold too few tokens for one example of "
+                            f"data.seq_len={config.seq_len}; lower data.seq_len or prepare more text")
+    spec = DataSpec((config.seq_len,), np.dtype(np.int32), (config.seq_len,), np.dtype(np.int32), shards.vocab_size,
+                    f"data.path={config.path!r}", documents=config.packing,
+                    tokenizer={**shards.manifest["tokenizer"], "shards": shards.fingerprint})
+    return Dataset(train, held_out, spec)
 
 
 def _text_paragraphs(tokens: np.ndarray, config: TextData, directory: Path) -> Dataset:

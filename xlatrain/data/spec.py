@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+DOCUMENT_KEYS = ("segment_ids", "positions")
+"""The batch entries of packed documents: which document (1, 2, ...; 0 is padding) each position is in, and its
+position within that document."""
+
 
 @dataclass(frozen=True)
 class DataSpec:
@@ -22,11 +26,17 @@ class DataSpec:
     buckets: tuple[int, ...] | None = None
     """Variable-length examples: batches are padded to one of these lengths (the last is input_shape[0])
     and carry a `mask` shaped like `targets`."""
+    documents: bool = False
+    """Packed documents: examples carry `segment_ids` and `positions` (DOCUMENT_KEYS) and a `mask`."""
+    tokenizer: dict | None = None
+    """The tokenizer's name, vocab_size, end_of_text and fingerprint (token data), for the run's records."""
 
     def abstract_batch(self, rows: tuple[int, ...], sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
         """Abstract batch entries [*rows, *example shape] (with a `mask` when examples are padded)."""
         shapes = {"inputs": (self.input_shape, self.input_dtype), "targets": (self.target_shape, self.target_dtype)}
-        if self.buckets is not None:
+        if self.buckets is not None or self.documents:
             shapes["mask"] = (self.target_shape, np.dtype(np.float32))
+        if self.documents:
+            shapes.update({key: (self.input_shape, np.dtype(np.int32)) for key in DOCUMENT_KEYS})
         return {k: jax.ShapeDtypeStruct((*rows, *shape), dtype, sharding=sharding)
                 for k, (shape, dtype) in shapes.items()}

@@ -9,6 +9,7 @@ from flax import nnx
 
 from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig
 from xlatrain.data.spec import DataSpec
+from xlatrain.data.tokenizers import rounded_vocab
 from xlatrain.errors import UserError, first_line
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.cnn import CNN
@@ -35,11 +36,15 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
     if isinstance(config, CNNConfig):
         return lambda rngs: CNN(spec.input_shape, config.channels, config.hidden, spec.num_outputs, rngs=rngs)
     if isinstance(config, GPTConfig):
-        if spec.num_outputs > config.vocab:
-            raise UserError(f"config: model.vocab={config.vocab} is smaller than the data's "
-                            f"{spec.num_outputs} token ids")
-        shape = GPTShape(config.layers, config.width, config.heads, config.mlp_ratio, config.vocab,
-                         config.max_len or spec.input_shape[0], config.dropout,
+        vocab = config.vocab or rounded_vocab(spec.num_outputs, config.vocab_multiple)
+        if spec.num_outputs > vocab:
+            raise UserError(f"config: model.vocab={config.vocab} is smaller than the tokenizer's {spec.num_outputs} "
+                            f"ids ({spec.origin}); raise model.vocab to at least {spec.num_outputs}, or leave it null")
+        max_len = config.max_len or spec.input_shape[0]
+        if spec.input_shape[0] > max_len:
+            raise UserError(f"config: {spec.origin} has sequences of {spec.input_shape[0]} tokens, longer than "
+                            f"model.max_len={max_len}; raise model.max_len or shorten the sequences")
+        shape = GPTShape(config.layers, config.width, config.heads, config.mlp_ratio, vocab, max_len, config.dropout,
                          config.scans_layers(lowering_platform()) if scan_layers is None else scan_layers,
                          jnp.dtype(compute_dtype))
         return lambda rngs: GPT(shape, rngs=rngs)

@@ -14,6 +14,10 @@
   the AMD host; dense 0.98-1.01x four blocks on the Intel host).
 - CPU, float16: float32 and back, since XLA:CPU has no float16 x float16 -> float32 dot (the precision jax asks
   for with f16 inputs).
+- Packed documents (segment ids): a position attends only the earlier positions of its own document. The mask is
+  [batch, length, length] booleans, given to cuDNN's fused attention as a mask (jax turns it into the bias that
+  kernel takes: the fused path stays, at the cost of reading that bias) and to XLA's; on CPU the query blocks
+  cut it as they cut the causal one.
 """
 
 from __future__ import annotations
@@ -37,36 +41,44 @@ def query_blocks(length: int) -> int:
     return max(fitting, default=1)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    return attention(q, k, v, is_causal=True)
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
+                     ) -> jax.Array:
+    """`segment_ids` [batch, length]: packed documents, each attending only itself (None: one sequence per row)."""
+    return attention(q, k, v, is_causal=True, segment_ids=segment_ids)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
-              ) -> jax.Array:
+              segment_ids: jax.Array | None = None) -> jax.Array:
     backend = lowering_platform()
+    same_BxQxK = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
     if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
         try:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn")
+            return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn",
+                                                mask=None if same_BxQxK is None else same_BxQxK[:, None])
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # a shape, GPU or cuDNN version that cuDNN's kernel does not take: XLA's below
     if backend == "cpu" and q.dtype == jnp.float16:
-        return attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale
-                         ).astype(q.dtype)
+        return attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale,
+                         segment_ids=segment_ids).astype(q.dtype)
     blocks = query_blocks(q.shape[1]) if backend == "cpu" and is_causal and q.shape[1] == k.shape[1] else 1
     if blocks > 1:
-        return causal_attention_in_query_blocks(q, k, v, blocks, scale)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        return causal_attention_in_query_blocks(q, k, v, blocks, scale, same_BxQxK)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                        mask=None if same_BxQxK is None else same_BxQxK[:, None])
 
 
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,
-                                     scale: float | None = None) -> jax.Array:
+                                     scale: float | None = None, same_BxQxK: jax.Array | None = None) -> jax.Array:
     """Causal attention as `blocks` attentions of consecutive queries, each over the keys up to its last query
-    (the same result; each query's softmax runs over the same keys)."""
+    (the same result; each query's softmax runs over the same keys). `same_BxQxK`: which keys are in each
+    query's document, when rows pack several."""
     rows = q.shape[1] // blocks
     outputs = []
     for block in range(blocks):
         start, end = block * rows, (block + 1) * rows
-        sees_key_QxK = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]
-        outputs.append(jax.nn.dot_product_attention(q[:, start:end], k[:, :end], v[:, :end],
-                                                    mask=sees_key_QxK[None, None], scale=scale))
+        sees_key = (jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None])[None, None]
+        if same_BxQxK is not None:
+            sees_key = sees_key & same_BxQxK[:, None, start:end, :end]
+        outputs.append(jax.nn.dot_product_attention(q[:, start:end], k[:, :end], v[:, :end], mask=sees_key,
+                                                    scale=scale))
     return jnp.concatenate(outputs, axis=1)

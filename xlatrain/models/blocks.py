@@ -6,16 +6,19 @@ xlatrain cuts the stacked blocks into chunks and places the chunks on the stages
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xlatrain.models.interface import Documents
+
 BLOCKS = "blocks"
 """The attribute (and top-level parameter key) that holds the stacked blocks."""
 
-ApplyLayer = Callable[[Any, jax.Array, "jax.Array | None"], jax.Array]
+ApplyLayer = Callable[[Any, jax.Array, "jax.Array | None", "Documents | None"], jax.Array]
 
 
 class BlockStack(nnx.Module):
@@ -27,6 +30,10 @@ class BlockStack(nnx.Module):
     and defines `before_blocks(inputs) -> x` and `after_blocks(x) -> outputs`. A block is an nnx.Module
     called as `block(x, rngs=key) -> x` with the shape and dtype of x unchanged; `key` is a dropout key
     while training (one per layer) and None at evaluation. `before_blocks` and `after_blocks` take no key.
+
+    Packed documents (data.packing): a model whose `before_blocks` and blocks also take a keyword `documents`
+    (xlatrain.models.interface.Documents: segment ids and positions) is given it, in every block and in every
+    pipeline chunk; one that does not is refused packed data (`takes_documents`).
     """
 
     scan_blocks: bool = True
@@ -37,11 +44,21 @@ class BlockStack(nnx.Module):
     def after_blocks(self, x: jax.Array) -> jax.Array:
         raise NotImplementedError(f"{type(self).__name__} must define after_blocks(x)")
 
-    def __call__(self, inputs: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
+    def __call__(self, inputs: jax.Array, *, rngs: jax.Array | None = None,
+                 documents: Documents | None = None) -> jax.Array:
         graphdef, params_Lx = nnx.split(getattr(self, BLOCKS))
-        x = run_blocks(layer_applier(graphdef), params_Lx, self.before_blocks(inputs),
-                       layer_keys(rngs, block_count(params_Lx)), scan=self.scan_blocks)
+        x = run_blocks(layer_applier(graphdef), params_Lx, with_documents(self.before_blocks, documents)(inputs),
+                       layer_keys(rngs, block_count(params_Lx)), scan=self.scan_blocks, documents=documents)
         return self.after_blocks(x)
+
+
+def with_documents(fn: Callable, documents: Documents | None) -> Callable:
+    """`fn`, given `documents=` when there are any (a model that takes none is never given them)."""
+    return fn if documents is None else lambda *args, **kwargs: fn(*args, **kwargs, documents=documents)
+
+
+def takes_documents(fn: Callable) -> bool:
+    return "documents" in inspect.signature(fn).parameters
 
 
 def in_blocks(path: tuple) -> bool:
@@ -66,8 +83,9 @@ def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs
 
 
 def layer_applier(block_graphdef: Any) -> ApplyLayer:
-    """(one layer's params, x, key) -> x for the blocks described by `block_graphdef`."""
-    return lambda params, x, key: nnx.merge(block_graphdef, params)(x, rngs=key)
+    """(one layer's params, x, key, documents) -> x for the blocks described by `block_graphdef`."""
+    return lambda params, x, key, documents: with_documents(nnx.merge(block_graphdef, params), documents)(
+        x, rngs=key)
 
 
 def block_count(params_Lx: Any) -> int:
@@ -80,15 +98,15 @@ def layer_keys(key: jax.Array | None, layers: int) -> jax.Array | None:
 
 
 def run_blocks(apply_layer: ApplyLayer, params_Lx: Any, x: jax.Array, keys_L: jax.Array | None, *,
-               scan: bool, active: jax.Array | None = None) -> jax.Array:
+               scan: bool, active: jax.Array | None = None, documents: Documents | None = None) -> jax.Array:
     """x through the layers of `params_Lx` in order. `active`: how many leading layers run (the rest are
     a pipeline chunk's padding), or None for all of them."""
     layers = block_count(params_Lx)
 
     def one(x, index, params, key):
         if active is None:
-            return apply_layer(params, x, key)
-        return jax.lax.cond(index < active, lambda: apply_layer(params, x, key), lambda: x)
+            return apply_layer(params, x, key, documents)
+        return jax.lax.cond(index < active, lambda: apply_layer(params, x, key, documents), lambda: x)
 
     if scan:
         def body(x, layer):
@@ -114,22 +132,25 @@ class BlockParts:
     """A BlockStack model run piece by piece (a pipeline's chunks): `before`, a run of blocks, `after`.
 
     Every method takes a params pytree in the model's structure; `before` and `after` ignore what sits
-    under "blocks" (any arrays of the right tree structure will do, e.g. one chunk's blocks)."""
+    under "blocks" (any arrays of the right tree structure will do, e.g. one chunk's blocks). `documents`: the
+    microbatch's packed documents (None when it has none), which every chunk reads from its microbatch."""
 
     def __init__(self, abstract_model: BlockStack):
         self.graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
-        block_graphdef, params_Lx = nnx.split(getattr(abstract_model, BLOCKS), nnx.Param, ...)[:2]
+        blocks = getattr(abstract_model, BLOCKS)
+        block_graphdef, params_Lx = nnx.split(blocks, nnx.Param, ...)[:2]
         self.layer = layer_applier(block_graphdef)
         self.layers = block_count(params_Lx)
         self.scan = abstract_model.scan_blocks
+        self.takes_documents = takes_documents(abstract_model.before_blocks) and takes_documents(type(blocks).__call__)
 
-    def before(self, params: dict, inputs: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, params).before_blocks(inputs)
+    def before(self, params: dict, inputs: jax.Array, documents: Documents | None = None) -> jax.Array:
+        return with_documents(nnx.merge(self.graphdef, params).before_blocks, documents)(inputs)
 
     def after(self, params: dict, x: jax.Array) -> jax.Array:
         return nnx.merge(self.graphdef, params).after_blocks(x)
 
     def run(self, params_Nx: Any, x: jax.Array, keys_N: jax.Array | None, active: jax.Array | None = None,
-            ) -> jax.Array:
+            documents: Documents | None = None) -> jax.Array:
         """A chunk: x through the blocks of `params_Nx` (the first `active` of them, when given)."""
-        return run_blocks(self.layer, params_Nx, x, keys_N, scan=self.scan, active=active)
+        return run_blocks(self.layer, params_Nx, x, keys_N, scan=self.scan, active=active, documents=documents)

@@ -10,8 +10,11 @@ import numpy as np
 
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, first_line
-from xlatrain.models.interface import ModelDef
+from xlatrain.models.interface import ModelDef, documents_of
 from xlatrain.precision import Policy, cast_floats
+
+DOCUMENTS_CONTRACT = ("a flax model's __call__ (a BlockStack's before_blocks and blocks) takes a keyword `documents`, "
+                      "a torch module's forward a keyword `segment_ids` (and `positions`) (docs/models.md)")
 
 _ROWS = 2
 """Rows of the abstract batch: more than one, so an output that would broadcast ([1, C]) is caught."""
@@ -19,13 +22,17 @@ _ROWS = 2
 
 def check_model_outputs(model: ModelDef, spec: DataSpec, loss: str, policy: Policy, name: str) -> None:
     """`name` says which model (e.g. "model.target='pkg.mod:Net'") in the error."""
+    if spec.documents and not model.takes_documents:
+        raise UserError(f"model: {name} cannot keep attention inside the documents of data.packing=true: "
+                        f"{DOCUMENTS_CONTRACT}; or set data.packing=false")
     params, model_state = jax.eval_shape(model.init, jax.random.PRNGKey(0))
     inputs = jax.ShapeDtypeStruct((_ROWS, *spec.input_shape), spec.input_dtype)
+    documents = documents_of(spec.abstract_batch((_ROWS,)))
     for key in (jax.ShapeDtypeStruct((2,), jnp.uint32), None):
         try:
             outputs = jax.eval_shape(
-                lambda p, s, x, k: model.run(cast_floats(p, policy.compute), s, cast_floats(x, policy.compute), k),
-                params, model_state, inputs, key)[0]
+                lambda p, s, x, k, d: model.run(cast_floats(p, policy.compute), s, cast_floats(x, policy.compute), k,
+                                                d), params, model_state, inputs, key, documents)[0]
         except UserError:
             raise
         except Exception as err:

@@ -10,8 +10,8 @@ from flax import nnx
 
 from xlatrain.errors import UserError
 from xlatrain.models.axes import logical_axes_of
-from xlatrain.models.blocks import BlockParts, BlockStack
-from xlatrain.models.interface import ModelDef
+from xlatrain.models.blocks import BlockParts, BlockStack, takes_documents, with_documents
+from xlatrain.models.interface import Documents, ModelDef
 
 
 def takes_rngs(module: nnx.Module) -> bool:
@@ -32,15 +32,18 @@ def flax_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
     axes = jax.tree_util.tree_map_with_path(
         lambda path, _: logical_axes_of(flat[tuple(_key(k) for k in path)]), pure)
     uses_rngs = takes_rngs(abstract)
+    parts = BlockParts(abstract) if isinstance(abstract, BlockStack) else None
+    documents_taken = parts.takes_documents if parts else takes_documents(type(abstract).__call__)
 
     def init(key: jax.Array) -> tuple[Any, dict]:
         return nnx.to_pure_dict(nnx.split(factory(nnx.Rngs(key)), nnx.Param, ...)[1]), {}
 
-    def run(params: Any, model_state: dict, inputs: jax.Array, key: jax.Array | None) -> tuple[jax.Array, dict]:
-        module = nnx.merge(graphdef, params)
+    def run(params: Any, model_state: dict, inputs: jax.Array, key: jax.Array | None,
+            documents: Documents | None = None) -> tuple[jax.Array, dict]:
+        module = with_documents(nnx.merge(graphdef, params), documents)
         return (module(inputs, rngs=key) if uses_rngs else module(inputs)), model_state
 
-    return ModelDef(axes, init, run, blocks=BlockParts(abstract) if isinstance(abstract, BlockStack) else None)
+    return ModelDef(axes, init, run, blocks=parts, takes_documents=documents_taken)
 
 
 def _key(entry: Any) -> Any:

@@ -1,4 +1,5 @@
-"""A decoder-only transformer over tokens, with causal attention; a BlockStack, so it can be pipelined."""
+"""A decoder-only transformer over tokens, with causal attention; a BlockStack, so it can be pipelined. On packed
+data it keeps attention and positions inside each document."""
 
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from xlatrain.models.attention import causal_attention
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.embedding import TokenEmbed
+from xlatrain.models.interface import Documents
 from xlatrain.models.linear import linear
 
 
@@ -43,13 +45,13 @@ class Block(nnx.Module):
                               bias_metadata=axes("embed"), rngs=rngs)
         self.dropout = nnx.Dropout(shape.dropout)
 
-    def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None):
+    def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None):
         batch, length, width = x_BxLxD.shape
         keys = (None, None) if rngs is None else tuple(jax.random.split(rngs))
         qkv_BxLx3xHxK = self.qkv(self.ln_attn(x_BxLxD)).reshape(
             batch, length, 3, self.heads, width // self.heads)
         q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
-        attended_BxLxHxK = causal_attention(q, k, v)
+        attended_BxLxHxK = causal_attention(q, k, v, None if documents is None else documents.segment_ids)
         x_BxLxD = x_BxLxD + self._drop(self.attn_out(attended_BxLxHxK.reshape(batch, length, width)), keys[0])
         hidden_BxLxF = jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD)))
         return x_BxLxD + self._drop(self.mlp_out(hidden_BxLxF), keys[1])
@@ -73,8 +75,11 @@ class GPT(BlockStack):
         self.head = linear(shape.width, shape.vocab, kernel_metadata=axes("embed", "vocab"),
                            bias_metadata=axes("vocab"), rngs=rngs)
 
-    def before_blocks(self, tokens_BxL):
-        return self.embed(tokens_BxL) + self.position(jnp.arange(tokens_BxL.shape[1]))[None]
+    def before_blocks(self, tokens_BxL, documents: Documents | None = None):
+        """Positions restart at 0 in each packed document."""
+        if documents is None:
+            return self.embed(tokens_BxL) + self.position(jnp.arange(tokens_BxL.shape[1]))[None]
+        return self.embed(tokens_BxL) + self.position(documents.positions)
 
     def after_blocks(self, x_BxLxD):
         return self.head(self.ln_final(x_BxLxD))

@@ -9,14 +9,32 @@ and from a torch nn.Module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
+
+from xlatrain.data.spec import DOCUMENT_KEYS
 
 Tree = Any
 PARTLY_FROZEN = "partly"
 """ModelDef.frozen of a stacked parameter whose layers are frozen in some blocks and not in others."""
-Run = Callable[[Tree, Tree, jax.Array, "jax.Array | None"], tuple[jax.Array, Tree]]
+
+
+class Documents(NamedTuple):
+    """Where the documents packed into a batch's rows are: what attention and positions need to stay in one."""
+
+    segment_ids: jax.Array
+    """[..., L] int32: 1, 2, ... for the documents of a row, 0 on padding. A position attends only its own."""
+    positions: jax.Array
+    """[..., L] int32: each position's index within its document."""
+
+
+def documents_of(batch: dict) -> Documents | None:
+    """A batch's Documents (packed data, DataSpec.documents), or None."""
+    return Documents(*(batch[key] for key in DOCUMENT_KEYS)) if DOCUMENT_KEYS[0] in batch else None
+
+
+Run = Callable[[Tree, Tree, jax.Array, "jax.Array | None", "Documents | None"], tuple[jax.Array, Tree]]
 
 
 @dataclass(frozen=True)
@@ -26,8 +44,9 @@ class ModelDef:
     init: Callable[[jax.Array], tuple[Tree, Tree]]
     """key -> (params, model state), traceable, so it can run abstractly or under jit."""
     run: Run
-    """(params, model state, inputs, key) -> (outputs, new model state). A key means training (dropout
-    draws from it, BatchNorm uses batch statistics and updates its running ones); None means evaluation."""
+    """(params, model state, inputs, key, documents) -> (outputs, new model state). A key means training (dropout
+    draws from it, BatchNorm uses batch statistics and updates its running ones); None means evaluation.
+    `documents`: packed data's Documents (None otherwise), given only to a model that takes_documents."""
     logical_rules: dict[str, str | None] = field(default_factory=dict)
     """Rules for logical names of the model's own (a torch model's `sharded`), beneath parallel.logical_rules."""
     initial_values: Callable[[], tuple[Tree, Tree]] | None = None
@@ -45,11 +64,14 @@ class ModelDef:
     requires_grad=False, whose gradient `run` stops, or one the forward gives no gradient: weight decay skips
     it), PARTLY_FROZEN where only some of its stacked layers do, False elsewhere. None: every parameter trains."""
 
+    takes_documents: bool = False
+    """Whether the model keeps attention and positions inside the documents of packed data (data.packing)."""
+
     def rules(self, configured: dict[str, str | None]) -> dict[str, str | None]:
         """parallel.logical_rules over the model's own rules."""
         return {**self.logical_rules, **configured}
 
     def apply(self, params: Tree, inputs: jax.Array, key: jax.Array | None = None,
-              model_state: Tree | None = None) -> jax.Array:
+              model_state: Tree | None = None, documents: Documents | None = None) -> jax.Array:
         """The outputs alone; a model with model state must be given it."""
-        return self.run(params, {} if model_state is None else model_state, inputs, key)[0]
+        return self.run(params, {} if model_state is None else model_state, inputs, key, documents)[0]

@@ -17,6 +17,7 @@ from xlatrain.config import (
     config_and_derived_to_yaml,
     flatten,
     parse_yaml,
+    upgraded_saved_config,
     validate_config,
     without_derived,
 )
@@ -260,7 +261,7 @@ def _read_mapping(saved_path: Path) -> dict:
 
 def _read_saved(saved_path: Path) -> Config:
     try:
-        return validate_config(without_derived(_read_mapping(saved_path)))
+        return validate_config(upgraded_saved_config(without_derived(_read_mapping(saved_path))))
     except UserError as err:
         raise UserError(f"{saved_path} is not a valid xlatrain config ({err}); move the run directory aside or "
                         "choose another trainer.run_dir") from None

@@ -12,13 +12,15 @@ Stacked, the blocks' params are `params["blocks"][name within a block]` with a l
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from xlatrain.models.blocks import BLOCKS, run_blocks
+from xlatrain.models.interface import Documents
 
 
 @dataclass(frozen=True)
@@ -89,19 +91,36 @@ class TorchBlockParts:
         self._template = getattr(module, stacking.attr)[0]
         self._before = _method_as_module(module, "before_blocks")
         self._after = _method_as_module(module, "after_blocks")
+        self.takes_documents = (takes_segment_ids(module.before_blocks) and takes_segment_ids(self._template.forward))
 
-    def layer(self, params: dict, x: jax.Array, key: jax.Array | None) -> jax.Array:
-        return self.torch_module.call(self._template, params, {}, x, key)[0]
+    def layer(self, params: dict, x: jax.Array, key: jax.Array | None, documents: Documents | None = None,
+              ) -> jax.Array:
+        return self.torch_module.call(self._template, params, {}, x, key, documents)[0]
 
-    def before(self, params: dict, inputs: jax.Array) -> jax.Array:
-        return self.torch_module.call(self._before, _inner(params), {}, inputs, None)[0]
+    def before(self, params: dict, inputs: jax.Array, documents: Documents | None = None) -> jax.Array:
+        return self.torch_module.call(self._before, _inner(params), {}, inputs, None, documents)[0]
 
     def after(self, params: dict, x: jax.Array) -> jax.Array:
         return self.torch_module.call(self._after, _inner(params), {}, x, None)[0]
 
     def run(self, params_Nx: Any, x: jax.Array, keys_N: jax.Array | None, active: jax.Array | None = None,
-            ) -> jax.Array:
-        return run_blocks(self.layer, params_Nx, x, keys_N, scan=self.scan, active=active)
+            documents: Documents | None = None) -> jax.Array:
+        return run_blocks(self.layer, params_Nx, x, keys_N, scan=self.scan, active=active, documents=documents)
+
+
+def takes_segment_ids(forward: Callable) -> bool:
+    """Whether a torch forward keeps attention inside packed documents: it takes a keyword `segment_ids`."""
+    return "segment_ids" in inspect.signature(forward).parameters
+
+
+def document_arguments(forward: Callable, documents: Documents | None) -> dict[str, jax.Array]:
+    """The keywords of Documents that `forward` takes (`segment_ids`, `positions`, or HF's `position_ids`)."""
+    if documents is None:
+        return {}
+    accepted = inspect.signature(forward).parameters
+    offered = {"segment_ids": documents.segment_ids, "positions": documents.positions,
+               "position_ids": documents.positions}
+    return {name: value for name, value in offered.items() if name in accepted}
 
 
 def _inner(params: dict) -> dict:
@@ -117,7 +136,7 @@ def _method_as_module(module: Any, method: str) -> Any:
             super().__init__()
             self.inner = module
 
-        def forward(self, x):
-            return getattr(self.inner, method)(x)
+        def forward(self, x, **documents):
+            return getattr(self.inner, method)(x, **documents)
 
     return Method()

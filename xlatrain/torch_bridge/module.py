@@ -28,9 +28,16 @@ from xlatrain.compat.jaxprs import outputs_reading
 from xlatrain.config import TorchModelConfig
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, first_line
-from xlatrain.models.interface import PARTLY_FROZEN, ModelDef
+from xlatrain.models.interface import PARTLY_FROZEN, Documents, ModelDef, documents_of
 from xlatrain.models.targets import check_kwargs, import_target
-from xlatrain.torch_bridge.blocks import BlockStacking, TorchBlockParts, block_stacking, differentiable
+from xlatrain.torch_bridge.blocks import (
+    BlockStacking,
+    TorchBlockParts,
+    block_stacking,
+    differentiable,
+    document_arguments,
+    takes_segment_ids,
+)
 from xlatrain.torch_bridge.torchax_fixes import (
     torch_gradient_cuts,
     torch_in_place_on_views,
@@ -96,13 +103,14 @@ class TorchModule:
         buffers = self.initial_buffers()
         inputs = jax.ShapeDtypeStruct((2, *spec.input_shape), spec.input_dtype)
         key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        documents = documents_of(spec.abstract_batch((2,)))
 
-        def gradients(p, x, k):
+        def gradients(p, x, k, d):
             # of half the outputs' squared sum: the backward starts from the outputs, which read the arguments, so
             # every gradient the forward gives reads them too (a constant cotangent would leave a bias's constant)
-            return jax.grad(lambda q: 0.5 * jnp.sum(jnp.square(self.call(self.module, q, buffers, x, k)[0])))(p)
+            return jax.grad(lambda q: 0.5 * jnp.sum(jnp.square(self.call(self.module, q, buffers, x, k, d)[0])))(p)
 
-        reads = outputs_reading(gradients, (params, inputs, key), watched=(0, 1, 2))
+        reads = outputs_reading(gradients, (params, inputs, key, documents), watched=(0, 1, 2))
         return frozenset(name for name, (read, _) in zip(sorted(params), reads, strict=True) if not read)
 
     def frozen(self) -> dict | None:
@@ -138,18 +146,20 @@ class TorchModule:
                     tensor.copy_(to_torch(value, tensor.dtype))
         return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
-    def run(self, params: dict, buffers: dict, inputs: jax.Array, key: jax.Array | None) -> tuple[jax.Array, dict]:
+    def run(self, params: dict, buffers: dict, inputs: jax.Array, key: jax.Array | None,
+            documents: Documents | None = None) -> tuple[jax.Array, dict]:
         """The forward as JAX: train mode with a key (dropout draws from it), eval mode without."""
-        return self.call(self.module, self.flat_params(params), buffers, inputs, key)
+        return self.call(self.module, self.flat_params(params), buffers, inputs, key, documents)
 
     def flat_params(self, params: dict) -> dict:
         """Params by the module's own names (blocks stacked for a pipeline are taken apart)."""
         return params if self.stack is None else self.stack.unstack(params)
 
     def call(self, module: Any, params: dict, buffers: dict, inputs: jax.Array, key: jax.Array | None,
-             ) -> tuple[jax.Array, dict]:
+             documents: Documents | None = None) -> tuple[jax.Array, dict]:
         """`module`'s forward as JAX, its params and buffers named relative to it. Buffers not given are the
-        module's initial ones, as constants; the given ones come back updated."""
+        module's initial ones, as constants; the given ones come back updated. `documents`: given to the forward
+        as the keywords it takes (document_arguments)."""
         torch = import_torch()
         env = self.env
         module.train(key is not None)
@@ -157,8 +167,9 @@ class TorchModule:
         params = {name: jax.lax.stop_gradient(value) if name in frozen else value for name, value in params.items()}
         initial = {name: to_host_array(b) for name, b in module.named_buffers() if name not in buffers}
         given = {**jax.tree.map(jnp.asarray, initial), **buffers}
-        params_in, given, inputs = jax.tree.map(jnp.asarray, (params, given, inputs))
-        t_params, t_buffers, t_inputs = env.j2t_iso((params_in, given, inputs))
+        extra = document_arguments(module.forward, documents)
+        params_in, given, inputs, extra = jax.tree.map(jnp.asarray, (params, given, inputs, extra))
+        t_params, t_buffers, t_inputs, t_extra = env.j2t_iso((params_in, given, inputs, extra))
         prng = key if key is not None else jax.random.PRNGKey(0)
         trains = {id(t_params[name]): (name, name not in frozen) for name in t_params}
         # The gradient cuts watch what an in-place op writes through a view, so they run first (the mode last in).
@@ -171,8 +182,8 @@ class TorchModule:
             # .long() and .double() are 32-bit here, as the module's docstring says; JAX warns at each one.
             warnings.filterwarnings("ignore", r"Explicitly requested dtype (int64|uint64|float64|complex128)")
             try:
-                out = torch.func.functional_call(module, {**t_params, **t_buffers}, (t_inputs,), tie_weights=True,
-                                                 strict=False)
+                out = torch.func.functional_call(module, {**t_params, **t_buffers}, (t_inputs,), t_extra,
+                                                 tie_weights=True, strict=False)
             except torchax_operator_not_found() as err:
                 raise UserError(f"model: model.target={self.target!r}: torchax cannot lower an op in module "
                                 f"{where()!r} ({first_line(err)}); rewrite that part of the forward with "
@@ -369,4 +380,5 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
 
     parts = None if stack is None else TorchBlockParts(torch_module, stack)
     return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: "data"}, initial_values=initial_values,
-                    blocks=parts, torch=torch_module, not_pipelinable=not_stackable)
+                    blocks=parts, torch=torch_module, not_pipelinable=not_stackable,
+                    takes_documents=takes_segment_ids(module.forward))

@@ -1,0 +1,314 @@
+"""`xlatrain data prepare`: text files, JSONL or Parquet -> token shards with a manifest (xlatrain/data/shards.py).
+
+Three stages overlap, each on its own thread: reading and parsing a batch of documents, encoding the one before
+it on every core (Hugging Face `tokenizers` and sentencepiece encode a batch in parallel, without the GIL), and
+writing the one before that. Every k-th document
+(k = 1 / --holdout) goes to the held-out split. Shards are written under partial names and renamed when whole;
+the manifest comes last. Re-running on the same inputs and options finds the manifest's request unchanged and does
+nothing; a directory left by an interrupted run is cleared of its own partial shards and written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from xlatrain.data.shards import FORMAT, MANIFEST, SPLITS, VERSION, index_name, manifest_fingerprint, shard_name
+from xlatrain.data.sources import decoded
+from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer, token_dtype, train_bpe
+from xlatrain.errors import UserError, first_line
+from xlatrain.run.atomic import replace_file
+
+BATCH_BYTES = 4 << 20
+"""Text encoded per call of the tokenizer: enough for its threads to share, little enough to overlap reading."""
+JSON_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIX = ".parquet"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a preparation is asked to do; the manifest keeps its fingerprint, so a repeat is recognised."""
+
+    inputs: tuple[Path, ...]
+    out: Path
+    tokenizer: str = "bytes"
+    train_vocab: int | None = None
+    field: str = "text"
+    """The text of a JSONL line or a Parquet row."""
+    glob: str = "**/*"
+    """Which files under an input directory."""
+    holdout: float = 0.01
+    shard_tokens: int = 1 << 28
+    """Tokens per shard file, about (a shard ends after the document that reaches it)."""
+
+    def fingerprint(self, files: list[Path]) -> str:
+        """Inputs by name, size and modification time (not read), and every option that changes the shards."""
+        described = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+        tokenizer = (f"train:{self.train_vocab}" if self.train_vocab else self.tokenizer if self.tokenizer == "bytes"
+                     else load_tokenizer(self.tokenizer, "--tokenizer").fingerprint)
+        body = [described, tokenizer, self.field, self.holdout, self.shard_tokens]
+        return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:16]
+
+
+@dataclass
+class ShardWriter:
+    """One split's shards, each written under a partial name and renamed once whole."""
+
+    directory: Path
+    split: str
+    dtype: np.dtype
+    shard_tokens: int
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    _pieces: list[np.ndarray] = field(default_factory=list)
+    _bounds: list[int] = field(default_factory=lambda: [0])
+
+    def add(self, ids: np.ndarray, end: np.ndarray) -> None:
+        """One document: its ids, then the end-of-text token `end` ([1])."""
+        self._pieces += (ids, end)
+        self._bounds.append(self._bounds[-1] + len(ids) + 1)
+        if self._bounds[-1] >= self.shard_tokens:
+            self.close()
+
+    def close(self) -> None:
+        if len(self._bounds) == 1:
+            return
+        name = shard_name(self.split, len(self.shards))
+        tokens = np.concatenate(self._pieces).astype(self.dtype, copy=False)
+        replace_file(self.directory / name, lambda partial: tokens.tofile(partial))
+        replace_file(self.directory / index_name(name),
+                     lambda partial: np.save(partial.open("wb"), np.asarray(self._bounds, np.int64)))
+        self.shards.append({"file": name, "tokens": len(tokens), "documents": len(self._bounds) - 1})
+        self._pieces, self._bounds = [], [0]
+
+    def summary(self) -> dict[str, Any]:
+        return {"documents": sum(s["documents"] for s in self.shards), "tokens": sum(s["tokens"] for s in self.shards),
+                "shards": self.shards}
+
+
+def prepare(request: Request) -> dict[str, Any]:
+    """Writes the shards and the manifest (or finds them written already); returns the manifest."""
+    files = input_files(request.inputs, request.glob)
+    asked = request.fingerprint(files)
+    existing = _existing_manifest(request.out)
+    if existing is not None and existing.get("request") == asked:
+        print(f"xlatrain: {request.out} already holds these inputs prepared ({_counts(existing)}); nothing to do")
+        return existing
+    if existing is not None:
+        raise UserError(f"--out {request.out} holds shards prepared from other inputs or options; give another --out "
+                        "directory or delete that one (nothing was overwritten)")
+    _clear_partial_run(request.out)
+    tokenizer = _tokenizer(request, files)
+    dtype = token_dtype(tokenizer.vocab_size)
+    every = holdout_stride(request.holdout)
+    writers = {split: ShardWriter(request.out, split, dtype, request.shard_tokens) for split in SPLITS}
+    end = np.asarray([tokenizer.end_of_text], np.uint32)
+    total = sum(p.stat().st_size for p in files)
+    index = 0
+    with tqdm(total=total, unit="B", unit_scale=True, desc="xlatrain data prepare", file=sys.stderr,
+              disable=None) as progress:
+        read = _read_ahead(_batches(files, request.field))
+        for encoded, size in _read_ahead((tokenizer.encode_batch(texts), size) for texts, size in read):
+            for ids in encoded:
+                writers["eval" if index % every == 0 else "train"].add(ids, end)
+                index += 1
+            progress.update(min(size, total - progress.n))
+        progress.update(total - progress.n)
+    for writer in writers.values():
+        writer.close()
+    if not writers["train"].shards or not writers["eval"].shards:
+        _clear_partial_run(request.out)
+        raise UserError(f"data prepare: {index} documents are too few to hold one in {every} out and train on the "
+                        "rest; give more documents or raise --holdout")
+    if tokenizer.serialized is not None:
+        replace_file(request.out / TOKENIZER_FILE, lambda p: p.write_text(tokenizer.serialized, encoding="utf-8"))
+    manifest = {"format": FORMAT, "version": VERSION, "request": asked, "tokenizer": tokenizer.describe(),
+                "dtype": dtype.name, "holdout_every": every, "inputs": len(files),
+                "splits": {split: writer.summary() for split, writer in writers.items()}}
+    manifest["fingerprint"] = manifest_fingerprint(manifest)
+    replace_file(request.out / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1), encoding="utf-8"))
+    print(f"xlatrain: wrote {_counts(manifest)} to {request.out}")
+    return manifest
+
+
+def holdout_stride(holdout: float) -> int:
+    """Every k-th document is held out (the first among them), k the nearest whole number to 1 / holdout."""
+    if not 0 < holdout <= 0.5:
+        raise UserError(f"data prepare: --holdout={holdout} must be a fraction in (0, 0.5]")
+    return max(2, round(1 / holdout))
+
+
+def input_files(inputs: tuple[Path, ...], glob: str) -> list[Path]:
+    """The files to read: each input file, and the files under each input directory matching `glob`, in sorted
+    order; one that is missing, unreadable or empty is an error naming it."""
+    files: list[Path] = []
+    for given in inputs:
+        if given.is_dir():
+            matched = sorted(p for p in given.glob(glob) if p.is_file())
+            if not matched:
+                raise UserError(f"data prepare: {given} has no files matching --glob {glob!r}")
+            files.extend(matched)
+        elif given.is_file():
+            files.append(given)
+        else:
+            raise UserError(f"data prepare: {given} does not exist; give text, JSONL or Parquet files or directories")
+    for path in files:
+        try:
+            with path.open("rb") as opened:
+                empty = not opened.read(1)
+        except OSError as err:
+            raise UserError(f"data prepare: {path} cannot be read ({err.strerror}); fix its permissions or leave it "
+                            "out") from None
+        if empty:
+            raise UserError(f"data prepare: {path} is empty; remove it or leave it out")
+    return files
+
+
+def documents(path: Path, text_field: str) -> Iterator[str]:
+    """The documents of one input: a JSONL line's or a Parquet row's `text_field`, or a whole text file."""
+    if path.suffix in JSON_SUFFIXES:
+        yield from _json_lines(path, text_field)
+    elif path.suffix == PARQUET_SUFFIX:
+        yield from _parquet_rows(path, text_field)
+    else:
+        yield decoded(path, path.read_bytes())
+
+
+def _json_lines(path: Path, text_field: str) -> Iterator[str]:
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(decoded(where, line))
+            except json.JSONDecodeError as err:
+                raise UserError(f"data prepare: {where} is not a JSON object ({err.msg}); give one object per "
+                                "line") from None
+            if not isinstance(record, dict) or text_field not in record:
+                fields = ", ".join(list(record)[:8]) if isinstance(record, dict) else type(record).__name__
+                raise UserError(f"data prepare: {where} has no field {text_field!r} (it has: {fields}); name the "
+                                "text field with --field")
+            if not isinstance(record[text_field], str):
+                raise UserError(f"data prepare: {where}: field {text_field!r} holds "
+                                f"{type(record[text_field]).__name__}, not text")
+            yield record[text_field]
+
+
+def _parquet_rows(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise UserError(f"data prepare: {path} is Parquet, which needs pyarrow: pip install 'xlatrain[parquet]'"
+                        ) from None
+    try:
+        table = parquet.ParquetFile(path)
+        names = table.schema_arrow.names
+    except Exception as err:  # pyarrow's ArrowInvalid and OSError on a file that is not Parquet
+        raise UserError(f"data prepare: {path} could not be read as Parquet ({first_line(err)[:120]})") from None
+    if text_field not in names:
+        raise UserError(f"data prepare: {path} has no column {text_field!r} (it has: {', '.join(names[:8])}); name "
+                        "the text column with --field")
+    for batch in table.iter_batches(columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text
+
+
+def _batches(files: list[Path], text_field: str) -> Iterator[tuple[list[str], int]]:
+    """Documents in batches of about BATCH_BYTES of text, each with its size (for the progress bar)."""
+    texts, size = [], 0
+    for path in files:
+        for text in documents(path, text_field):
+            texts.append(text)
+            size += len(text)
+            if size >= BATCH_BYTES:
+                yield texts, size
+                texts, size = [], 0
+    if texts:
+        yield texts, size
+
+
+def _read_ahead(batches: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+    """`batches` produced on a background thread, `depth` ahead: reading and parsing overlap encoding."""
+    ahead: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in batches:
+                ahead.put(item)
+            ahead.put(done)
+        except BaseException as err:  # re-raised on the consuming thread
+            ahead.put(err)
+
+    threading.Thread(target=produce, name="xlatrain-prepare-reader", daemon=True).start()
+    while (item := ahead.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def _tokenizer(request: Request, files: list[Path]) -> Tokenizer:
+    if request.train_vocab is None:
+        return load_tokenizer(request.tokenizer, "--tokenizer")
+    every = holdout_stride(request.holdout)
+
+    def training_texts() -> Iterator[str]:
+        index = 0
+        for path in files:
+            for text in documents(path, request.field):
+                if index % every:
+                    yield text
+                index += 1
+
+    print(f"xlatrain: training a byte-level BPE of {request.train_vocab} ids on the training documents",
+          file=sys.stderr)
+    return train_bpe(training_texts(), request.train_vocab)
+
+
+def _existing_manifest(out: Path) -> dict[str, Any] | None:
+    path = out / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise UserError(f"--out {out}: its {MANIFEST} is damaged; delete the directory or give another --out"
+                        ) from None
+
+
+def _clear_partial_run(out: Path) -> None:
+    """Removes what an interrupted preparation left (its shards, never listed by a manifest); refuses a directory
+    that holds anything else, so that nothing of the user's is overwritten."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {out} cannot be created ({err.strerror}); name a directory you can write") from None
+    ours = [p for p in out.iterdir() if _written_here(p.name)]
+    others = [p.name for p in out.iterdir() if p not in ours]
+    if others:
+        raise UserError(f"--out {out} holds files that are not token shards ({', '.join(sorted(others)[:3])}); give "
+                        "an empty or new directory")
+    for path in ours:
+        path.unlink()
+
+
+def _written_here(name: str) -> bool:
+    bare = name.removesuffix(".partial")
+    return (bare == TOKENIZER_FILE or any(bare.startswith(f"{split}-") and bare.endswith((".bin", ".idx.npy"))
+                                          for split in SPLITS))
+
+
+def _counts(manifest: dict[str, Any]) -> str:
+    train, held_out = manifest["splits"]["train"], manifest["splits"]["eval"]
+    return (f"{train['documents']:,} training documents ({train['tokens']:,} tokens) and {held_out['documents']:,} "
+            f"held out ({held_out['tokens']:,} tokens), {manifest['dtype']}")

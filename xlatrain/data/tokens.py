@@ -1,0 +1,100 @@
+"""Examples from prepared token shards: windows of seq_len + 1 tokens, or whole documents packed into rows.
+
+Both are random-access sources that grain shuffles, so a checkpoint's grain state says exactly where the data was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from xlatrain.data.shards import Shard
+
+
+@dataclass(frozen=True)
+class ShardWindows:
+    """Windows of seq_len + 1 tokens at stride seq_len within each shard (crossing documents, which the
+    end-of-text token separates), as next-token (inputs, targets) records."""
+
+    shards: tuple[Shard, ...]
+    seq_len: int
+
+    def __post_init__(self):
+        counts = [max(0, (len(s.tokens) - 1) // self.seq_len) for s in self.shards]
+        object.__setattr__(self, "_first", np.cumsum([0, *counts]))
+
+    def __len__(self) -> int:
+        return int(self._first[-1])
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        shard = int(np.searchsorted(self._first, index, side="right")) - 1
+        start = (index - int(self._first[shard])) * self.seq_len
+        window = np.asarray(self.shards[shard].tokens[start:start + self.seq_len + 1], np.int32)
+        return {"inputs": window[:-1], "targets": window[1:]}
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Whole documents packed in order into rows of seq_len positions, a document longer than a row split into
+    pieces of seq_len + 1 tokens that overlap by one (every next-token pair is in one piece). Each record carries
+    `segment_ids` (1, 2, ... per piece of the row, 0 on padding), `positions` (restarting at 0 in each piece) and
+    `mask` (1 on the pieces' targets), so that attention and the loss stay inside a document."""
+
+    shards: tuple[Shard, ...]
+    seq_len: int
+
+    def __post_init__(self):
+        pieces = [_pieces(s.bounds, self.seq_len) for s in self.shards]
+        shard_of = np.concatenate([np.full(len(p), i, np.int32) for i, p in enumerate(pieces)] or [np.zeros(0)])
+        starts = np.concatenate([p[:, 0] for p in pieces] or [np.zeros(0, np.int64)])
+        lengths = np.concatenate([p[:, 1] for p in pieces] or [np.zeros(0, np.int64)])
+        object.__setattr__(self, "_shard", shard_of)
+        object.__setattr__(self, "_start", starts)
+        object.__setattr__(self, "_length", lengths)
+        object.__setattr__(self, "_row_first", _next_fit(lengths - 1, self.seq_len))
+
+    def __len__(self) -> int:
+        return len(self._row_first) - 1
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        row = {k: np.zeros(self.seq_len, np.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+        mask = np.zeros(self.seq_len, np.float32)
+        at = 0
+        for segment, piece in enumerate(range(self._row_first[index], self._row_first[index + 1]), start=1):
+            start, length = int(self._start[piece]), int(self._length[piece])
+            tokens = np.asarray(self.shards[self._shard[piece]].tokens[start:start + length], np.int32)
+            span = slice(at, at + length - 1)
+            row["inputs"][span], row["targets"][span] = tokens[:-1], tokens[1:]
+            row["segment_ids"][span] = segment
+            row["positions"][span] = np.arange(length - 1)
+            mask[span] = 1.0
+            at += length - 1
+        return {**row, "mask": mask}
+
+
+def _pieces(bounds: np.ndarray, seq_len: int) -> np.ndarray:
+    """[n, 2] (start, length) of each document's pieces of at most seq_len + 1 tokens, overlapping by one;
+    documents of one token (an empty text's end-of-text) have no next-token pair and give none."""
+    starts, stops = np.asarray(bounds[:-1], np.int64), np.asarray(bounds[1:], np.int64)
+    pairs = stops - starts - 1
+    per_document = np.maximum(0, -(-pairs // seq_len))
+    document = np.repeat(np.arange(len(starts)), per_document)
+    first_piece = np.cumsum(per_document) - per_document
+    offset = (np.arange(len(document)) - first_piece[document]) * seq_len
+    piece_start = starts[document] + offset
+    piece_length = np.minimum(seq_len + 1, stops[document] - piece_start)
+    return np.stack([piece_start, piece_length], axis=1)
+
+
+def _next_fit(sizes: np.ndarray, capacity: int) -> np.ndarray:
+    """Row boundaries of items packed in order, a new row whenever the next item does not fit: rows + 1 offsets."""
+    firsts, used = [0], 0
+    for index, size in enumerate(sizes.tolist()):
+        if used + size > capacity:
+            firsts.append(index)
+            used = 0
+        used += size
+    if len(sizes):
+        firsts.append(len(sizes))
+    return np.asarray(firsts, np.int64)
