@@ -80,10 +80,14 @@ def read_manifest(directory: Path, named: str = "data.path") -> dict[str, Any]:
         fingerprint_ok = manifest["fingerprint"] == manifest_fingerprint(manifest)
         dtype = np.dtype(manifest["dtype"])
         vocab = int(manifest["tokenizer"]["vocab_size"])
-        splits = {split: manifest["splits"][split]["shards"] for split in SPLITS}
-        [(s["file"], int(s["tokens"]), int(s["documents"])) for shards in splits.values() for s in shards]
+        entries = [entry for split in SPLITS for entry in manifest["splits"][split]["shards"]]
+        well_formed = all(isinstance(e["file"], str) and Path(e["file"]).name == e["file"] and int(e["tokens"]) >= 0
+                          and int(e["documents"]) >= 0
+                          for e in entries)
     except (KeyError, TypeError, ValueError):
-        raise UserError(f"{path} lacks fields of an {FORMAT} manifest (damaged or edited); {prepare}") from None
+        well_formed = False
+    if not well_formed:
+        raise UserError(f"{path} lacks fields of an {FORMAT} manifest (damaged or edited); {prepare}")
     if not fingerprint_ok:
         raise UserError(f"{path} does not match its own fingerprint (edited or damaged); {prepare}")
     if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)) or vocab > np.iinfo(dtype).max + 1:
