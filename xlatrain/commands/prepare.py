@@ -50,12 +50,12 @@ class Request:
     shard_tokens: int = 1 << 28
     """Tokens per shard file, about (a shard ends after the document that reaches it)."""
 
-    def fingerprint(self, files: list[Path]) -> str:
-        """Inputs by name, size and modification time (not read), and every option that changes the shards."""
+    def fingerprint(self, files: list[Path], tokenizer: Tokenizer | None) -> str:
+        """Inputs by name, size and modification time (not read), and every option that changes the shards.
+        `tokenizer`: the one given (None: one to train)."""
         described = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-        tokenizer = (f"train:{self.train_vocab}" if self.train_vocab else self.tokenizer if self.tokenizer == "bytes"
-                     else load_tokenizer(self.tokenizer, "--tokenizer").fingerprint)
-        body = [described, tokenizer, self.field, self.holdout, self.shard_tokens]
+        which = f"train:{self.train_vocab}" if tokenizer is None else tokenizer.fingerprint
+        body = [described, which, self.field, self.holdout, self.shard_tokens]
         return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:16]
 
 
@@ -96,8 +96,10 @@ class ShardWriter:
 
 def prepare(request: Request) -> dict[str, Any]:
     """Writes the shards and the manifest (or finds them written already); returns the manifest."""
+    every = holdout_stride(request.holdout)
     files = input_files(request.inputs, request.glob)
-    asked = request.fingerprint(files)
+    given = None if request.train_vocab else load_tokenizer(request.tokenizer, "--tokenizer")
+    asked = request.fingerprint(files, given)
     existing = _existing_manifest(request.out)
     if existing is not None and existing.get("request") == asked:
         print(f"xlatrain: {request.out} already holds these inputs prepared ({_counts(existing)}); nothing to do")
@@ -106,9 +108,8 @@ def prepare(request: Request) -> dict[str, Any]:
         raise UserError(f"--out {request.out} holds shards prepared from other inputs or options; give another --out "
                         "directory or delete that one (nothing was overwritten)")
     _clear_partial_run(request.out)
-    tokenizer = _tokenizer(request, files)
+    tokenizer = given or _trained_tokenizer(request, files)
     dtype = token_dtype(tokenizer.vocab_size)
-    every = holdout_stride(request.holdout)
     writers = {split: ShardWriter(request.out, split, dtype, request.shard_tokens) for split in SPLITS}
     end = np.asarray([tokenizer.end_of_text], np.uint32)
     total = sum(p.stat().st_size for p in files)
@@ -257,9 +258,7 @@ def _read_ahead(batches: Iterator[Any], depth: int = 2) -> Iterator[Any]:
         yield item
 
 
-def _tokenizer(request: Request, files: list[Path]) -> Tokenizer:
-    if request.train_vocab is None:
-        return load_tokenizer(request.tokenizer, "--tokenizer")
+def _trained_tokenizer(request: Request, files: list[Path]) -> Tokenizer:
     every = holdout_stride(request.holdout)
 
     def training_texts() -> Iterator[str]:
