@@ -97,3 +97,22 @@ def test_ctrl_c_in_a_command_that_trains_nothing_is_one_line_and_the_shells_stat
     monkeypatch.setattr(config, "load_config", interrupted)
     assert main(["config"]) == 130
     assert capsys.readouterr().err == "xlatrain: interrupted\n"
+
+
+def test_version_names_xlatrain_and_the_jax_it_runs_on():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("xlatrain 0.1.0 (jax "), result.stdout
+
+
+@pytest.mark.parametrize("argv, flag, meant", [
+    (["train", "--steps", "50"], "--steps", "trainer.steps=50"),
+    (["train", "model.layers=2", "--steps=7"], "--steps=7", "trainer.steps=7"),
+    (["lower", "--lr", "0.1"], "--lr", "optimizer.lr=0.1")])
+def test_an_option_that_names_a_config_key_points_at_the_override(argv, flag, meant, capsys):
+    from xlatrain.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"xlatrain: error: unrecognized arguments: {flag}; did you mean {meant}? (see xlatrain --help)"]

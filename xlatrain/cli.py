@@ -74,9 +74,27 @@ def _parse_intermixed(parser: argparse.ArgumentParser, argv: list[str] | None) -
     intermixed parsing does not work with subcommands."""
     args, rest = parser.parse_known_args(argv)
     if rest and (not getattr(args, "intermixed", False) or any(item.startswith("-") for item in rest)):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        flag = next((item for item in rest if item.startswith("--")), None)
+        meant = _key_meant(flag, sys.argv[1:] if argv is None else argv)
+        parser.error(f"unrecognized arguments: {' '.join(rest)}{meant}")
     args.args = [*args.args, *rest]
     return args
+
+
+def _key_meant(flag: str | None, argv: list[str]) -> str:
+    """"; did you mean trainer.steps=50?" for `--steps 50` (or `--steps=50`): the config key whose last part the
+    unrecognised option names, when exactly one does; "" otherwise."""
+    if flag is None:
+        return ""
+    name, _, value = flag[2:].partition("=")
+    following = argv[argv.index(flag) + 1:argv.index(flag) + 2]
+    if not value and following and not following[0].startswith("-"):
+        value = following[0]
+    from xlatrain.config import Config, flatten
+
+    wanted = name.replace("-", "_")
+    keys = [key for key in flatten(Config().model_dump(mode="json")) if key.rsplit(".", 1)[-1] == wanted]
+    return f"; did you mean {keys[0]}={value or '...'}?" if len(keys) == 1 else ""
 
 
 def _config_arguments(sub: argparse.ArgumentParser, help_text: str) -> None:
@@ -87,6 +105,7 @@ def _config_arguments(sub: argparse.ArgumentParser, help_text: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="xlatrain", description="Config-driven JAX/XLA training.",
                                      epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     for name, func, help_text in (("train", _train, "train (or resume) a run"),
                                   ("config", _config, "print the resolved config and derived values"),
@@ -169,6 +188,19 @@ def _parser() -> argparse.ArgumentParser:
                          help="tokens per shard file, about (default 2**28)")
     prepare.set_defaults(command=_prepare, args=[])
     return parser
+
+
+def _version() -> str:
+    """xlatrain's version and the jax it runs on, read from the installed distributions (nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"xlatrain {of('xlatrain')} (jax {of('jax')}, jaxlib {of('jaxlib')}, Python {sys.version.split()[0]})"
 
 
 def _step_window(text: str) -> tuple[int, int]:
