@@ -86,6 +86,8 @@ def _arrays(path, inputs, targets):
     ("float_labels", lambda x: _float(x), "cross_entropy", ["targets has dtype float32", "integer class labels"]),
     ("bool_labels", lambda x: np.ones(len(x), bool), "cross_entropy", ["targets has dtype bool"]),
     ("negative", lambda x: np.where(np.arange(len(x)) == 5, -3, 1), "cross_entropy", ["targets[5] holds the label -3"]),
+    ("int32_max", lambda x: np.where(np.arange(len(x)) == 7, 2**31 - 1, 1), "cross_entropy",
+     ["targets[7] holds the label 2147483647", "2147483648 classes", "remap them"]),
     ("nan_targets", lambda x: np.where(np.arange(len(x)) == 2, np.nan, 1.0), "mse", ["targets holds NaN or inf"]),
 ])
 def test_bad_arrays_are_named(tmp_path, name, make, loss, expected):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xlatrain.config import ArrayData, DataConfig, DigitsData, TextData, TokensData, TrainedTokenizer
+from xlatrain.config import INT32_MAX, ArrayData, DataConfig, DigitsData, TextData, TokensData, TrainedTokenizer
 from xlatrain.data.shards import open_shards
 from xlatrain.data.spec import DataSpec
 from xlatrain.data.tokenizers import Tokenizer, load_tokenizer, token_dtype, train_bpe, trained_or_saved
@@ -279,6 +279,12 @@ def _check_arrays(where: str, inputs: np.ndarray, targets: np.ndarray, loss: str
             row = int(np.argmin(np.asarray(targets).reshape(len(targets), -1).min(axis=1)))
             raise UserError(f"data: {where}: targets[{row}] holds the label {lowest}; class labels must be "
                             "0..classes-1")
+        highest = int(np.max(targets))
+        if highest >= INT32_MAX:  # classes = highest + 1 must be an int32, as the labels and the logits' axis are
+            row = int(np.argmax(np.asarray(targets).reshape(len(targets), -1).max(axis=1)))
+            raise UserError(f"data: {where}: targets[{row}] holds the label {highest}, which would make "
+                            f"{highest + 1} classes, more than an int32 counts ({INT32_MAX}); class labels must be "
+                            "0..classes-1: remap them to consecutive ids")
     elif not np.all(np.isfinite(np.asarray(targets, np.float64))):
         raise UserError(f"data: {where}: targets holds NaN or inf; model.loss=mse needs finite targets")
 
