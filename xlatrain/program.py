@@ -280,9 +280,10 @@ def build_model(config: Config, spec: DataSpec, compute_dtype: jnp.dtype, data_p
 def replica_state_bytes(config: Config) -> int:
     """Bytes of one replica's train state (params, optimizer state), traced without touching a device."""
     policy = resolve_policy(config.precision, config.collectives.dtype)
-    spec = open_dataset(config.data, config.model.loss, config.run_dir()).spec
-    model = build_model(config, spec, policy.compute,
-                        data_parallel=1, scan_layers=False)
+    # No run directory: this runs before the run holds (or has checked) its directory, so a tokenizer a text run
+    # trains is trained here in memory only, never written; its vocabulary is the configured one either way.
+    spec = open_dataset(config.data, config.model.loss).spec
+    model = build_model(config, spec, policy.compute, data_parallel=1, scan_layers=False)
     tx = build_optimizer(config.optimizer, optax.constant_schedule(config.optimizer.lr),
                          block_axes=0 if model.blocks is None else 1)
     abstract = jax.eval_shape(make_init(model, tx, config.seed, policy))
