@@ -162,6 +162,15 @@ def test_the_gpt_compiles_for_an_h100_and_its_memory_is_xlas(tmp_path):
 
 
 @needs_cuda_plugin
+def test_the_llama_compiles_for_two_h100s_with_the_amp_order_intact():
+    report = lower_for_gpus("model.name=llama", "model.kv_heads=1", "precision.policy=bf16", "mesh.data=2",
+                            "parallel.strategy=fsdp")
+    assert report["target"]["devices"] == 2 and report["model_flops"] > 0
+    assert 0 < report["peak_memory_bytes"] < GPU_TARGETS["h100"].memory_bytes
+    assert report["amp_order"] == [], report["amp_order"]
+
+
+@needs_cuda_plugin
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1p", "zbv"])
 def test_every_schedule_compiles_for_gpus_with_the_amp_order_intact(schedule):
     """2 stages x 2 data replicas of H100s: XLA:GPU runs the gradient sync as asynchronous -start/-done pairs,

@@ -12,7 +12,7 @@ FLOORS = [
     ["runtime", "mesh", "precision", "boundaries", "custom_calls"],
     ["data", "run"],
     ["models"],
-    ["state", "optim", "pipeline", "torch_bridge"],
+    ["state", "optim", "pipeline", "torch_bridge", "hf"],
     ["lowering", "observe"],
     ["program"],
     ["trainer"],

@@ -203,8 +203,9 @@ def test_dropout_masks_are_derived_inside_each_action_alike_for_every_schedule_a
     assert "threefry" in with_dropout and "threefry" not in without
 
 
-def assert_gradients_equal_the_unpipelined_model(overrides, pipeline_overrides):
-    """The pipelined program, and the HLO of its compiled gradients."""
+def assert_gradients_equal_the_unpipelined_model(overrides, pipeline_overrides, low_precision_tolerance=1e-2):
+    """The pipelined program, and the HLO of its compiled gradients. In bf16 or fp16, pipelined and unpipelined
+    gradients differ by their roundings, within `low_precision_tolerance` of each leaf's largest value."""
     pipelined = program_for([*overrides, *pipeline_overrides])
     state, batch = pipelined.create_state(), token_batch(pipelined)
     compiled = pipelined.compiled_gradients(state, batch)
@@ -212,7 +213,7 @@ def assert_gradients_equal_the_unpipelined_model(overrides, pipeline_overrides):
     d = pipelined.derived
     expected_grads, expected_sums = reference_gradients(tuple(overrides),
                                                         d.data_parallel * d.microbatches * d.pipeline_microbatches)
-    tolerance = 1e-5 if pipelined.policy.compute == np.float32 else 1e-2
+    tolerance = 1e-5 if pipelined.policy.compute == np.float32 else low_precision_tolerance
     np.testing.assert_allclose(sums["loss"], expected_sums["loss"], rtol=tolerance)
     assert float(sums["weight"]) == float(expected_sums["weight"]) == 16 * pipelined.derived.global_batch
     errors = relative_errors(expected_grads, pipelined.pipeline.layout.layer_params(grads))

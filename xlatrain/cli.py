@@ -1,5 +1,5 @@
 """The `xlatrain` command line: `train | config | lower | parity | pipeline | profile | plot | report | export |
-launch | data prepare`, each parsed here and run by its body (train's is the trainer, plot's and report's
+sample | launch | data prepare`, each parsed here and run by its body (train's is the trainer, plot's and report's
 observe/'s, the others' xlatrain/commands/). Every user error is one line on stderr, exit 2."""
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ USAGE_EXAMPLES = """examples:
   xlatrain pipeline mesh.stage=4 parallel.pipeline.schedule=interleaved model.layers=8
   xlatrain parity examples/configs/torch_gpt.yaml --against torch --steps 10
   xlatrain export runs/torch-gpt --torch gpt.pt
+  xlatrain export runs/llama-stdlib --hf llama-hf/
+  xlatrain sample runs/gpt-stdlib --prompt 'def ' --max-new-tokens 100 --temperature 0.8 --top-k 40
+  xlatrain train model.init_from=hf:llama-hf/ trainer.steps=100
   xlatrain launch --nproc 2 --devices-per-proc 4 examples/configs/digits_mlp.yaml
   xlatrain data prepare corpus/ --glob '**/*.txt' --train-tokenizer 4096 --out shards/
 """
@@ -156,11 +159,29 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="print the run summaries (compilations, executions, transfers)")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.set_defaults(command=_report, args=[])
-    export = commands.add_parser("export", help="write a run's trained weights as a torch state_dict")
+    export = commands.add_parser("export", help="write a run's trained weights as a torch state_dict or a Hugging "
+                                 "Face checkpoint")
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    export.add_argument("--torch", type=Path, required=True, metavar="OUT.pt", help="where to write the state_dict")
-    export.add_argument("--step", type=int, help="which checkpoint (default: the latest)")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--torch", type=Path, metavar="OUT.pt", help="a torch run: where to write the state_dict")
+    target.add_argument("--hf", type=Path, metavar="OUT", help="a gpt or llama run: the directory to write "
+                        "(config.json, safetensors, the tokenizer) for transformers' from_pretrained")
+    export.add_argument("--step", type=_non_negative, help="which checkpoint (default: the latest)")
     export.set_defaults(command=_export, args=[])
+    sample = commands.add_parser("sample", help="continue a prompt with a gpt or llama run's weights, or a Hugging "
+                                 "Face checkpoint's")
+    sample.add_argument("source", metavar="RUN_DIR|hf:DIR")
+    sample.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    sample.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="at most N tokens "
+                        "(default 64); the end-of-text token ends sooner")
+    sample.add_argument("--temperature", type=_non_negative_float, default=1.0, metavar="T",
+                        help="softmax temperature; 0: greedy (default 1.0)")
+    sample.add_argument("--top-k", type=_positive, metavar="K", help="choose among the K most likely tokens")
+    sample.add_argument("--top-p", type=_probability, default=1.0, metavar="P",
+                        help="choose among the fewest tokens whose probabilities reach P (default 1.0: all)")
+    sample.add_argument("--seed", type=_non_negative, default=0, metavar="S", help="sampling seed (default 0)")
+    sample.add_argument("--step", type=_non_negative, help="a run's checkpoint (default: the latest)")
+    sample.set_defaults(command=_sample, args=[])
     launch = commands.add_parser("launch", help="train with N local processes joined through jax.distributed")
     launch.add_argument("--nproc", type=_positive, required=True, metavar="N", help="how many processes")
     launch.add_argument("--devices-per-proc", type=_positive, metavar="K",
@@ -221,6 +242,36 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability in (0, 1]")
     return value
 
 
@@ -396,10 +447,22 @@ def _parity_against_torch(args: argparse.Namespace) -> int:
 
 
 def _export(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.commands.export import export_torch_state_dict
+    from xlatrain.commands.export import export_hugging_face, export_torch_state_dict
 
-    path, step = export_torch_state_dict(args.run_dir, args.torch, args.step)
+    if args.hf is not None:
+        path, step = export_hugging_face(args.run_dir, args.hf, args.step)
+    else:
+        path, step = export_torch_state_dict(args.run_dir, args.torch, args.step)
     print(f"wrote {path} (step {step})")
+    return 0
+
+
+def _sample(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.commands.sample import Request, sample
+
+    text, _ = sample(Request(args.source, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                             args.top_p, args.seed, args.step))
+    print(args.prompt + text)
     return 0
 
 

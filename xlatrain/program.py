@@ -17,11 +17,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from xlatrain.config import Config, Derived, TorchModelConfig, derive, saved_values
+from xlatrain.config import DECODERS, Config, Derived, TorchModelConfig, derive, saved_values
+from xlatrain.config.hugging_face import checkpoint_directory
 from xlatrain.data.identity import check_every_process_reads_the_same, data_identity, identity_record
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
+from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.data_parallel import DataParallel
 from xlatrain.lowering.flops import UncountedLoop, step_flops
@@ -152,10 +154,23 @@ class Program:
             check_step_fits(step.name, peak_memory_bytes(step.first.compiled), self.device_memory)
 
     def create_state(self) -> TrainState:
-        given = self.model.initial_values() if self.model.initial_values is not None else None
-        state = create_state(self.init, self.specs, self.mesh, given)
+        """A new run's state: the model's own initialisation, the values it comes with (a torch module's), or
+        a Hugging Face checkpoint's weights (model.init_from=hf:DIR), read as each device holds them."""
+        if isinstance(self.config.model, DECODERS) and self.config.model.init_from is not None:
+            state = create_state(self.init, self.specs, self.mesh, (self._hugging_face_params(), {}), arranged=True)
+        else:
+            given = self.model.initial_values() if self.model.initial_values is not None else None
+            state = create_state(self.init, self.specs, self.mesh, given)
         verify_replicas_identical(state, self.specs, self.mesh)
         return state
+
+    def _hugging_face_params(self) -> Any:
+        model = self.config.model
+        weights = HuggingFaceWeights(checkpoint_directory(model.init_from), model.name,
+                                     f"model.init_from={model.init_from!r}")
+        weights.check(jax.eval_shape(self.model.init, jax.random.PRNGKey(0))[0])
+        layers_at = None if self.pipeline is None else self.pipeline.layout.layers_at
+        return placed_params(weights, self.abstract_state.params, named(self.mesh, self.specs.params), layers_at)
 
     def gradients(self, state: TrainState, batch: dict) -> tuple[Any, dict]:
         """One batch's gradients as the train step computes them (synchronised over the replicas, unscaled,

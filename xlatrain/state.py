@@ -42,13 +42,13 @@ def init_variables(model: ModelDef, key: jax.Array, policy: Policy, given: Any =
 
 def make_init(model: ModelDef, tx: optax.GradientTransformation, seed: int, policy: Policy,
               arrange: Callable[[Any], Any] | None = None) -> Callable[[Any], TrainState]:
-    """init(given=None) -> the train state. `arrange` lays the model's params out for training (a pipeline's
-    stage layout)."""
+    """init(given=None, arranged=False) -> the train state. `arrange` lays the model's params out for training (a
+    pipeline's stage layout); `arranged`: the given params are laid out so already."""
 
-    def init(given: Any = None) -> TrainState:
+    def init(given: Any = None, arranged: bool = False) -> TrainState:
         init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
         params, model_state = init_variables(model, init_key, policy, given)
-        params = arrange(params) if arrange is not None else params
+        params = arrange(params) if arrange is not None and not arranged else params
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                           opt_state=tx.init(params), rng=train_key, loss_scale=initial_loss_scale(policy))
 
@@ -74,11 +74,12 @@ def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.Gradi
                                 opt_state=opt, rng=P(), loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale))
 
 
-def create_state(init: Callable[[Any], TrainState], specs: TrainState, mesh: Mesh, given: Any = None,
-                 ) -> TrainState:
+def create_state(init: Callable[..., TrainState], specs: TrainState, mesh: Mesh, given: Any = None,
+                 arranged: bool = False) -> TrainState:
     """Initialise straight into the target shardings: the full state never sits on one device. Values the
-    model comes with (`given`, host arrays) are arguments of the init program, never constants in it."""
-    return jax.jit(init, out_shardings=named(mesh, specs))(given)
+    model comes with (`given`: host arrays, or global arrays already in the state's layout when `arranged`) are
+    arguments of the init program, never constants in it."""
+    return jax.jit(lambda values: init(values, arranged), out_shardings=named(mesh, specs))(given)
 
 
 def with_shardings(abstract: Any, specs: Any, mesh: Mesh) -> Any:

@@ -1,14 +1,20 @@
-"""`xlatrain export RUN_DIR --torch OUT.pt`: a run's trained weights as the torch module's state_dict."""
+"""`xlatrain export RUN_DIR --torch OUT.pt`: a run's trained weights as the torch module's state_dict;
+`xlatrain export RUN_DIR --hf OUT`: a built-in decoder's as a Hugging Face checkpoint directory."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from xlatrain.commands.trained import from_run
 from xlatrain.config import TorchModelConfig
+from xlatrain.config.hugging_face import hugging_face_config
+from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, bytes_as_hugging_face
 from xlatrain.errors import UserError
+from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
 from xlatrain.program import build_program
 from xlatrain.run.atomic import replace_file
 from xlatrain.run.checkpoints import Checkpoints, CorruptCheckpoint
@@ -50,3 +56,37 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
     state_dict = program.model.torch.state_dict(*host)
     replace_file(out, lambda partial: torch.save(state_dict, partial))
     return out, step
+
+
+def export_hugging_face(run_dir: Path, out: Path, step: int | None = None) -> tuple[Path, int]:
+    """Write the checkpoint at `step` (default: the latest) of a gpt or llama run as a Hugging Face checkpoint
+    directory `out`: transformers.AutoModelForCausalLM.from_pretrained(out) loads it, and the run's tokenizer
+    (AutoTokenizer) when it has one."""
+    if out.exists():
+        raise UserError(f"export --hf: {str(out)!r} exists; choose a new directory (nothing is overwritten)")
+    if not out.parent.is_dir():
+        raise UserError(f"export --hf: {str(out)!r} is in a directory that does not exist")
+    trained, _, step = from_run(run_dir, step, "export --hf")
+    config_json = hugging_face_config(trained.model, trained.model.vocab, trained.model.max_len)
+    extra = {}
+    if trained.tokenizer is not None:
+        if trained.tokenizer.end_of_text < trained.model.vocab:  # text runs on bytes have no end-of-text id
+            config_json["eos_token_id"] = trained.tokenizer.end_of_text
+        extra = _tokenizer_files(trained.tokenizer, trained.model.max_len)
+    write_checkpoint(out, {**config_json, "torch_dtype": "float32"},
+                     checkpoint_tensors(trained.model.name, trained.params), extra)
+    return out, step
+
+
+def _tokenizer_files(tokenizer: Tokenizer, max_len: int) -> dict[str, str]:
+    """tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer reads; none for a sentencepiece
+    model, which has no tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    serialized = bytes_as_hugging_face() if tokenizer.name == "bytes" else tokenizer.serialized
+    if serialized is None:
+        return {}
+    end = HFTokenizer.from_str(serialized).id_to_token(tokenizer.end_of_text)
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+                **({"eos_token": end} if end is not None else {})}
+    return {TOKENIZER_FILE: serialized, "tokenizer_config.json": json.dumps(settings, indent=2)}

@@ -30,11 +30,16 @@ from xlatrain.config.loading import (
 )
 from xlatrain.config.model import (
     CPU_UNROLLED_LAYERS,
+    DECODERS,
+    HUGGING_FACE_PREFIX,
     CNNConfig,
     CustomModelConfig,
+    DecoderConfig,
     GPTConfig,
+    LlamaConfig,
     MLPConfig,
     ModelConfig,
+    RopeScaling,
     TorchModelConfig,
 )
 from xlatrain.config.optimizer import AdafactorConfig, AdamWConfig, BatchConfig, LionConfig, OptimizerConfig, SGDConfig
@@ -59,8 +64,8 @@ __all__ = [
     "DERIVED_SECTION", "config_and_derived_to_yaml", "config_to_yaml", "flatten", "load_config", "parse_yaml",
     "upgraded_saved_config",
     "validate_config", "without_derived",
-    "CPU_UNROLLED_LAYERS", "CNNConfig", "CustomModelConfig", "GPTConfig", "MLPConfig", "ModelConfig",
-    "TorchModelConfig",
+    "CPU_UNROLLED_LAYERS", "DECODERS", "HUGGING_FACE_PREFIX", "CNNConfig", "CustomModelConfig", "DecoderConfig",
+    "GPTConfig", "LlamaConfig", "MLPConfig", "ModelConfig", "RopeScaling", "TorchModelConfig",
     "AdafactorConfig", "AdamWConfig", "BatchConfig", "LionConfig", "OptimizerConfig", "SGDConfig",
     "MESH_AXES", "ZERO_BUBBLE", "CollectivesConfig", "MeshConfig", "ParallelConfig", "PipelineConfig",
     "check_block_partition",

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from xlatrain.config.model import GPTConfig
+from xlatrain.config.model import DECODERS
 from xlatrain.config.parallel import MeshConfig
 from xlatrain.config.schema import Config
 from xlatrain.errors import UserError
@@ -31,7 +31,7 @@ class Derived:
     pipeline_microbatch_size: int | None = None
     """Rows of one pipeline microbatch on one replica (pipelines only)."""
     scan_layers: bool | None = None
-    """Whether the GPT's blocks run in a `lax.scan` on these devices (model.scan_layers resolved; gpt only)."""
+    """Whether a built-in decoder's blocks run in a `lax.scan` on these devices (model.scan_layers resolved)."""
 
     def as_dict(self) -> dict[str, Any]:
         return saved_values(self)
@@ -74,7 +74,7 @@ def derive(config: Config, devices: list) -> Derived:
         microbatch_size=global_batch // micro,
         lr_scale=lr_scale,
         effective_lr=config.optimizer.lr * lr_scale,
-        scan_layers=config.model.scans_layers(devices[0].platform) if isinstance(config.model, GPTConfig) else None,
+        scan_layers=config.model.scans_layers(devices[0].platform) if isinstance(config.model, DECODERS) else None,
         **_pipeline_sizes(config, global_batch // data_parallel),
     )
 

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
+from xlatrain.config.hugging_face import with_checkpoint_architecture
 from xlatrain.config.schema import Config
 from xlatrain.errors import UserError, first_line
 
@@ -36,6 +37,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     except OmegaConfBaseException as err:
         raise UserError(f"config: {first_line(err)} (a value with ${{...}} is an interpolation; quote or change "
                         "it)") from None
+    if isinstance(data.get("model"), dict):
+        data["model"] = with_checkpoint_architecture(data["model"])
     return validate_config(data)
 
 

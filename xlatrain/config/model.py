@@ -41,33 +41,41 @@ class CNNConfig(ModelBase):
 
 
 CPU_UNROLLED_LAYERS = 16
+HUGGING_FACE_PREFIX = "hf:"
+"""model.init_from=hf:DIR: a local Hugging Face checkpoint directory (config.json and *.safetensors)."""
 
 
-class GPTConfig(ModelBase):
-    name: Literal["gpt"]
-    """A GPT-2 style decoder: learned positions, LayerNorm, GELU MLP, causal multi-head attention."""
+class DecoderConfig(ModelBase):
+    """What the built-in decoders (gpt, llama) share."""
+
     layers: PositiveInt = 4
     """Transformer blocks."""
     width: PositiveInt = 128
     """Model width."""
     heads: PositiveInt = 4
-    """Attention heads; must divide model.width."""
-    mlp_ratio: PositiveInt = 4
-    """MLP hidden width / model width."""
+    """Attention (query) heads."""
     vocab: PositiveInt | None = None
     """Vocabulary size, at least the tokenizer's ids; null: the tokenizer's (256 for bytes) rounded up to
-    model.vocab_multiple."""
+    model.vocab_multiple (with model.init_from=hf:DIR: the checkpoint's)."""
     vocab_multiple: PositiveInt = 64
     """With model.vocab null: the vocabulary is rounded up to a multiple of this (padding rows no id reads: a
     matmul-friendly size, and one that tensor-parallel splits divide)."""
     max_len: PositiveInt | None = None
-    """Positional table size; null: data.seq_len."""
+    """Longest sequence (a GPT's positional table); null: data.seq_len (with model.init_from=hf:DIR: the
+    checkpoint's max_position_embeddings / n_positions)."""
     dropout: DropoutRate = 0.0
-    """Dropout rate while training (attention, residual and embedding dropout)."""
+    """Dropout rate while training (attention output, residual and MLP output dropout)."""
+    tie_embeddings: bool = False
+    """The output head reuses the token embedding table (transposed) instead of a matrix of its own."""
+    norm_eps: float = Field(1e-6, gt=0)
+    """Epsilon of the layer norms (GPT-2 checkpoints: 1e-5; RMSNorm of Llama checkpoints: 1e-5 or 1e-6)."""
     scan_layers: Literal["auto"] | bool = "auto"
     """`lax.scan` over the blocks (much faster compiles for deep models). auto: scan on GPUs; on CPU unroll up to
     16 blocks, where the unrolled step runs faster (bench/README.md). `xlatrain config` shows the choice as
     derived.scan_layers."""
+    init_from: Annotated[str, Field(pattern=r"^hf:.+")] | None = None
+    """hf:DIR: start from a local Hugging Face checkpoint (config.json and *.safetensors, sharded or not): the
+    architecture is read from its config.json; a model key set here that disagrees with it is an error."""
 
     def scans_layers(self, platform: str) -> bool:
         """auto scans on accelerators and unrolls on CPU up to CPU_UNROLLED_LAYERS blocks, where XLA:CPU runs
@@ -77,11 +85,83 @@ class GPTConfig(ModelBase):
             return self.scan_layers
         return platform != "cpu" or self.layers > CPU_UNROLLED_LAYERS
 
+
+class GPTConfig(DecoderConfig):
+    name: Literal["gpt"]
+    """A GPT-2 style decoder: learned positions, LayerNorm, GELU MLP, causal multi-head attention."""
+    mlp_ratio: PositiveInt = 4
+    """MLP hidden width / model width."""
+    head_bias: bool = True
+    """A bias on the output head (GPT-2 checkpoints have none: false)."""
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> GPTConfig:
         if self.width % self.heads:
             raise ValueError(f"model.width={self.width} must be divisible by model.heads={self.heads}")
         return self
+
+
+class RopeScaling(Strict):
+    """How RoPE's frequencies are stretched for contexts longer than the trained one."""
+
+    type: Literal["linear", "llama3"]
+    """linear: every position divided by `factor`. llama3: Llama 3.1's, low frequencies divided by `factor`,
+    high ones kept, a smooth ramp between."""
+    factor: float = Field(gt=0)
+    """How much longer the context becomes."""
+    low_freq_factor: float = Field(1.0, gt=0)
+    """llama3: wavelengths above original_max_len / low_freq_factor are scaled by the whole factor."""
+    high_freq_factor: float = Field(4.0, gt=0)
+    """llama3: wavelengths below original_max_len / high_freq_factor are kept."""
+    original_max_len: PositiveInt = 8192
+    """llama3: the context the model was first trained for."""
+
+
+class LlamaConfig(DecoderConfig):
+    name: Literal["llama"]
+    """A Llama-style decoder (Llama, Mistral, Qwen2): RoPE, RMSNorm, SwiGLU MLP, grouped-query attention."""
+    kv_heads: PositiveInt | None = None
+    """Key/value heads (grouped-query attention; 1: multi-query); must divide model.heads. null: model.heads."""
+    head_dim: PositiveInt | None = None
+    """Width of one head; null: model.width / model.heads."""
+    mlp_hidden: PositiveInt | None = None
+    """Hidden width of the SwiGLU MLP; null: 8/3 x model.width rounded up to a multiple of 64."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE's base: wavelengths run from 2 pi to about 2 pi x rope_theta."""
+    rope_scaling: RopeScaling | None = None
+    """Stretching RoPE for longer contexts; null: none."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2 has them)."""
+    out_bias: bool = False
+    """A bias on the attention output projection (Llama checkpoints with attention_bias: true)."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """Epsilon of the RMSNorms."""
+
+    def kv_head_count(self) -> int:
+        return self.kv_heads or self.heads
+
+    def head_width(self) -> int:
+        return self.head_dim or self.width // self.heads
+
+    def mlp_width(self) -> int:
+        return self.mlp_hidden or -(-8 * self.width // 3 // 64) * 64
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> LlamaConfig:
+        if self.heads % self.kv_head_count():
+            raise ValueError(f"model.kv_heads={self.kv_heads} must divide model.heads={self.heads} (each key/value "
+                             "head serves a group of query heads)")
+        if self.head_dim is None and self.width % self.heads:
+            raise ValueError(f"model.width={self.width} must be divisible by model.heads={self.heads}, or set "
+                             "model.head_dim")
+        if self.head_width() % 2:
+            raise ValueError(f"RoPE rotates pairs of dimensions: the head width {self.head_width()} must be even "
+                             "(model.head_dim, or model.width / model.heads)")
+        return self
+
+
+DECODERS = (GPTConfig, LlamaConfig)
+"""The built-in decoders: token models with blocks that pipelines cut, KV-cache sampling and Hugging Face weights."""
 
 
 class CustomModelConfig(ModelBase):
@@ -118,5 +198,6 @@ class TorchModelConfig(ModelBase):
 
 
 ModelConfig = Annotated[
-    Union[MLPConfig, CNNConfig, GPTConfig, CustomModelConfig, TorchModelConfig], Field(discriminator="name")
+    Union[MLPConfig, CNNConfig, GPTConfig, LlamaConfig, CustomModelConfig, TorchModelConfig],
+    Field(discriminator="name"),
 ]

@@ -44,7 +44,7 @@ class MeshConfig(Strict):
 MESH_AXES = ("data",)
 """Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
 DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
-                         "heads": "data", "hidden": "data", "channels": "data"}
+                         "heads": "data", "kv_heads": "data", "hidden": "data", "channels": "data"}
 
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]

@@ -10,7 +10,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from xlatrain.config.base import Seed, Strict
 from xlatrain.config.data import DataConfig, DigitsData, TextData, TokensData
 from xlatrain.config.distributed import DistributedConfig
-from xlatrain.config.model import CNNConfig, GPTConfig, MLPConfig, ModelConfig
+from xlatrain.config.model import DECODERS, CNNConfig, GPTConfig, MLPConfig, ModelConfig
 from xlatrain.config.optimizer import AdamWConfig, BatchConfig, OptimizerConfig
 from xlatrain.config.parallel import (
     CollectivesConfig,
@@ -60,10 +60,10 @@ class Config(Strict):
             raise ValueError(
                 f"model.name={self.model.name} classifies arrays: use data.source=digits or arrays"
             )
-        if isinstance(self.model, GPTConfig):
+        if isinstance(self.model, DECODERS):
             if isinstance(self.data, DigitsData):
-                raise ValueError("model.name=gpt trains on token sequences: use data.source=text, tokens or arrays "
-                                 "(integer token ids)")
+                raise ValueError(f"model.name={self.model.name} trains on token sequences: use data.source=text, "
+                                 "tokens or arrays (integer token ids)")
             seq_len = getattr(self.data, "seq_len", None)
             if self.model.max_len is not None and seq_len is not None and self.model.max_len < seq_len:
                 raise ValueError(
@@ -104,8 +104,8 @@ class Config(Strict):
             return self
         if isinstance(self.model, (MLPConfig, CNNConfig)):
             raise ValueError(f"model.name={self.model.name} cannot be pipelined (mesh.stage={stages}): it is not a "
-                             "stack of repeated blocks. Pipelines take model.name=gpt or a custom model built on "
-                             "xlatrain.models.BlockStack; or set mesh.stage=1")
+                             "stack of repeated blocks. Pipelines take model.name=gpt or llama, or a custom model "
+                             "built on xlatrain.models.BlockStack; or set mesh.stage=1")
         if self.parallel.mode != "shard_map":
             raise ValueError(f"mesh.stage={stages} runs a pipeline, a per-device program whose stages pass "
                              f"activations to each other: use parallel.mode=auto or shard_map, not "
@@ -135,7 +135,7 @@ class Config(Strict):
         if pipe.schedule == "interleaved" and m % stages:
             raise ValueError(f"parallel.pipeline.schedule=interleaved sends microbatches through the stages in "
                              f"groups of mesh.stage={stages}: microbatches={m} must be a multiple of {stages}")
-        if isinstance(self.model, GPTConfig):
+        if isinstance(self.model, DECODERS):
             check_block_partition(pipe, stages, self.model.layers, "model.layers")
         return self
 

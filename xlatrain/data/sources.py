@@ -16,9 +16,18 @@ from pathlib import Path
 import numpy as np
 
 from xlatrain.config import INT32_MAX, ArrayData, DataConfig, DigitsData, TextData, TokensData, TrainedTokenizer
-from xlatrain.data.shards import open_shards
+from xlatrain.data.shards import open_shards, read_manifest
 from xlatrain.data.spec import DataSpec
-from xlatrain.data.tokenizers import Tokenizer, load_tokenizer, token_dtype, train_bpe, trained_or_saved
+from xlatrain.data.tokenizers import (
+    TOKENIZER_FILE,
+    Tokenizer,
+    byte_tokenizer,
+    load_tokenizer,
+    token_dtype,
+    train_bpe,
+    trained_or_saved,
+    trained_tokenizer_name,
+)
 from xlatrain.data.tokens import PackedRows, ShardWindows
 from xlatrain.errors import UserError, first_line
 
@@ -324,3 +333,25 @@ def _split(inputs: np.ndarray, targets: np.ndarray, holdout: float, *, num_outpu
                     origin)
     return Dataset(ArraySource(inputs, targets, rows[:-held_out]), ArraySource(inputs, targets, rows[-held_out:]),
                    spec)
+
+
+def run_tokenizer(config: DataConfig, run_dir: Path) -> Tokenizer | None:
+    """The tokenizer a run's token ids are in (what sampling encodes its prompt with and decodes its output with),
+    or None when its data came as ids (data.source=arrays) or as shards without a tokenizer file."""
+    if isinstance(config, TextData):
+        if isinstance(config.tokenizer, TrainedTokenizer):
+            path = run_dir / trained_tokenizer_name(config.tokenizer.train.vocab_size)
+            if not path.is_file():
+                raise UserError(f"{run_dir}: the tokenizer this run trained ({path.name}) is gone; restore it from "
+                                "the run's first start")
+            return load_tokenizer(str(path), named=f"the trained tokenizer {path}")
+        return load_tokenizer(config.tokenizer)
+    if isinstance(config, TokensData):
+        if config.tokenizer is not None:
+            return load_tokenizer(config.tokenizer)
+        made_with = read_manifest(Path(config.path))["tokenizer"]
+        if made_with["name"] == "bytes":
+            return byte_tokenizer()
+        saved = Path(config.path) / TOKENIZER_FILE
+        return load_tokenizer(str(saved), named=f"data.path's {TOKENIZER_FILE}") if saved.is_file() else None
+    return None

@@ -58,6 +58,28 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer("bytes", 257, 256, _digest(b"xlatrain-bytes"), encode_batch, decode)
 
 
+def byte_level_names() -> list[str]:
+    """The printable character that stands for each byte in byte-level BPE files (GPT-2's table): printable
+    Latin-1 bytes stand for themselves, the others for 256, 257, ... in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(others)) for byte in range(256)]
+
+
+def bytes_as_hugging_face() -> str:
+    """The bytes tokenizer as a tokenizer.json with the same ids (byte b is id b, END_OF_TEXT 256), for the
+    checkpoints `xlatrain export --hf` writes."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tokenizer = HFTokenizer(models.BPE(vocab={name: byte for byte, name in enumerate(byte_level_names())}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([END_OF_TEXT])
+    return tokenizer.to_str()
+
+
 def load_tokenizer(spec: str, named: str = "data.tokenizer") -> Tokenizer:
     """`bytes`, a tokenizer.json, a sentencepiece .model, or a directory holding one of them."""
     if spec == "bytes":

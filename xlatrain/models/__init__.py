@@ -1,4 +1,4 @@
-"""Flax models from config: the built-in MLP, CNN and GPT, or a user's own nnx.Module (a user's torch nn.Module
+"""Flax models from config: the built-in MLP, CNN, GPT and Llama, or a user's own nnx.Module (a user's torch nn.Module
 comes through xlatrain/torch_bridge/)."""
 
 import inspect
@@ -7,7 +7,7 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from xlatrain.config import CNNConfig, CustomModelConfig, GPTConfig, MLPConfig, ModelConfig
+from xlatrain.config import DECODERS, CNNConfig, CustomModelConfig, DecoderConfig, GPTConfig, MLPConfig, ModelConfig
 from xlatrain.data.spec import DataSpec
 from xlatrain.data.tokenizers import rounded_vocab
 from xlatrain.errors import UserError, first_line
@@ -16,6 +16,7 @@ from xlatrain.models.cnn import CNN
 from xlatrain.models.flax_module import flax_model, takes_rngs
 from xlatrain.models.gpt import GPT, GPTShape
 from xlatrain.models.interface import ModelDef
+from xlatrain.models.llama import Llama, LlamaShape
 from xlatrain.models.mlp import MLP
 from xlatrain.models.targets import check_kwargs, import_target
 from xlatrain.runtime.platform import lowering_platform
@@ -26,7 +27,7 @@ __all__ = ["BlockStack", "ModelDef", "flax_model", "model_factory", "stack_block
 def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype = jnp.float32,
                   scan_layers: bool | None = None) -> Callable[[nnx.Rngs], nnx.Module]:
     """A function rngs -> module, so the caller decides where (abstractly, or under jit) it runs.
-    `scan_layers`: a GPT's model.scan_layers as resolved for the run's devices (None: for jax's default
+    `scan_layers`: a decoder's model.scan_layers as resolved for the run's devices (None: for jax's default
     backend)."""
     if isinstance(config, MLPConfig):
         features = 1
@@ -35,22 +36,36 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
         return lambda rngs: MLP(features, config.hidden, spec.num_outputs, config.dropout, rngs=rngs)
     if isinstance(config, CNNConfig):
         return lambda rngs: CNN(spec.input_shape, config.channels, config.hidden, spec.num_outputs, rngs=rngs)
-    if isinstance(config, GPTConfig):
-        vocab = config.vocab or rounded_vocab(spec.num_outputs, config.vocab_multiple)
-        if spec.num_outputs > vocab:
-            raise UserError(f"config: model.vocab={config.vocab} is smaller than the tokenizer's {spec.num_outputs} "
-                            f"ids ({spec.origin}); raise model.vocab to at least {spec.num_outputs}, or leave it null")
-        max_len = config.max_len or spec.input_shape[0]
-        if spec.input_shape[0] > max_len:
-            raise UserError(f"config: {spec.origin} has sequences of {spec.input_shape[0]} tokens, longer than "
-                            f"model.max_len={max_len}; raise model.max_len or shorten the sequences")
-        shape = GPTShape(config.layers, config.width, config.heads, config.mlp_ratio, vocab, max_len, config.dropout,
-                         config.scans_layers(lowering_platform()) if scan_layers is None else scan_layers,
-                         jnp.dtype(compute_dtype))
-        return lambda rngs: GPT(shape, rngs=rngs)
+    if isinstance(config, DECODERS):
+        vocab, max_len = decoder_sizes(config, spec)
+        scan = config.scans_layers(lowering_platform()) if scan_layers is None else scan_layers
+        common = dict(layers=config.layers, width=config.width, heads=config.heads, vocab=vocab,
+                      dropout=config.dropout, scan_layers=scan, dtype=jnp.dtype(compute_dtype),
+                      tie_embeddings=config.tie_embeddings, norm_eps=config.norm_eps)
+        if isinstance(config, GPTConfig):
+            shape = GPTShape(**common, mlp_ratio=config.mlp_ratio, max_len=max_len, head_bias=config.head_bias)
+            return lambda rngs: GPT(shape, rngs=rngs)
+        scaling = None if config.rope_scaling is None else tuple(config.rope_scaling.model_dump().items())
+        llama = LlamaShape(**common, kv_heads=config.kv_head_count(), head_dim=config.head_width(),
+                           mlp_hidden=config.mlp_width(), rope_theta=config.rope_theta, rope_scaling=scaling,
+                           qkv_bias=config.qkv_bias, out_bias=config.out_bias)
+        return lambda rngs: Llama(llama, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)
     raise TypeError(f"model.name={config.name} is not a flax model")
+
+
+def decoder_sizes(config: DecoderConfig, spec: DataSpec) -> tuple[int, int]:
+    """(vocabulary, longest sequence) of a built-in decoder on this data."""
+    vocab = config.vocab or rounded_vocab(spec.num_outputs, config.vocab_multiple)
+    if spec.num_outputs > vocab:
+        raise UserError(f"config: model.vocab={config.vocab} is smaller than the tokenizer's {spec.num_outputs} "
+                        f"ids ({spec.origin}); raise model.vocab to at least {spec.num_outputs}, or leave it null")
+    max_len = config.max_len or spec.input_shape[0]
+    if spec.input_shape[0] > max_len:
+        raise UserError(f"config: {spec.origin} has sequences of {spec.input_shape[0]} tokens, longer than "
+                        f"model.max_len={max_len}; raise model.max_len or shorten the sequences")
+    return vocab, max_len
 
 
 def _custom_factory(config: CustomModelConfig) -> Callable[[nnx.Rngs], nnx.Module]:

@@ -67,6 +67,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
                                         mask=None if same_BxQxK is None else same_BxQxK[:, None])
 
 
+def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, keys_BxSxGxK: jax.Array,
+                     values_BxSxGxK: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Decoding: the new tokens' keys and values written into the cache at `start`, then each new query attends
+    the cached keys up to its own position. Returns (attended, keys, values)."""
+    keys = jax.lax.dynamic_update_slice(keys_BxSxGxK, k_BxTxGxK.astype(keys_BxSxGxK.dtype), (0, start, 0, 0))
+    values = jax.lax.dynamic_update_slice(values_BxSxGxK, v_BxTxGxK.astype(values_BxSxGxK.dtype), (0, start, 0, 0))
+    queries, length = q_BxTxHxK.shape[1], keys.shape[1]
+    visible_TxS = jnp.arange(length)[None, :] <= start + jnp.arange(queries)[:, None]
+    return jax.nn.dot_product_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None]), keys, values
+
+
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,
                                      scale: float | None = None, same_BxQxK: jax.Array | None = None) -> jax.Array:
     """Causal attention as `blocks` attentions of consecutive queries, each over the keys up to its last query

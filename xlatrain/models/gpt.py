@@ -1,5 +1,6 @@
-"""A decoder-only transformer over tokens, with causal attention; a BlockStack, so it can be pipelined. On packed
-data it keeps attention and positions inside each document."""
+"""A GPT-2 style decoder over tokens, with causal attention; a BlockStack, so it can be pipelined. On packed
+data it keeps attention and positions inside each document. Its parameters load from and export to GPT-2
+checkpoints (xlatrain/hf/), with a tied head without bias and GPT-2's LayerNorm epsilon."""
 
 from dataclasses import dataclass
 
@@ -7,9 +8,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlatrain.models.attention import causal_attention
+from xlatrain.models.attention import cached_attention, causal_attention
 from xlatrain.models.axes import axes
-from xlatrain.models.blocks import BlockStack, stack_blocks
+from xlatrain.models.blocks import stack_blocks
+from xlatrain.models.decoder import Decoder, dropout_keys
 from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import linear
@@ -27,18 +29,26 @@ class GPTShape:
     scan_layers: bool
     dtype: jnp.dtype = jnp.float32
     """Compute dtype of the embeddings (the precision policy's); other layers follow their inputs."""
+    tie_embeddings: bool = False
+    head_bias: bool = True
+    norm_eps: float = 1e-6
+
+
+def layer_norm(shape: GPTShape, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(shape.width, epsilon=shape.norm_eps, scale_metadata=axes("embed"),
+                         bias_metadata=axes("embed"), rngs=rngs)
 
 
 class Block(nnx.Module):
     def __init__(self, shape: GPTShape, *, rngs: nnx.Rngs):
         d = shape.width
         self.heads = shape.heads
-        self.ln_attn = nnx.LayerNorm(d, scale_metadata=axes("embed"), bias_metadata=axes("embed"), rngs=rngs)
+        self.ln_attn = layer_norm(shape, rngs)
         self.qkv = linear(d, 3 * d, kernel_metadata=axes("embed", "heads"), bias_metadata=axes("heads"),
                           rngs=rngs)
         self.attn_out = linear(d, d, kernel_metadata=axes("heads", "embed"), bias_metadata=axes("embed"),
                                rngs=rngs)
-        self.ln_mlp = nnx.LayerNorm(d, scale_metadata=axes("embed"), bias_metadata=axes("embed"), rngs=rngs)
+        self.ln_mlp = layer_norm(shape, rngs)
         self.mlp_in = linear(d, shape.mlp_ratio * d, kernel_metadata=axes("embed", "mlp"),
                              bias_metadata=axes("mlp"), rngs=rngs)
         self.mlp_out = linear(shape.mlp_ratio * d, d, kernel_metadata=axes("mlp", "embed"),
@@ -46,13 +56,22 @@ class Block(nnx.Module):
         self.dropout = nnx.Dropout(shape.dropout)
 
     def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None):
-        batch, length, width = x_BxLxD.shape
-        keys = (None, None) if rngs is None else tuple(jax.random.split(rngs))
-        qkv_BxLx3xHxK = self.qkv(self.ln_attn(x_BxLxD)).reshape(
-            batch, length, 3, self.heads, width // self.heads)
-        q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
+        keys = dropout_keys(rngs)
+        q, k, v = self._qkv(x_BxLxD)
         attended_BxLxHxK = causal_attention(q, k, v, None if documents is None else documents.segment_ids)
-        x_BxLxD = x_BxLxD + self._drop(self.attn_out(attended_BxLxHxK.reshape(batch, length, width)), keys[0])
+        return self._after_attention(x_BxLxD, attended_BxLxHxK, keys)
+
+    def decode(self, x_BxTxD, keys_BxSxHxK, values_BxSxHxK, start):
+        attended_BxTxHxK, keys, values = cached_attention(*self._qkv(x_BxTxD), keys_BxSxHxK, values_BxSxHxK, start)
+        return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
+
+    def _qkv(self, x_BxLxD):
+        batch, length, width = x_BxLxD.shape
+        qkv_BxLx3xHxK = self.qkv(self.ln_attn(x_BxLxD)).reshape(batch, length, 3, self.heads, width // self.heads)
+        return tuple(qkv_BxLx3xHxK[:, :, i] for i in range(3))
+
+    def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
+        x_BxLxD = x_BxLxD + self._drop(self.attn_out(attended_BxLxHxK.reshape(x_BxLxD.shape)), keys[0])
         hidden_BxLxF = jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD)))
         return x_BxLxD + self._drop(self.mlp_out(hidden_BxLxF), keys[1])
 
@@ -60,9 +79,10 @@ class Block(nnx.Module):
         return self.dropout(x, deterministic=key is None, rngs=key)
 
 
-class GPT(BlockStack):
+class GPT(Decoder):
     def __init__(self, shape: GPTShape, *, rngs: nnx.Rngs):
         self.shape = shape
+        self.kv_heads, self.head_width = shape.heads, shape.width // shape.heads
         # nnx.Embed computes in its `dtype` (float32 unless told), not in the dtype of its table.
         self.embed = TokenEmbed(shape.vocab, shape.width, dtype=shape.dtype,
                                 embedding_metadata=axes("vocab", "embed"), rngs=rngs)
@@ -70,16 +90,13 @@ class GPT(BlockStack):
                                   embedding_metadata=axes(None, "embed"), rngs=rngs)
         self.blocks = stack_blocks(lambda layer_rngs: Block(shape, rngs=layer_rngs), shape.layers, rngs)
         self.scan_blocks = shape.scan_layers
-        self.ln_final = nnx.LayerNorm(shape.width, scale_metadata=axes("embed"), bias_metadata=axes("embed"),
-                                      rngs=rngs)
-        self.head = linear(shape.width, shape.vocab, kernel_metadata=axes("embed", "vocab"),
-                           bias_metadata=axes("vocab"), rngs=rngs)
+        self.ln_final = layer_norm(shape, rngs)
+        self.head = None if shape.tie_embeddings else linear(
+            shape.width, shape.vocab, use_bias=shape.head_bias, kernel_metadata=axes("embed", "vocab"),
+            bias_metadata=axes("vocab"), rngs=rngs)
 
-    def before_blocks(self, tokens_BxL, documents: Documents | None = None):
-        """Positions restart at 0 in each packed document."""
-        if documents is None:
-            return self.embed(tokens_BxL) + self.position(jnp.arange(tokens_BxL.shape[1]))[None]
-        return self.embed(tokens_BxL) + self.position(documents.positions)
+    def embed_at(self, tokens_BxL, positions_BxL):
+        return self.embed(tokens_BxL) + self.position(positions_BxL)
 
-    def after_blocks(self, x_BxLxD):
-        return self.head(self.ln_final(x_BxLxD))
+    def final_norm(self, x_BxLxD):
+        return self.ln_final(x_BxLxD)

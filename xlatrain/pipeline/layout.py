@@ -68,6 +68,10 @@ class StageLayout:
             index[chunk // self.stages, stage, :count] = np.arange(start, start + count)
         return index
 
+    def layers_at(self, index: tuple[slice, ...]) -> tuple[np.ndarray, tuple[slice, ...]]:
+        """The blocks at `index` of a stage-layout leaf [v, p, width, ...] (-1: padding), and the rest of the index."""
+        return self._layer_of_position[index[:3]], index[3:]
+
     def to_stages(self, blocks_Lx: jax.Array) -> jax.Array:
         """[L, ...] -> [v, p, width, ...], padding zero."""
         index = self._layer_of_position

@@ -27,6 +27,9 @@ from xlatrain.run.fingerprints import tree_fingerprints
 from xlatrain.runtime.distributed import is_primary
 from xlatrain.sizes import readable_bytes
 
+PARAMS_PATH = ".params"
+"""How a saved train state's fingerprints name the start of its params' paths."""
+
 
 class CorruptCheckpoint(Exception):
     """A checkpoint step that cannot be read, or whose arrays do not match their saved fingerprints."""
@@ -199,6 +202,30 @@ class Checkpoints:
         if integrity:  # the fingerprints follow the tree as it was written
             _verify(written, integrity["fingerprints"])
         return Restored(state, data, integrity.get("data", {}))
+
+    def restore_params_on(self, step: int, device: jax.Device) -> Any:
+        """The params saved at `step` on one device, whatever mesh wrote them (in their layout as saved: a
+        pipeline's blocks in stages), verified against their fingerprints."""
+        _quiet_abandoned_io()
+        try:
+            metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            fields = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                                  dict(getattr(metadata, "item_metadata", metadata)),
+                                  is_leaf=lambda leaf: hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+            params = self._restore(step, fields)[0]["params"]
+        except Exception as err:  # orbax raises many types; all mean this step cannot be used
+            raise CorruptCheckpoint(_unreadable(err)) from None
+        saved = self._integrity(step).get("fingerprints", {})
+        if saved:  # the train state's fingerprints name its params field `.params`
+            _verify(params, {path[len(PARAMS_PATH):]: value for path, value in saved.items()
+                             if path.startswith(PARAMS_PATH)})
+        return params
+
+    def _integrity(self, step: int) -> dict:
+        if not (self.directory / str(step) / "integrity").is_dir():
+            return {}
+        return self._manager.restore(step, args=ocp.args.Composite(integrity=ocp.args.JsonRestore())).integrity
 
     def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
         """The state, the data position, and the integrity record ({} for a checkpoint written before it)."""

@@ -1,0 +1,54 @@
+"""Tiny Hugging Face causal language models that `transformers` creates here (no hub), saved as local checkpoint
+directories: the references of tests/test_llama.py and tests/test_hugging_face.py."""
+
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 320
+"""More than the bytes' 256, so that a checkpoint's vocabulary is never the data's by accident."""
+
+ARCHITECTURES = {
+    # grouped-query attention, untied head, a RoPE base of its own
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_theta=500.0)),
+    # multi-query attention with q/k/v biases, tied embeddings
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
+    # Llama 3's frequency-dependent RoPE scaling, with biases on every attention projection
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, attention_bias=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})),
+    "linear-rope": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4, rope_scaling={
+        "rope_type": "linear", "factor": 2.0})),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)),
+}
+
+
+def hugging_face_model(kind: str, seed: int = 0, **overrides):
+    """A transformers model of `kind` (ARCHITECTURES) in eval mode, with weights perturbed away from their
+    initialisation (zero biases, unit norms) so that every tensor's place in the layout matters."""
+    import torch
+    import transformers
+
+    config_class, model_class, settings = ARCHITECTURES[kind]
+    shape = {} if kind == "gpt2" else dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, max_position_embeddings=128)
+    config = getattr(transformers, config_class)(vocab_size=VOCAB, **shape, **settings, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    return model.eval()
+
+
+def saved(model, directory: Path, **save_options) -> Path:
+    model.save_pretrained(directory, **save_options)
+    return directory
+
+
+def logits_of(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.float().numpy()

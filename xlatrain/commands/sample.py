@@ -1,0 +1,72 @@
+"""`xlatrain sample RUN_DIR|hf:DIR --prompt TEXT`: a continuation of the prompt from a built-in decoder's trained
+(or imported) weights, on one device, with a KV cache and one compiled decode loop (xlatrain/models/sampling.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlatrain.commands.trained import TrainedDecoder, from_hugging_face, from_run
+from xlatrain.config import HUGGING_FACE_PREFIX
+from xlatrain.errors import UserError
+from xlatrain.models.sampling import Sampling, generate
+
+
+@dataclass(frozen=True)
+class Request:
+    source: str
+    """A run directory, or hf:DIR."""
+    prompt: str
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int = 0
+    step: int | None = None
+    """A run's checkpoint (default: the latest)."""
+
+
+def trained_decoder(source: str, step: int | None) -> TrainedDecoder:
+    if source.startswith(HUGGING_FACE_PREFIX):
+        directory = Path(source[len(HUGGING_FACE_PREFIX):]).expanduser()
+        if step is not None:
+            raise UserError("sample: --step picks a run's checkpoint; a Hugging Face directory has one")
+        return from_hugging_face(directory, "sample")
+    return from_run(Path(source), step, "sample")[0]
+
+
+def prompt_ids(trained: TrainedDecoder, request: Request) -> np.ndarray:
+    """The prompt's ids, checked against the model's context."""
+    if trained.tokenizer is None:
+        raise UserError(f"sample: {trained.source} has no tokenizer to encode --prompt with (a run on "
+                        "data.source=arrays, or shards prepared without one)")
+    ids = trained.tokenizer.encode_batch([request.prompt])[0].astype(np.int32)
+    if not len(ids):
+        raise UserError("sample: --prompt is empty; give the text to continue")
+    context = trained.model.max_len
+    if len(ids) >= context:
+        raise UserError(f"sample: --prompt is {len(ids)} tokens, and the model's context is {context}; shorten it")
+    if len(ids) + request.max_new_tokens > context:
+        raise UserError(f"sample: --prompt's {len(ids)} tokens and --max-new-tokens {request.max_new_tokens} "
+                        f"exceed the model's context of {context}; lower --max-new-tokens to at most "
+                        f"{context - len(ids)}")
+    return ids
+
+
+def sample(request: Request) -> tuple[str, np.ndarray]:
+    """(the continuation as text, its ids; the end-of-text token, when chosen, ends both)."""
+    trained = trained_decoder(request.source, request.step)
+    ids = prompt_ids(trained, request)
+    tokenizer = trained.tokenizer
+    graphdef, params = trained.module()
+    sampling = Sampling(request.max_new_tokens, request.temperature, request.top_k, request.top_p,
+                        tokenizer.end_of_text, min(tokenizer.vocab_size, trained.model.vocab))
+    tokens, made = generate(graphdef, params, jnp.asarray(ids[None]), jax.random.PRNGKey(request.seed), sampling)
+    new = np.asarray(tokens)[0, :int(made)]
+    ended = np.flatnonzero(new == tokenizer.end_of_text)
+    new = new[:ended[0]] if len(ended) else new
+    return tokenizer.decode(new.tolist()), new

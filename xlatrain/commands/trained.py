@@ -1,0 +1,126 @@
+"""A built-in decoder's weights on one device, with its resolved config and tokenizer: from a run directory's
+checkpoint (however many devices and stages wrote it) or from a Hugging Face checkpoint directory. What
+`xlatrain sample` and `xlatrain export --hf` read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from pydantic import TypeAdapter, ValidationError
+
+from xlatrain.config import DECODERS, Config, DecoderConfig, GPTConfig, ModelConfig, TorchModelConfig
+from xlatrain.config.hugging_face import architecture, read_config_json
+from xlatrain.data.sources import open_dataset, run_tokenizer
+from xlatrain.data.spec import DataSpec
+from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
+from xlatrain.errors import UserError, first_line
+from xlatrain.hf.weights import HuggingFaceWeights, placed_params
+from xlatrain.models import flax_model, model_factory
+from xlatrain.pipeline.layout import StageLayout
+from xlatrain.pipeline.schedule import build
+from xlatrain.run.checkpoints import Checkpoints, CorruptCheckpoint
+from xlatrain.run.directory import CHECKPOINTS_DIR, pinned_partition, read_run_config
+
+TORCH_REFUSED = ("trained a torch module (model.name=torch): its weights belong to your PyTorch code, which xlatrain "
+                 "runs only as a whole forward, without a KV cache or a Hugging Face layout; export them with "
+                 "`xlatrain export RUN_DIR --torch OUT.pt`")
+
+
+@dataclass(frozen=True)
+class TrainedDecoder:
+    model: DecoderConfig
+    """With vocab and max_len resolved."""
+    params: Any
+    """In the model's layout (blocks stacked [layers, ...]), on one device."""
+    tokenizer: Tokenizer | None
+    source: str
+    """What the weights came from, for messages."""
+
+    def module(self) -> tuple[Any, Any]:
+        """(nnx graph definition, params): what xlatrain.models.sampling.generate runs."""
+        factory = model_factory(self.model, _spec(self.model), jnp.float32, scan_layers=True)
+        return nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)[0], self.params
+
+
+def _spec(model: DecoderConfig) -> DataSpec:
+    return DataSpec((model.max_len,), np.dtype(np.int32), (model.max_len,), np.dtype(np.int32), model.vocab)
+
+
+def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDecoder, Config, int]:
+    """(the decoder, the run's config, the step of the checkpoint read: `step`, or the latest)."""
+    config = read_run_config(run_dir)
+    if isinstance(config.model, TorchModelConfig):
+        raise UserError(f"{command}: {str(run_dir)!r} {TORCH_REFUSED}")
+    if not isinstance(config.model, DECODERS):
+        raise UserError(f"{command}: {str(run_dir)!r} trained {config.model.named()}, not a built-in decoder "
+                        "(model.name=gpt or llama)")
+    params, step = _restored_params(run_dir, config, step, command)
+    model = config.model
+    vocab = params["embed"]["embedding"].shape[0]
+    if isinstance(model, GPTConfig):
+        max_len = params["position"]["embedding"].shape[0]
+    else:
+        max_len = model.max_len or getattr(config.data, "seq_len", None) or \
+            open_dataset(config.data, model.loss).spec.input_shape[0]
+    resolved = model.model_copy(update={"vocab": vocab, "max_len": max_len})
+    return TrainedDecoder(resolved, params, run_tokenizer(config.data, run_dir), f"{run_dir} step {step}"), config, step
+
+
+def _restored_params(run_dir: Path, config: Config, step: int | None, command: str) -> tuple[Any, int]:
+    checkpoints = Checkpoints(run_dir / CHECKPOINTS_DIR, config.trainer.keep_checkpoints)
+    try:
+        available = checkpoints.all_steps()
+        step = available[-1] if step is None and available else step
+        if step not in available:
+            raise UserError(f"{command}: {str(run_dir)!r} has no checkpoint at step {step}; it has "
+                            f"{available or 'none yet'}")
+        params = checkpoints.restore_params_on(step, jax.devices()[0])
+    except CorruptCheckpoint as err:
+        raise UserError(f"{command}: checkpoint {checkpoints.directory / str(step)} is unusable ({err}); choose "
+                        f"another with --step (this run has {available})") from None
+    finally:
+        checkpoints.close()
+    if config.mesh.stage > 1:
+        params = _stage_layout(run_dir, config).layer_params(params)
+    return params, step
+
+
+def _stage_layout(run_dir: Path, config: Config) -> StageLayout:
+    """The layout a pipelined run's checkpoints hold their blocks in."""
+    pipe, stages = config.parallel.pipeline, config.mesh.stage
+    partition = tuple(pipe.partition) if pipe.partition != "auto" else pinned_partition(run_dir)
+    if partition is None:
+        raise UserError(f"{run_dir}: a pipelined run's config.yaml lacks derived.pipeline_partition; restore the "
+                        "file from the run's first start")
+    virtual = pipe.chunks_per_stage()
+    placement = build(pipe.schedule, stages, pipe.microbatches_for(stages), virtual).placement
+    return StageLayout(stages, virtual, partition, placement)
+
+
+def from_hugging_face(directory: Path, command: str) -> TrainedDecoder:
+    named = f"{command}: hf:{directory}"
+    keys = architecture(read_config_json(directory, named), named)
+    try:
+        model = TypeAdapter(ModelConfig).validate_python(keys)
+    except ValidationError as err:
+        raise UserError(f"{named}: config.json describes a model xlatrain refuses: {first_line(err)}") from None
+    abstract = jax.eval_shape(flax_model(model_factory(model, _spec(model), jnp.float32, scan_layers=True)).init,
+                              jax.random.PRNGKey(0))[0]
+    weights = HuggingFaceWeights(directory, model.name, named)
+    weights.check(abstract)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = placed_params(weights, abstract, jax.tree.map(lambda _: one_device, abstract))
+    return TrainedDecoder(model, params, _checkpoint_tokenizer(directory), f"hf:{directory}")
+
+
+def _checkpoint_tokenizer(directory: Path) -> Tokenizer | None:
+    for name in (TOKENIZER_FILE, "tokenizer.model"):
+        if (directory / name).is_file():
+            return load_tokenizer(str(directory / name), named=f"the checkpoint's {name}")
+    return None

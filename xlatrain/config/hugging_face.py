@@ -1,0 +1,169 @@
+"""A Hugging Face checkpoint's config.json as model keys, and model keys as a config.json: the architecture of
+model.init_from=hf:DIR (read before the config is validated, so that every check sees it) and of
+`xlatrain export --hf`.
+
+Read: Llama, Mistral (without sliding-window attention) and Qwen2 into model.name=llama; GPT-2 into model.name=gpt.
+RoPE's settings come as transformers 5 writes them (`rope_parameters`) or as earlier versions did (`rope_theta`,
+`rope_scaling`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from xlatrain.config.model import HUGGING_FACE_PREFIX
+from xlatrain.errors import UserError, first_line
+
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt"}
+"""config.json's model_type -> the built-in model it loads into."""
+ROPE_SCALINGS = ("linear", "llama3")
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+"""GPT-2's tanh-approximated GELU, which the built-in GPT computes (jax.nn.gelu's default)."""
+
+
+def checkpoint_directory(init_from: str) -> Path:
+    return Path(init_from[len(HUGGING_FACE_PREFIX):]).expanduser()
+
+
+def read_config_json(directory: Path, named: str) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise UserError(f"{named}: {str(directory)!r} holds no config.json; give the directory of a local Hugging "
+                        "Face checkpoint (config.json and *.safetensors)")
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{named}: {str(path)!r} is not a JSON file ({first_line(err)})") from None
+    if not isinstance(found, dict):
+        raise UserError(f"{named}: {str(path)!r} is not a JSON object")
+    return found
+
+
+def architecture(hf: dict, named: str) -> dict[str, Any]:
+    """The model keys (model.name among them) of a checkpoint's config.json."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise UserError(f"{named}: config.json has model_type={model_type!r}, which xlatrain does not load; it loads "
+                        f"{', '.join(ARCHITECTURES)}")
+    try:
+        return _gpt2(hf, named) if model_type == "gpt2" else _llama(hf, model_type, named)
+    except KeyError as err:
+        raise UserError(f"{named}: config.json lacks {err.args[0]!r}, which a {model_type} checkpoint has") from None
+
+
+def _llama(hf: dict, model_type: str, named: str) -> dict[str, Any]:
+    if model_type == "mistral" and hf.get("sliding_window") is not None:
+        raise UserError(f"{named}: config.json sets sliding_window={hf['sliding_window']}: sliding-window attention "
+                        "is not built; xlatrain loads Mistral checkpoints with sliding_window null")
+    if model_type == "qwen2" and hf.get("use_sliding_window"):
+        raise UserError(f"{named}: config.json sets use_sliding_window=true: sliding-window attention is not built")
+    if hf.get("mlp_bias"):
+        raise UserError(f"{named}: config.json sets mlp_bias=true: the SwiGLU MLP here has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{named}: config.json sets hidden_act={hf['hidden_act']!r}; the Llama MLP here is SwiGLU "
+                        "(silu)")
+    heads = hf["num_attention_heads"]
+    attention_bias = bool(hf.get("attention_bias", False))
+    keys = {"name": "llama", "layers": hf["num_hidden_layers"], "width": hf["hidden_size"], "heads": heads,
+            "kv_heads": hf.get("num_key_value_heads") or heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp_hidden": hf["intermediate_size"],
+            "vocab": hf["vocab_size"], "max_len": hf["max_position_embeddings"], "norm_eps": hf["rms_norm_eps"],
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "qkv_bias": model_type == "qwen2" or attention_bias, "out_bias": attention_bias}
+    return {**keys, **_rope(hf, named)}
+
+
+def _rope(hf: dict, named: str) -> dict[str, Any]:
+    parameters = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}),
+                                                "rope_theta": hf.get("rope_theta", 10000.0)}
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    keys: dict[str, Any] = {"rope_theta": float(parameters.get("rope_theta", 10000.0)), "rope_scaling": None}
+    if kind == "default":
+        return keys
+    if kind not in ROPE_SCALINGS:
+        raise UserError(f"{named}: config.json's RoPE scaling {kind!r} is not built; xlatrain has "
+                        f"{', '.join(ROPE_SCALINGS)}")
+    scaling = {"type": kind, "factor": float(parameters["factor"])}
+    if kind == "llama3":
+        scaling.update(low_freq_factor=float(parameters["low_freq_factor"]),
+                       high_freq_factor=float(parameters["high_freq_factor"]),
+                       original_max_len=int(parameters["original_max_position_embeddings"]))
+    return {**keys, "rope_scaling": scaling}
+
+
+def _gpt2(hf: dict, named: str) -> dict[str, Any]:
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in GPT2_ACTIVATIONS:
+        raise UserError(f"{named}: config.json sets activation_function={activation!r}; the GPT here computes "
+                        f"{' / '.join(GPT2_ACTIVATIONS)}")
+    for unbuilt in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(unbuilt):
+            raise UserError(f"{named}: config.json sets {unbuilt}=true, which the GPT here does not compute")
+    if hf.get("scale_attn_weights") is False:
+        raise UserError(f"{named}: config.json sets scale_attn_weights=false; the GPT here scales attention by "
+                        "1/sqrt(head width)")
+    width = hf["n_embd"]
+    inner = hf.get("n_inner") or 4 * width
+    if inner % width:
+        raise UserError(f"{named}: config.json sets n_inner={inner}, not a multiple of n_embd={width} (model."
+                        "mlp_ratio is a whole number)")
+    return {"name": "gpt", "layers": hf["n_layer"], "width": width, "heads": hf["n_head"],
+            "mlp_ratio": inner // width, "vocab": hf["vocab_size"], "max_len": hf["n_positions"],
+            "norm_eps": hf.get("layer_norm_epsilon", 1e-5), "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+            "head_bias": False}
+
+
+def with_checkpoint_architecture(model: dict) -> dict:
+    """The model section of a config that names model.init_from=hf:DIR, completed from DIR's config.json; a key
+    the config sets to another value than the checkpoint's is an error naming both."""
+    init_from = model.get("init_from")
+    if not (isinstance(init_from, str) and init_from.startswith(HUGGING_FACE_PREFIX)):
+        return model
+    named = f"model.init_from={init_from!r}"
+    found = architecture(read_config_json(checkpoint_directory(init_from), named), named)
+    for key, value in found.items():
+        given = model.get(key)
+        if key in model and given != value and not _same_number(given, value):
+            raise UserError(f"config: model.{key}={given!r} disagrees with {named} ({value!r} there); drop "
+                            f"model.{key} or set it to {value!r}")
+    return {**model, **found}
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b)
+
+
+def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
+    """config.json of a trained gpt or llama model (its resolved vocabulary and context), for `export --hf`."""
+    if model.name == "gpt":
+        if model.head_bias:
+            raise UserError("export --hf: this GPT's head has a bias (model.head_bias=true), which GPT-2's lm_head "
+                            "has not; export runs trained with model.head_bias=false")
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": model.layers,
+                "n_embd": model.width, "n_head": model.heads, "n_inner": model.mlp_ratio * model.width,
+                "n_positions": max_len, "vocab_size": vocab, "layer_norm_epsilon": model.norm_eps,
+                "activation_function": "gelu_new", "tie_word_embeddings": model.tie_embeddings,
+                "resid_pdrop": model.dropout, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    if model.out_bias and not model.qkv_bias:
+        raise UserError("export --hf: model.out_bias=true with model.qkv_bias=false has no Hugging Face "
+                        "architecture (Llama's attention_bias sets both, Qwen2 biases q, k and v only)")
+    qwen2 = model.qkv_bias and not model.out_bias
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        scaling = model.rope_scaling
+        rope = {**rope, "rope_type": scaling.type, "factor": scaling.factor}
+        if scaling.type == "llama3":
+            rope.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                        original_max_position_embeddings=scaling.original_max_len)
+    found = {"model_type": "qwen2" if qwen2 else "llama",
+             "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+             "num_hidden_layers": model.layers, "hidden_size": model.width, "num_attention_heads": model.heads,
+             "num_key_value_heads": model.kv_head_count(), "head_dim": model.head_width(),
+             "intermediate_size": model.mlp_width(), "vocab_size": vocab, "max_position_embeddings": max_len,
+             "rms_norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu",
+             "rope_parameters": rope, "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        found["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return found if qwen2 else {**found, "attention_bias": model.qkv_bias, "mlp_bias": False}

@@ -1,0 +1,61 @@
+"""Which Hugging Face tensor each parameter of the built-in decoders is, and whether it is stored transposed
+(torch's nn.Linear keeps [out, in], where a flax kernel is [in, out]; GPT-2's Conv1D keeps [in, out] too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xlatrain.models.blocks import BLOCKS
+
+LAYER = "{layer}"
+"""Where a block's tensor names its layer."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    """The checkpoint's name; a block's holds LAYER."""
+    transposed: bool = False
+
+    def of_layer(self, layer: int) -> str:
+        return self.name.replace(LAYER, str(layer))
+
+
+def _linear(ours: str, theirs: str, bias: bool = True) -> dict[tuple[str, ...], Tensor]:
+    found = {(ours, "kernel"): Tensor(f"{theirs}.weight", transposed=True)}
+    return {**found, (ours, "bias"): Tensor(f"{theirs}.bias")} if bias else found
+
+
+def _in_blocks(names: dict[tuple[str, ...], Tensor], prefix: str) -> dict[tuple[str, ...], Tensor]:
+    return {(BLOCKS, *path): Tensor(f"{prefix}.{LAYER}.{t.name}", t.transposed) for path, t in names.items()}
+
+
+LLAMA_LAYER = {("attn_norm", "scale"): Tensor("input_layernorm.weight"),
+               **{k: v for ours, theirs in [("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("attn_out", "o_proj")]
+                  for k, v in _linear(ours, f"self_attn.{theirs}").items()},
+               ("mlp_norm", "scale"): Tensor("post_attention_layernorm.weight"),
+               **{k: v for ours, theirs in [("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")]
+                  for k, v in _linear(ours, f"mlp.{theirs}").items()}}
+LLAMA = {("embed", "embedding"): Tensor("model.embed_tokens.weight"), ("norm", "scale"): Tensor("model.norm.weight"),
+         ("head", "kernel"): Tensor("lm_head.weight", transposed=True), **_in_blocks(LLAMA_LAYER, "model.layers")}
+
+GPT2_LAYER = {("ln_attn", "scale"): Tensor("ln_1.weight"), ("ln_attn", "bias"): Tensor("ln_1.bias"),
+              ("qkv", "kernel"): Tensor("attn.c_attn.weight"), ("qkv", "bias"): Tensor("attn.c_attn.bias"),
+              ("attn_out", "kernel"): Tensor("attn.c_proj.weight"), ("attn_out", "bias"): Tensor("attn.c_proj.bias"),
+              ("ln_mlp", "scale"): Tensor("ln_2.weight"), ("ln_mlp", "bias"): Tensor("ln_2.bias"),
+              ("mlp_in", "kernel"): Tensor("mlp.c_fc.weight"), ("mlp_in", "bias"): Tensor("mlp.c_fc.bias"),
+              ("mlp_out", "kernel"): Tensor("mlp.c_proj.weight"), ("mlp_out", "bias"): Tensor("mlp.c_proj.bias")}
+GPT2_PREFIX = "transformer."
+"""GPT2LMHeadModel's tensors sit under it; a bare GPT2Model's have none."""
+GPT2 = {("embed", "embedding"): Tensor(f"{GPT2_PREFIX}wte.weight"),
+        ("position", "embedding"): Tensor(f"{GPT2_PREFIX}wpe.weight"),
+        ("ln_final", "scale"): Tensor(f"{GPT2_PREFIX}ln_f.weight"),
+        ("ln_final", "bias"): Tensor(f"{GPT2_PREFIX}ln_f.bias"),
+        ("head", "kernel"): Tensor("lm_head.weight", transposed=True), **_in_blocks(GPT2_LAYER, f"{GPT2_PREFIX}h")}
+
+BY_MODEL = {"llama": LLAMA, "gpt": GPT2}
+
+
+def tensor_of(model_name: str, path: tuple[str, ...]) -> Tensor:
+    """The checkpoint tensor of the parameter at `path` (its keys in the params dict)."""
+    return BY_MODEL[model_name][path]

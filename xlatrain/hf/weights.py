@@ -1,0 +1,88 @@
+"""A Hugging Face checkpoint's tensors as the parameters of a built-in decoder: checked against the model's
+shapes before anything is read, then read in the pieces each device holds (xlatrain/program.py places them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from xlatrain.errors import UserError
+from xlatrain.hf.names import Tensor, tensor_of
+from xlatrain.hf.tensors import CheckpointTensors
+from xlatrain.models.blocks import BLOCKS
+
+
+def param_paths(params: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """(keys, leaf) of each parameter of a params dict."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [(tuple(entry.key for entry in path), leaf) for path, leaf in flat]
+
+
+class HuggingFaceWeights:
+    def __init__(self, directory: Path, model_name: str, named: str):
+        self.tensors = CheckpointTensors(directory, named)
+        self.model_name, self.named = model_name, named
+
+    def tensor(self, path: tuple[str, ...]) -> Tensor:
+        return self.tensors.resolve(tensor_of(self.model_name, path))
+
+    def check(self, abstract_params: Any) -> None:
+        """Every parameter (in the model's layout: blocks stacked [layers, ...]) has its tensor, of its shape."""
+        for path, leaf in param_paths(abstract_params):
+            tensor = self.tensor(path)
+            stacked = path[0] == BLOCKS
+            shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
+            expected = shape[::-1] if tensor.transposed else shape
+            for layer in range(leaf.shape[0]) if stacked else (None,):
+                name = tensor.name if layer is None else tensor.of_layer(layer)
+                if name not in self.tensors.file_of:
+                    raise UserError(f"{self.named}: the checkpoint has no tensor {name!r} (model parameter "
+                                    f"{'.'.join(path)}); is it a complete {self.model_name} checkpoint?")
+                found = self.tensors.shape(name)
+                if found != expected:
+                    raise UserError(f"{self.named}: tensor {name!r} is {list(found)}, where model parameter "
+                                    f"{'.'.join(path)} needs {list(expected)}; the checkpoint disagrees with its "
+                                    "config.json")
+
+    def read(self, path: tuple[str, ...], layers: np.ndarray | None, index: tuple[slice, ...]) -> np.ndarray:
+        """The parameter at `path`, [index] of one layer's (or a non-block parameter's) shape, for each layer in
+        `layers` (any shape; -1: padding, zeros), stacked in front; `layers` None: a parameter outside the blocks."""
+        tensor = self.tensor(path)
+
+        def one(name: str) -> np.ndarray:
+            if tensor.transposed:
+                return self.tensors.read(name, index[::-1]).T
+            return self.tensors.read(name, index)
+
+        if layers is None:
+            return one(tensor.name)
+        parts = {int(layer): one(tensor.of_layer(int(layer))) for layer in np.unique(layers) if layer >= 0}
+        sample = next(iter(parts.values()))
+        zeros = np.zeros_like(sample)
+        return np.stack([parts.get(int(layer), zeros) for layer in layers.ravel()]).reshape(
+            *layers.shape, *sample.shape)
+
+
+def placed_params(weights: HuggingFaceWeights, abstract_params: Any, shardings: Any,
+                  layers_at: Any = None) -> Any:
+    """The parameters as global arrays in `shardings`, each device's piece read from the checkpoint alone.
+    `layers_at(index)`: which layers the leading axes of a block parameter's piece hold, for a layout other than
+    the model's [layers, ...] (a pipeline's stages: xlatrain/pipeline/layout.py); it returns (layers, the rest of
+    the index)."""
+
+    def place(path, abstract, sharding):
+        keys = tuple(entry.key for entry in path)
+
+        def piece(index: tuple[slice, ...]) -> np.ndarray:
+            if keys[0] != BLOCKS:
+                return weights.read(keys, None, index).astype(abstract.dtype)
+            layers, rest = (np.arange(abstract.shape[0])[index[0]], index[1:]) if layers_at is None \
+                else layers_at(index)
+            return weights.read(keys, layers, rest).astype(abstract.dtype)
+
+        return jax.make_array_from_callback(abstract.shape, sharding, piece)
+
+    return jax.tree_util.tree_map_with_path(place, abstract_params, shardings)

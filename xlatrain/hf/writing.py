@@ -1,0 +1,64 @@
+"""A built-in decoder's parameters as a Hugging Face checkpoint directory: config.json, safetensors (sharded past
+MAX_SHARD_BYTES, with their index), and the tokenizer's files. Written into a temporary directory beside the
+target and renamed to it when whole, so that a killed export leaves no half checkpoint under its name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xlatrain.hf.names import tensor_of
+from xlatrain.hf.tensors import INDEX_FILE
+from xlatrain.hf.weights import param_paths
+from xlatrain.models.blocks import BLOCKS
+
+MAX_SHARD_BYTES = 5 * 2**30
+"""transformers' own default shard size."""
+
+
+def checkpoint_tensors(model_name: str, params: Any) -> dict[str, np.ndarray]:
+    """{checkpoint name: float32 array in its layout} of every parameter (blocks one tensor per layer)."""
+    found = {}
+    for path, leaf in param_paths(params):
+        tensor, value = tensor_of(model_name, path), np.asarray(leaf, np.float32)
+        for layer, array in enumerate(value) if path[0] == BLOCKS else [(None, value)]:
+            name = tensor.name if layer is None else tensor.of_layer(layer)
+            found[name] = np.ascontiguousarray(array.T if tensor.transposed else array)
+    return found
+
+
+def shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+    """The tensors in order, cut into groups of at most `max_bytes` (a larger tensor alone in its group)."""
+    groups: list[dict[str, np.ndarray]] = [{}]
+    for name, array in tensors.items():
+        if groups[-1] and sum(a.nbytes for a in groups[-1].values()) + array.nbytes > max_bytes:
+            groups.append({})
+        groups[-1][name] = array
+    return groups
+
+
+def write_checkpoint(out: Path, config_json: dict, tensors: dict[str, np.ndarray], extra_files: dict[str, str],
+                     max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """`extra_files`: {name: text} written beside the weights (the tokenizer's)."""
+    from safetensors.numpy import save_file
+
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    groups = shards(tensors, max_shard_bytes)
+    names = ["model.safetensors"] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for name, group in zip(names, groups, strict=True):
+        save_file(group, str(partial / name), metadata={"format": "pt"})
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+                 "weight_map": {tensor: name for name, group in zip(names, groups, strict=True) for tensor in group}}
+        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    (partial / "config.json").write_text(json.dumps(config_json, indent=2), encoding="utf-8")
+    for name, text in extra_files.items():
+        (partial / name).write_text(text, encoding="utf-8")
+    partial.rename(out)

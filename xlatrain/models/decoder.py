@@ -1,0 +1,73 @@
+"""What the built-in decoders (GPT, Llama) share: tokens in, logits out, positions from the packed documents,
+a head of their own or the embedding table's, and cached decoding for sampling (xlatrain/models/sampling.py).
+
+Decoding runs the blocks over a few new tokens at a time, each block reading the keys and values of the tokens
+before them from a cache [layers, batch, length, kv heads, head width] instead of recomputing them, and writing
+those of the new tokens into it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlatrain.models.blocks import BLOCKS, BlockStack
+from xlatrain.models.interface import Documents
+
+
+class KVCache(NamedTuple):
+    keys: jax.Array
+    """[layers, batch, length, kv heads, head width]"""
+    values: jax.Array
+
+
+class Decoder(BlockStack):
+    """A BlockStack over token ids whose blocks also define `decode(x, keys, values, start) -> (x, keys, values)`
+    (one layer's cache). A subclass sets `embed` (a TokenEmbed) and `head` (None when tied to the embedding),
+    and defines `embed_at` and `final_norm`."""
+
+    kv_heads: int
+    head_width: int
+    head: nnx.Module | None
+
+    def embed_at(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def final_norm(self, x_BxLxD: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def before_blocks(self, tokens_BxL, documents: Documents | None = None):
+        """Positions restart at 0 in each packed document."""
+        positions = jnp.arange(tokens_BxL.shape[1])[None] if documents is None else documents.positions
+        return self.embed_at(tokens_BxL, positions)
+
+    def after_blocks(self, x_BxLxD):
+        x_BxLxD = self.final_norm(x_BxLxD)
+        return self.embed.attend(x_BxLxD) if self.head is None else self.head(x_BxLxD)
+
+    def empty_cache(self, batch: int, length: int, dtype: jnp.dtype) -> KVCache:
+        layers = jax.tree.leaves(nnx.state(getattr(self, BLOCKS), nnx.Param))[0].shape[0]
+        zeros = jnp.zeros((layers, batch, length, self.kv_heads, self.head_width), dtype)
+        return KVCache(zeros, zeros)
+
+    def decode(self, tokens_BxT: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Logits of tokens at positions start, start + 1, ... of rows whose earlier tokens are in `cache`, and
+        the cache with theirs added."""
+        x = self.embed_at(tokens_BxT, start + jnp.arange(tokens_BxT.shape[1])[None])
+        graphdef, params_Lx = nnx.split(getattr(self, BLOCKS))
+
+        def layer(x, carried):
+            params, keys, values = carried
+            x, keys, values = nnx.merge(graphdef, params).decode(x, keys, values, start)
+            return x, (keys, values)
+
+        x, (keys, values) = jax.lax.scan(layer, x, (params_Lx, cache.keys, cache.values))
+        return self.after_blocks(x), KVCache(keys, values)
+
+
+def dropout_keys(rngs: jax.Array | None) -> tuple:
+    """A block's two dropout keys (attention output, MLP output); None at evaluation."""
+    return (None, None) if rngs is None else tuple(jax.random.split(rngs))

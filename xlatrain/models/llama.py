@@ -1,0 +1,117 @@
+"""A Llama-style decoder (Llama, Mistral, Qwen2): RoPE, RMSNorm, a SwiGLU MLP and grouped-query attention, with
+optional q/k/v and output biases and a tied or untied head; a BlockStack, so it can be pipelined. Its projections
+are kept apart (q, k, v; gate, up), as Hugging Face checkpoints store them (xlatrain/hf/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlatrain.models.attention import cached_attention, causal_attention
+from xlatrain.models.axes import axes
+from xlatrain.models.blocks import stack_blocks
+from xlatrain.models.decoder import Decoder, dropout_keys
+from xlatrain.models.embedding import TokenEmbed
+from xlatrain.models.interface import Documents
+from xlatrain.models.linear import linear
+from xlatrain.models.rope import inverse_frequencies, rotate
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    vocab: int
+    rope_theta: float
+    rope_scaling: tuple | None
+    """model.rope_scaling's items (a tuple, so that the shape hashes), or None."""
+    norm_eps: float
+    qkv_bias: bool
+    out_bias: bool
+    tie_embeddings: bool
+    dropout: float
+    scan_layers: bool
+    dtype: jnp.dtype = jnp.float32
+    """Compute dtype of the embeddings (the precision policy's); other layers follow their inputs."""
+
+
+def rms_norm(shape: LlamaShape, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(shape.width, epsilon=shape.norm_eps, scale_metadata=axes("embed"), rngs=rngs)
+
+
+class LlamaBlock(nnx.Module):
+    def __init__(self, shape: LlamaShape, *, rngs: nnx.Rngs):
+        d, k = shape.width, shape.head_dim
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, k
+        self.rope = (k, shape.rope_theta, shape.rope_scaling)
+        self.attn_norm = rms_norm(shape, rngs)
+        self.q = linear(d, shape.heads * k, use_bias=shape.qkv_bias, kernel_metadata=axes("embed", "heads"),
+                        bias_metadata=axes("heads"), rngs=rngs)
+        self.k, self.v = (linear(d, shape.kv_heads * k, use_bias=shape.qkv_bias,
+                                 kernel_metadata=axes("embed", "kv_heads"), bias_metadata=axes("kv_heads"), rngs=rngs)
+                          for _ in range(2))
+        self.attn_out = linear(shape.heads * k, d, use_bias=shape.out_bias, kernel_metadata=axes("heads", "embed"),
+                               bias_metadata=axes("embed"), rngs=rngs)
+        self.mlp_norm = rms_norm(shape, rngs)
+        self.gate, self.up = (linear(d, shape.mlp_hidden, use_bias=False, kernel_metadata=axes("embed", "mlp"),
+                                     rngs=rngs) for _ in range(2))
+        self.down = linear(shape.mlp_hidden, d, use_bias=False, kernel_metadata=axes("mlp", "embed"), rngs=rngs)
+        self.dropout = nnx.Dropout(shape.dropout)
+
+    def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None):
+        positions = jnp.arange(x_BxLxD.shape[1]) if documents is None else documents.positions
+        q, k, v = self._qkv(x_BxLxD, positions)
+        attended_BxLxHxK = causal_attention(q, k, v, None if documents is None else documents.segment_ids)
+        return self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
+
+    def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start):
+        q, k, v = self._qkv(x_BxTxD, start + jnp.arange(x_BxTxD.shape[1]))
+        attended_BxTxHxK, keys, values = cached_attention(q, k, v, keys_BxSxGxK, values_BxSxGxK, start)
+        return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
+
+    def _qkv(self, x_BxLxD, positions):
+        batch, length, _ = x_BxLxD.shape
+        normed = self.attn_norm(x_BxLxD)
+        q_BxLxHxK = self.q(normed).reshape(batch, length, self.heads, self.head_dim)
+        k_BxLxGxK, v_BxLxGxK = (proj(normed).reshape(batch, length, self.kv_heads, self.head_dim)
+                                for proj in (self.k, self.v))
+        head_dim, theta, scaling = self.rope
+        frequencies = inverse_frequencies(head_dim, theta, None if scaling is None else dict(scaling))
+        return rotate(q_BxLxHxK, positions, frequencies), rotate(k_BxLxGxK, positions, frequencies), v_BxLxGxK
+
+    def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
+        batch, length, _ = x_BxLxD.shape
+        attended = self.attn_out(attended_BxLxHxK.reshape(batch, length, self.heads * self.head_dim))
+        x_BxLxD = x_BxLxD + self._drop(attended, keys[0])
+        normed = self.mlp_norm(x_BxLxD)
+        return x_BxLxD + self._drop(self.down(jax.nn.silu(self.gate(normed)) * self.up(normed)), keys[1])
+
+    def _drop(self, x, key):
+        return self.dropout(x, deterministic=key is None, rngs=key)
+
+
+class Llama(Decoder):
+    def __init__(self, shape: LlamaShape, *, rngs: nnx.Rngs):
+        self.shape = shape
+        self.kv_heads, self.head_width = shape.kv_heads, shape.head_dim
+        self.embed = TokenEmbed(shape.vocab, shape.width, dtype=shape.dtype,
+                                embedding_metadata=axes("vocab", "embed"), rngs=rngs)
+        self.blocks = stack_blocks(lambda layer_rngs: LlamaBlock(shape, rngs=layer_rngs), shape.layers, rngs)
+        self.scan_blocks = shape.scan_layers
+        self.norm = rms_norm(shape, rngs)
+        self.head = None if shape.tie_embeddings else linear(
+            shape.width, shape.vocab, use_bias=False, kernel_metadata=axes("embed", "vocab"), rngs=rngs)
+
+    def embed_at(self, tokens_BxL, positions_BxL):
+        """Positions enter in each block's RoPE, not here."""
+        return self.embed(tokens_BxL)
+
+    def final_norm(self, x_BxLxD):
+        return self.norm(x_BxLxD)
