@@ -5,6 +5,7 @@ Llama trains alike on one device and eight under every strategy and pipelined, s
 precision policy, on packed documents; its FLOPs are counted as by hand."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +18,13 @@ from test_flops import gpt_flops
 
 from xlatrain.config import load_config
 from xlatrain.config.hugging_face import architecture
+from xlatrain.data.tokenizers import train_bpe
 from xlatrain.errors import UserError
 from xlatrain.hf.tensors import CheckpointTensors
 from xlatrain.models.attention import query_blocks
 from xlatrain.models.interface import Documents
 from xlatrain.program import build_program
+from xlatrain.trainer import train
 
 DATA = ["data.seq_len=64", "data.max_bytes=400000", "data.glob='*.py'", "trainer.progress=false"]
 TINY_LLAMA = [*TINY_GPT, "model.name=llama", "model.kv_heads=1"]
@@ -131,6 +134,39 @@ def test_a_run_from_a_checkpoint_refuses_a_key_that_disagrees_with_it(checkpoint
     assert same.model.kv_heads == 2
 
 
+def test_a_run_started_from_a_checkpoint_resumes_with_it_and_without_it(checkpoints, tmp_path, capsys):
+    """A resume reads the saved architecture (the RoPE scaling with its defaults filled in agrees with config.json's),
+    and restores the weights from its own checkpoint: once the Hugging Face directory is gone, model.init_from=null
+    resumes it."""
+    directory = shutil.copytree(checkpoints("linear-rope")[1], tmp_path / "hf")
+    run_dir = tmp_path / "run"
+    common = ["trainer.checkpoint_every=2", "trainer.eval_every=1000", "trainer.log_every=1", "batch.global_size=4"]
+    train(load_config(None, [f"model.init_from=hf:{directory}", *DATA, *common, "trainer.steps=2",
+                             f"trainer.run_dir={run_dir}"]), devices=jax.devices()[:1], echo=lambda _: None)
+    saved = run_dir / "config.yaml"
+    train(load_config(saved, ["trainer.steps=4"]), devices=jax.devices()[:1], echo=lambda _: None)
+    shutil.rmtree(directory)
+    with pytest.raises(UserError, match=r"holds no config\.json.*resume a run that started from one with "
+                                        r"model\.init_from=null"):
+        load_config(saved, ["trainer.steps=6"])
+    result = train(load_config(saved, ["trainer.steps=6", "model.init_from=null"]), devices=jax.devices()[:1],
+                   echo=lambda _: None)
+    assert result.final_step == 6
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert "warning" not in capsys.readouterr().err  # the checkpoint ships no tokenizer: nothing to compare
+
+
+def test_a_checkpoint_whose_tokenizer_is_not_the_datas_is_warned_of(checkpoints, tmp_path, capsys):
+    directory = shutil.copytree(checkpoints("llama")[1], tmp_path / "hf")
+    (directory / "tokenizer.json").write_text(train_bpe(["def f(x):\n    return x\n"] * 50, 300).serialized)
+    imported(directory)
+    assert f"data.tokenizer='{directory}' for text" in capsys.readouterr().err
+    imported(directory, f"data.tokenizer={directory}")
+    assert "warning" not in capsys.readouterr().err
+
+
 def grads_of(program):
     state = program.create_state()
     return jax.device_get(program.gradients(state, token_batch(program)))
@@ -155,6 +191,8 @@ def test_eight_devices_under_each_strategy_train_the_llama_as_one_device_does(st
 PIPELINED = {
     "p2-1f1b-gqa": (["mesh.stage=2", "parallel.pipeline.microbatches=2"], "full"),
     "p2-zb1p": (["mesh.stage=2", "parallel.pipeline.schedule=zb1p", "parallel.pipeline.microbatches=4"], "none"),
+    "p2-zbv-tied": (["mesh.stage=2", "model.layers=4", "parallel.pipeline.schedule=zbv", "model.tie_embeddings=true",
+                     "parallel.pipeline.microbatches=4"], "none"),
     "p4-interleaved-dp2": (["mesh.stage=4", "model.layers=8", "parallel.pipeline.schedule=interleaved",
                             "parallel.pipeline.microbatches=4"], "full"),
     "p2-gpipe-fp16-dp4": (["mesh.stage=2", "parallel.pipeline.schedule=gpipe", "precision.policy=fp16"], "none"),

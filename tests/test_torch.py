@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import REPO, run_cli
+from test_user_errors import assert_one_line_error
 
 torch = pytest.importorskip("torch", reason="PyTorch (the [torch] extra) is not installed; offline, torch 2.13.0 "
                                             "exists for Python 3.11 only")
@@ -337,6 +338,15 @@ def test_export_writes_a_state_dict_the_module_loads_strictly(tmp_path):
     module.load_state_dict(torch.load(tmp_path / "out.pt"), strict=True)
     again = run_cli("export", str(run_dir), "--torch", str(tmp_path / "out.pt"), env=env)
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_sampling_and_a_hugging_face_export_refuse_a_torch_run_with_the_reason(tmp_path, devices):
+    run([*TORCH_GPT, "trainer.steps=1"], tmp_path, "run", devices[:1])
+    for command in (["sample", str(tmp_path / "run"), "--prompt", "x"],
+                    ["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]):
+        assert_one_line_error(run_cli(*command), "trained a torch module (model.name=torch)", "without a KV cache",
+                              "export RUN_DIR --torch OUT.pt")
+    assert not (tmp_path / "hf").exists()
 
 
 def _wrong_state_dict(tmp_path):

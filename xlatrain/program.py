@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from xlatrain.config import DECODERS, Config, Derived, TorchModelConfig, derive, saved_values
+from xlatrain.config import DECODERS, Config, Derived, TextData, TorchModelConfig, derive, saved_values
 from xlatrain.config.hugging_face import checkpoint_directory
 from xlatrain.data.identity import check_every_process_reads_the_same, data_identity, identity_record
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, warn
+from xlatrain.hf.tokenizer import other_tokens_than_the_checkpoints
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
 from xlatrain.lowering.data_parallel import DataParallel
@@ -41,7 +42,7 @@ from xlatrain.precision import Policy, resolve_policy
 from xlatrain.runtime import cpu_devices
 from xlatrain.runtime.compile_cache import use_compile_cache
 from xlatrain.runtime.device_memory import DeviceMemory, check_state_fits, check_step_fits, device_memory
-from xlatrain.runtime.distributed import everyones
+from xlatrain.runtime.distributed import everyones, is_primary
 from xlatrain.runtime.platform import compiling_for
 from xlatrain.sharding import named
 from xlatrain.state import (
@@ -165,10 +166,14 @@ class Program:
         return state
 
     def _hugging_face_params(self) -> Any:
-        model = self.config.model
-        weights = HuggingFaceWeights(checkpoint_directory(model.init_from), model.name,
-                                     f"model.init_from={model.init_from!r}")
+        model, directory = self.config.model, checkpoint_directory(self.config.model.init_from)
+        given_as = f"model.init_from={model.init_from!r}"
+        weights = HuggingFaceWeights(directory, model.name, given_as)
         weights.check(jax.eval_shape(self.model.init, jax.random.PRNGKey(0))[0])
+        other_tokens = other_tokens_than_the_checkpoints(directory, self.dataset.spec.tokenizer,
+                                                         isinstance(self.config.data, TextData))
+        if other_tokens and is_primary():
+            warn(f"{given_as}: {other_tokens}")
         layers_at = None if self.pipeline is None else self.pipeline.layout.layers_at
         return placed_params(weights, self.abstract_state.params, named(self.mesh, self.specs.params), layers_at)
 

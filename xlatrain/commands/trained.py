@@ -18,8 +18,9 @@ from xlatrain.config import DECODERS, Config, DecoderConfig, GPTConfig, ModelCon
 from xlatrain.config.hugging_face import architecture, read_config_json
 from xlatrain.data.sources import open_dataset, run_tokenizer
 from xlatrain.data.spec import DataSpec
-from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer
+from xlatrain.data.tokenizers import Tokenizer
 from xlatrain.errors import UserError, first_line
+from xlatrain.hf.tokenizer import checkpoint_tokenizer
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.models import flax_model, model_factory
 from xlatrain.pipeline.layout import StageLayout
@@ -116,11 +117,4 @@ def from_hugging_face(directory: Path, command: str) -> TrainedDecoder:
     weights.check(abstract)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = placed_params(weights, abstract, jax.tree.map(lambda _: one_device, abstract))
-    return TrainedDecoder(model, params, _checkpoint_tokenizer(directory), f"hf:{directory}")
-
-
-def _checkpoint_tokenizer(directory: Path) -> Tokenizer | None:
-    for name in (TOKENIZER_FILE, "tokenizer.model"):
-        if (directory / name).is_file():
-            return load_tokenizer(str(directory / name), named=f"the checkpoint's {name}")
-    return None
+    return TrainedDecoder(model, params, checkpoint_tokenizer(directory), f"hf:{directory}")

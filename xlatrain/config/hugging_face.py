@@ -13,7 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from xlatrain.config.model import HUGGING_FACE_PREFIX
+from pydantic import ValidationError
+
+from xlatrain.config.model import HUGGING_FACE_PREFIX, RopeScaling
 from xlatrain.errors import UserError, first_line
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt"}
@@ -27,11 +29,12 @@ def checkpoint_directory(init_from: str) -> Path:
     return Path(init_from[len(HUGGING_FACE_PREFIX):]).expanduser()
 
 
-def read_config_json(directory: Path, named: str) -> dict:
+def read_config_json(directory: Path, named: str, otherwise: str = "") -> dict:
+    """`otherwise`: what else the user may do when there is no config.json, ending the message."""
     path = directory / "config.json"
     if not path.is_file():
         raise UserError(f"{named}: {str(directory)!r} holds no config.json; give the directory of a local Hugging "
-                        "Face checkpoint (config.json and *.safetensors)")
+                        f"Face checkpoint (config.json and *.safetensors){otherwise}")
     try:
         found = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -122,17 +125,26 @@ def with_checkpoint_architecture(model: dict) -> dict:
     if not (isinstance(init_from, str) and init_from.startswith(HUGGING_FACE_PREFIX)):
         return model
     named = f"model.init_from={init_from!r}"
-    found = architecture(read_config_json(checkpoint_directory(init_from), named), named)
+    found = architecture(read_config_json(checkpoint_directory(init_from), named, otherwise=", or resume a run that "
+                                          "started from one with model.init_from=null"), named)
     for key, value in found.items():
-        given = model.get(key)
-        if key in model and given != value and not _same_number(given, value):
-            raise UserError(f"config: model.{key}={given!r} disagrees with {named} ({value!r} there); drop "
+        if key in model and _comparable(key, model[key]) != _comparable(key, value):
+            raise UserError(f"config: model.{key}={model[key]!r} disagrees with {named} ({value!r} there); drop "
                             f"model.{key} or set it to {value!r}")
     return {**model, **found}
 
 
-def _same_number(a: Any, b: Any) -> bool:
-    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b)
+def _comparable(key: str, value: Any) -> Any:
+    """A model key's value as the schema reads it: 8 is 8.0, and a RoPE scaling is compared with its defaults
+    filled in (a run's saved config.yaml holds them all; a checkpoint's config.json only those of its kind)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if key == "rope_scaling" and isinstance(value, dict):
+        try:
+            return RopeScaling.model_validate(value).model_dump()
+        except ValidationError:
+            return value  # refused with the rest of the config
+    return value
 
 
 def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
