@@ -18,6 +18,7 @@ from xlatrain.cli import main
 from xlatrain.commands.sample import Request, sample
 from xlatrain.commands.trained import from_hugging_face, from_run
 from xlatrain.config import load_config
+from xlatrain.data.tokenizers import byte_tokenizer, load_tokenizer
 from xlatrain.models import decoder
 from xlatrain.models.sampling import Sampling, filtered_logits, generate
 from xlatrain.trainer import train
@@ -53,6 +54,8 @@ def test_an_exported_run_loads_into_transformers_with_its_logits_and_its_tokeniz
     assert main(["export", str(run_dir), "--hf", str(out)]) == 0
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert all(not found for found in info.values()), info
+    assert loaded.config.bos_token_id is None and loaded.config.eos_token_id is None  # bytes have no end of text
+    assert load_tokenizer(str(out)).fingerprint == byte_tokenizer().fingerprint  # read back as the bytes they are
     tokens = np.random.default_rng(0).integers(0, 256, (2, 32))
     trained = from_run(run_dir, None, "test")[0]
     np.testing.assert_allclose(logits_of(loaded.eval(), tokens), our_logits(trained, tokens), rtol=1e-5, atol=1e-5)

@@ -24,7 +24,7 @@ USAGE_EXAMPLES = """examples:
   xlatrain parity examples/configs/torch_gpt.yaml --against torch --steps 10
   xlatrain export runs/torch-gpt --torch gpt.pt
   xlatrain export runs/llama-stdlib --hf llama-hf/
-  xlatrain sample runs/gpt-stdlib --prompt 'def ' --max-new-tokens 100 --temperature 0.8 --top-k 40
+  xlatrain sample runs/gpt-stdlib --prompt 'def ' --max-new-tokens 50 --temperature 0.8 --top-k 40
   xlatrain train model.init_from=hf:llama-hf/ trainer.steps=100
   xlatrain launch --nproc 2 --devices-per-proc 4 examples/configs/digits_mlp.yaml
   xlatrain data prepare corpus/ --glob '**/*.txt' --train-tokenizer 4096 --out shards/

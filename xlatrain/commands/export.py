@@ -12,7 +12,7 @@ import numpy as np
 from xlatrain.commands.trained import from_run
 from xlatrain.config import TorchModelConfig
 from xlatrain.config.hugging_face import hugging_face_config
-from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, bytes_as_hugging_face
+from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, byte_tokenizer, bytes_as_hugging_face
 from xlatrain.errors import UserError
 from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
 from xlatrain.program import build_program
@@ -67,23 +67,27 @@ def export_hugging_face(run_dir: Path, out: Path, step: int | None = None) -> tu
     if not out.parent.is_dir():
         raise UserError(f"export --hf: {str(out)!r} is in a directory that does not exist")
     trained, _, step = from_run(run_dir, step, "export --hf")
-    config_json = hugging_face_config(trained.model, trained.model.vocab, trained.model.max_len)
-    extra = {}
-    if trained.tokenizer is not None:
-        if trained.tokenizer.end_of_text < trained.model.vocab:  # text runs on bytes have no end-of-text id
-            config_json["eos_token_id"] = trained.tokenizer.end_of_text
-        extra = _tokenizer_files(trained.tokenizer, trained.model.max_len)
-    write_checkpoint(out, {**config_json, "torch_dtype": "float32"},
-                     checkpoint_tensors(trained.model.name, trained.params), extra)
+    tokenizer = trained.tokenizer
+    # transformers' configs default to their own families' special ids (Llama: 1 and 2, GPT-2: 50256), which
+    # generate() would stop at: this model's end-of-text, where its vocabulary holds one (text read as bytes has
+    # none), and no beginning-of-text token.
+    end = tokenizer.end_of_text if tokenizer is not None and tokenizer.end_of_text < trained.model.vocab else None
+    config_json = {**hugging_face_config(trained.model, trained.model.vocab, trained.model.max_len),
+                   "bos_token_id": None, "eos_token_id": end, "dtype": "float32"}
+    extra = {} if tokenizer is None else _tokenizer_files(tokenizer, trained.model.max_len)
+    write_checkpoint(out, config_json, checkpoint_tensors(trained.model.name, trained.params), extra)
     return out, step
 
 
 def _tokenizer_files(tokenizer: Tokenizer, max_len: int) -> dict[str, str]:
     """tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer reads; none for a sentencepiece
-    model, which has no tokenizer.json."""
+    model, which has no tokenizer.json (and whose .model transformers reads with Llama's conventions, which change
+    its ids)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    serialized = bytes_as_hugging_face() if tokenizer.name == "bytes" else tokenizer.serialized
+    serialized = tokenizer.serialized
+    if serialized is None and tokenizer.fingerprint == byte_tokenizer().fingerprint:
+        serialized = bytes_as_hugging_face()
     if serialized is None:
         return {}
     end = HFTokenizer.from_str(serialized).id_to_token(tokenizer.end_of_text)

@@ -109,6 +109,8 @@ def _hugging_face(path: Path, named: str) -> Tokenizer:
     except Exception as err:  # tokenizers raises plain Exceptions on a file that is not one; non-UTF-8 too
         raise UserError(f"{named}={str(path)!r} is not a Hugging Face tokenizer.json ({first_line(err)[:120]}); "
                         "give the tokenizer.json a model ships with, or `bytes`") from None
+    if loaded.to_str() == bytes_as_hugging_face():  # what `export --hf` writes for bytes: the same ids, the same name
+        return replace(byte_tokenizer(), name=str(path), serialized=loaded.to_str())
     return hugging_face_tokenizer(loaded, str(path))
 
 
