@@ -45,7 +45,7 @@ TRAIN_SHAPES = {
 }
 """Four layers each, batch 16, bytes (256 ids): the shapes of bench.cpu_speed's two GPTs, as Llamas."""
 SAMPLING_SHAPE = dict(width=512, heads=8, kv_heads=2, mlp=1408, layers=8, vocab=2048, context=512)
-"""A Llama of about 22M parameters (8 x 512, a vocabulary of 2048) that decodes 256 tokens after a prompt of 16."""
+"""A Llama of 24.7M parameters (8 x 512, a vocabulary of 2048) that decodes 256 tokens after a prompt of 16."""
 PROMPT, NEW_TOKENS = 16, 256
 COMMON = ["optimizer.name=adamw", "optimizer.weight_decay=0.01", "optimizer.clip_norm=1.0", "batch.global_size=16",
           "trainer.progress=false"]

@@ -33,7 +33,7 @@ def hugging_face_model(kind: str, seed: int = 0, **overrides):
     config_class, model_class, settings = ARCHITECTURES[kind]
     shape = {} if kind == "gpt2" else dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, max_position_embeddings=128)
-    config = getattr(transformers, config_class)(vocab_size=VOCAB, **shape, **settings, **overrides)
+    config = getattr(transformers, config_class)(**{"vocab_size": VOCAB, **shape, **settings, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
     with torch.no_grad():

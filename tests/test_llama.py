@@ -126,6 +126,19 @@ def test_a_sharded_checkpoint_loads_into_fsdp_with_each_device_reading_its_own_p
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(expected))
 
 
+def test_a_pipeline_places_each_stages_blocks_from_the_checkpoint(tmp_path, devices):
+    """Three blocks in two stages, [2, 1]: the second stage's padding slot is zeros, read from nothing."""
+    directory = saved(hugging_face_model("llama", num_hidden_layers=3), tmp_path / "three")
+    _, whole = imported(directory)
+    program, state = imported(directory, "mesh.stage=2", "parallel.pipeline.partition=[2,1]",
+                              "parallel.pipeline.microbatches=2", "batch.global_size=16", devices=devices)
+    blocks = state.params["blocks"]["q"]["kernel"]
+    assert blocks.shape[:3] == (1, 2, 2) and not np.any(np.asarray(blocks)[0, 1, 1])
+    laid_out = program.pipeline.layout.layer_params(jax.device_get(state.params))
+    for ours, expected in zip(jax.tree.leaves(laid_out), jax.tree.leaves(whole.params), strict=True):
+        np.testing.assert_array_equal(ours, np.asarray(expected))
+
+
 def test_a_run_from_a_checkpoint_refuses_a_key_that_disagrees_with_it(checkpoints):
     directory = checkpoints("llama")[1]
     with pytest.raises(UserError, match=r"model\.kv_heads=4 disagrees with model\.init_from='hf:.*' \(2 there\)"):
