@@ -9,7 +9,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 from xlatrain.errors import NonFiniteLoss, UserError, file_system_refusals_named, make_writable_directory
 
@@ -172,14 +172,14 @@ def _parser() -> argparse.ArgumentParser:
                                  "Face checkpoint's")
     sample.add_argument("source", metavar="RUN_DIR|hf:DIR")
     sample.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
-    sample.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="at most N tokens "
-                        "(default 64); the end-of-text token ends sooner")
+    sample.add_argument("--max-new-tokens", type=_positive, metavar="N", help="at most N tokens (default 64, or "
+                        "what the model's context leaves after the prompt); the end-of-text token ends sooner")
     sample.add_argument("--temperature", type=_non_negative_float, default=1.0, metavar="T",
                         help="softmax temperature; 0: greedy (default 1.0)")
     sample.add_argument("--top-k", type=_positive, metavar="K", help="choose among the K most likely tokens")
     sample.add_argument("--top-p", type=_probability, default=1.0, metavar="P",
                         help="choose among the fewest tokens whose probabilities reach P (default 1.0: all)")
-    sample.add_argument("--seed", type=_non_negative, default=0, metavar="S", help="sampling seed (default 0)")
+    sample.add_argument("--seed", type=_seed, default=0, metavar="S", help="sampling seed (default 0)")
     sample.add_argument("--step", type=_non_negative, help="a run's checkpoint (default: the latest)")
     sample.set_defaults(command=_sample, args=[])
     launch = commands.add_parser("launch", help="train with N local processes joined through jax.distributed")
@@ -235,44 +235,26 @@ def _step_window(text: str) -> tuple[int, int]:
     return window
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return value
+def _bounded(convert: Callable[[str], Any], accepts: Callable[[Any], bool], says: str) -> Callable[[str], Any]:
+    """An argparse type: `convert(text)` where `accepts` it, else an error saying what the value must be."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not accepts(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {says}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
-    return value
-
-
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a probability in (0, 1]")
-    return value
+_positive = _bounded(int, lambda value: value >= 1, "a positive whole number")
+_non_negative = _bounded(int, lambda value: value >= 0, "a whole number >= 0")
+_seed = _bounded(int, lambda value: 0 <= value < 2**32, "a seed from 0 to 2**32 - 1")
+_non_negative_float = _bounded(float, lambda value: 0 <= value < float("inf"), "a number >= 0")
+_probability = _bounded(float, lambda value: 0 < value <= 1, "a probability in (0, 1]")
 
 
 def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:

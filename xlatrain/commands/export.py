@@ -13,7 +13,7 @@ from xlatrain.commands.trained import from_run
 from xlatrain.config import TorchModelConfig
 from xlatrain.config.hugging_face import hugging_face_config
 from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, byte_tokenizer, bytes_as_hugging_face
-from xlatrain.errors import UserError
+from xlatrain.errors import UserError, first_line
 from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
 from xlatrain.program import build_program
 from xlatrain.run.atomic import replace_file
@@ -75,7 +75,11 @@ def export_hugging_face(run_dir: Path, out: Path, step: int | None = None) -> tu
     config_json = {**hugging_face_config(trained.model, trained.model.vocab, trained.model.max_len),
                    "bos_token_id": None, "eos_token_id": end, "dtype": "float32"}
     extra = {} if tokenizer is None else _tokenizer_files(tokenizer, trained.model.max_len)
-    write_checkpoint(out, config_json, checkpoint_tensors(trained.model.name, trained.params), extra)
+    try:
+        write_checkpoint(out, config_json, checkpoint_tensors(trained.model.name, trained.params), extra)
+    except OSError as err:
+        raise UserError(f"export --hf: {str(out)!r} cannot be written ({err.strerror or first_line(err)}); choose "
+                        "a directory you can write to, with room for the weights") from None
     return out, step
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from xlatrain.config.base import DropoutRate, PositiveInt, Strict
 
@@ -73,9 +73,18 @@ class DecoderConfig(ModelBase):
     """`lax.scan` over the blocks (much faster compiles for deep models). auto: scan on GPUs; on CPU unroll up to
     16 blocks, where the unrolled step runs faster (bench/README.md). `xlatrain config` shows the choice as
     derived.scan_layers."""
-    init_from: Annotated[str, Field(pattern=r"^hf:.+")] | None = None
+    init_from: str | None = None
     """hf:DIR: start from a local Hugging Face checkpoint (config.json and *.safetensors, sharded or not): the
     architecture is read from its config.json; a model key set here that disagrees with it is an error."""
+
+    @field_validator("init_from", mode="before")
+    @classmethod
+    def _init_from_names_a_checkpoint_directory(cls, value: Any) -> Any:
+        if value is not None and not (isinstance(value, str) and value.startswith(HUGGING_FACE_PREFIX)
+                                      and len(value) > len(HUGGING_FACE_PREFIX)):
+            raise ValueError(f"takes {HUGGING_FACE_PREFIX}DIR, a local Hugging Face checkpoint directory (config.json "
+                             "and *.safetensors)")
+        return value
 
     def scans_layers(self, platform: str) -> bool:
         """auto scans on accelerators and unrolls on CPU up to CPU_UNROLLED_LAYERS blocks, where XLA:CPU runs

@@ -1,11 +1,14 @@
 """A built-in decoder's parameters as a Hugging Face checkpoint directory: config.json, safetensors (sharded past
 MAX_SHARD_BYTES, with their index), and the tokenizer's files. Written into a temporary directory beside the
-target and renamed to it when whole, so that a killed export leaves no half checkpoint under its name."""
+target (OUT.partial-*) and renamed to it when whole, so that a failed or killed export leaves no half checkpoint under
+its name."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,22 +46,36 @@ def shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.
 
 def write_checkpoint(out: Path, config_json: dict, tensors: dict[str, np.ndarray], extra_files: dict[str, str],
                      max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-    """`extra_files`: {name: text} written beside the weights (the tokenizer's)."""
+    """`extra_files`: {name: text} written beside the weights (the tokenizer's). A failure (a full disk, a signal)
+    removes what was written."""
     from safetensors.numpy import save_file
 
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    groups = shards(tensors, max_shard_bytes)
-    names = ["model.safetensors"] if len(groups) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    for name, group in zip(names, groups, strict=True):
-        save_file(group, str(partial / name), metadata={"format": "pt"})
-    if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
-                 "weight_map": {tensor: name for name, group in zip(names, groups, strict=True) for tensor in group}}
-        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
-    (partial / "config.json").write_text(json.dumps(config_json, indent=2), encoding="utf-8")
-    for name, text in extra_files.items():
-        (partial / name).write_text(text, encoding="utf-8")
-    partial.rename(out)
+    partial = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
+    try:
+        groups = shards(tensors, max_shard_bytes)
+        names = ["model.safetensors"] if len(groups) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        for name, group in zip(names, groups, strict=True):
+            save_file(group, str(partial / name), metadata={"format": "pt"})
+        if len(groups) > 1:
+            weight_map = {tensor: name for name, group in zip(names, groups, strict=True) for tensor in group}
+            index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+            (partial / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
+        (partial / "config.json").write_text(json.dumps(config_json, indent=2), encoding="utf-8")
+        for name, text in extra_files.items():
+            (partial / name).write_text(text, encoding="utf-8")
+        # mkdtemp's directory and safetensors' files are the user's alone: a checkpoint is shared as other files are
+        mask = _umask()
+        partial.chmod(0o777 & ~mask)
+        for path in partial.iterdir():
+            path.chmod(0o666 & ~mask)
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
