@@ -176,13 +176,24 @@ def broken_copy(source, target, edit_config=None, drop_tensor=None):
     return target
 
 
-def test_bad_checkpoints_prompts_and_outputs_are_one_line(checkpoint, llama_run, tmp_path):
+def error_line(capsys, *args: str) -> str:
+    """`xlatrain ARGS` in this process: exit code 2 and one line naming the mistake."""
+    assert main(list(args)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xlatrain: error: "), lines
+    return lines[0]
+
+
+def test_bad_checkpoints_prompts_and_outputs_are_one_line(checkpoint, llama_run, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "no_weights").mkdir()
     (tmp_path / "no_weights" / "config.json").write_text((checkpoint / "config.json").read_text())
+    (tmp_path / "not_json").mkdir()
+    (tmp_path / "not_json" / "config.json").write_text("{not json")
     cases = {
         "empty": (tmp_path / "empty", ["holds no config.json"]),
         "no_weights": (tmp_path / "no_weights", ["holds no *.safetensors"]),
+        "not_json": (tmp_path / "not_json", ["config.json' is not a JSON file"]),
         "missing_tensor": (broken_copy(checkpoint, tmp_path / "missing",
                                        drop_tensor="model.layers.1.mlp.up_proj.weight"),
                            ["no tensor 'model.layers.1.mlp.up_proj.weight'", "blocks.up.kernel"]),
@@ -194,19 +205,34 @@ def test_bad_checkpoints_prompts_and_outputs_are_one_line(checkpoint, llama_run,
                                        edit_config={"model_type": "mistral", "sliding_window": 4096}),
                            ["sliding_window=4096", "sliding-window attention"]),
     }
+    damaged = broken_copy(checkpoint, tmp_path / "damaged")
+    (damaged / "model.safetensors").write_bytes(b"not a safetensors file")
+    cases["damaged"] = damaged, ["model.safetensors' is not a safetensors file"]
     for directory, expected in cases.values():
-        assert_one_line_error(run_cli("sample", f"hf:{directory}", "--prompt", "x"), *expected)
+        line = error_line(capsys, "sample", f"hf:{directory}", "--prompt", "x")
+        assert all(text in line for text in expected), line
+    # the same checks at a run's start, in a process of its own: one line, nothing left behind
     assert_one_line_error(run_cli("train", f"model.init_from=hf:{cases['missing_tensor'][0]}", "trainer.steps=1",
                                   f"trainer.run_dir={tmp_path / 'never'}"), "no tensor")
-    assert_one_line_error(run_cli("config", f"model.init_from=hf:{checkpoint}", "model.heads=8"),
-                          "model.heads=8 disagrees with model.init_from", "(4 there)")
-    assert_one_line_error(run_cli("sample", str(llama_run), "--prompt", "x" * 40), "--prompt is 40 tokens",
-                          "context is 32")
-    assert_one_line_error(run_cli("sample", str(llama_run), "--prompt", "x" * 20, "--max-new-tokens", "20"),
-                          "lower --max-new-tokens to at most 12")
-    assert_one_line_error(run_cli("sample", str(llama_run), "--prompt", "x", "--top-p", "1.5"), "--top-p")
-    assert_one_line_error(run_cli("sample", str(llama_run), "--prompt", "x", "--step", "99"),
-                          "no checkpoint at step 99")
-    assert_one_line_error(run_cli("export", str(llama_run), "--hf", str(tmp_path / "empty")), "exists")
-    assert_one_line_error(run_cli("export", str(llama_run), "--hf", str(tmp_path / "nowhere" / "out")),
-                          "does not exist")
+    assert not (tmp_path / "never").exists()
+    expected = {("config", f"model.init_from=hf:{checkpoint}", "model.heads=8"):
+                ["model.heads=8 disagrees with model.init_from", "(4 there)"],
+                ("config", "model.name=llama", "model.init_from=some/dir"): ["model.init_from: takes hf:DIR"],
+                ("sample", str(llama_run), "--prompt", "x" * 40): ["--prompt is 40 tokens", "context is 32"],
+                ("sample", str(llama_run), "--prompt", "x" * 20, "--max-new-tokens", "20"):
+                ["lower --max-new-tokens to at most 12"],
+                ("sample", str(llama_run), "--prompt", "x", "--step", "99"): ["no checkpoint at step 99"],
+                ("export", str(llama_run), "--hf", str(tmp_path / "empty")): ["exists"],
+                ("export", str(llama_run), "--hf", str(tmp_path / "nowhere" / "out")): ["does not exist"],
+                ("export", str(llama_run), "--hf", "/proc/xlatrain-out"): ["cannot be written"]}
+    for args, texts in expected.items():
+        line = error_line(capsys, *args)
+        assert all(text in line for text in texts), line
+    for option, value in [("--top-p", "1.5"), ("--seed", str(2**64)), ("--temperature", "nan")]:
+        assert_one_line_error(run_cli("sample", str(llama_run), "--prompt", "x", option, value), option)
+    assert sorted(path.name for path in tmp_path.iterdir() if "partial" in path.name) == []
+
+
+def test_without_max_new_tokens_a_sample_runs_to_the_end_of_the_context(llama_run):
+    text, ids = sample(Request(str(llama_run), "x" * 20, temperature=0.0))
+    assert len(ids) == 12  # the context is 32

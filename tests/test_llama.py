@@ -11,11 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_multiprocess as multiprocess_tests
 import test_pipeline as pipeline_tests
 from conftest import TINY_GPT, token_batch
 from hf_models import VOCAB, hugging_face_model, logits_of, saved
 from test_flops import gpt_flops
 
+from xlatrain.commands.launch import free_port
 from xlatrain.config import load_config
 from xlatrain.config.hugging_face import architecture
 from xlatrain.data.tokenizers import train_bpe
@@ -124,6 +126,19 @@ def test_a_sharded_checkpoint_loads_into_fsdp_with_each_device_reading_its_own_p
         {(VOCAB * 64 // 8, VOCAB * 64)}
     for ours, expected in zip(jax.tree.leaves(state.params), jax.tree.leaves(whole.params), strict=True):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(expected))
+
+
+@pytest.mark.slow
+def test_two_processes_each_read_their_devices_pieces_and_train_as_one_process(checkpoints, tmp_path, devices):
+    """fsdp over 2 processes x 2 devices: every process builds its shards of the state from the checkpoint alone."""
+    directory = checkpoints("llama")[1]
+    base = [f"model.init_from=hf:{directory}", *DATA, "parallel.strategy=fsdp", "batch.global_size=8",
+            "trainer.steps=3", "trainer.log_every=1", "trainer.eval_every=1000", "optimizer.schedule=constant"]
+    multiprocess_tests.succeed(multiprocess_tests.start(tmp_path / "two", free_port(), processes=2, devices=2,
+                                                        base=base))
+    reference = train(load_config(None, [*base, f"trainer.run_dir={tmp_path / 'one'}"]), devices=devices[:4],
+                      echo=lambda _: None).losses
+    multiprocess_tests.assert_same_losses(multiprocess_tests.losses_of(tmp_path / "two"), reference, range(1, 4))
 
 
 def test_a_pipeline_places_each_stages_blocks_from_the_checkpoint(tmp_path, devices):
