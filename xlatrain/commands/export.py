@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from xlatrain.commands.trained import from_run
+from xlatrain.commands.trained import from_run, read_checkpoint
 from xlatrain.config import TorchModelConfig
 from xlatrain.config.hugging_face import hugging_face_config
 from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, byte_tokenizer, bytes_as_hugging_face
@@ -17,8 +17,7 @@ from xlatrain.errors import UserError, first_line
 from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
 from xlatrain.program import build_program
 from xlatrain.run.atomic import replace_file
-from xlatrain.run.checkpoints import Checkpoints, CorruptCheckpoint
-from xlatrain.run.directory import CHECKPOINTS_DIR, pinned_partition, read_run_config
+from xlatrain.run.directory import pinned_partition, read_run_config
 from xlatrain.state import with_shardings
 
 
@@ -31,26 +30,13 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
     if not isinstance(config.model, TorchModelConfig):
         raise UserError(f"export --torch: {str(run_dir)!r} trained model.name={config.model.name}, not a torch module "
                         "(model.name=torch)")
-    if out.exists():
-        raise UserError(f"export --torch: {str(out)!r} exists; choose a new path (nothing is overwritten)")
-    if not out.parent.is_dir():
-        raise UserError(f"export --torch: {str(out)!r} is in a directory that does not exist")
+    check_new_output(out, "export --torch", "path")
     # Restore onto the devices present, whatever data-parallel size the run trained with.
     config = config.model_copy(update={"mesh": config.mesh.model_copy(update={"data": -1})})
     program = build_program(config, pinned_partition=pinned_partition(run_dir))
-    checkpoints = Checkpoints(run_dir / CHECKPOINTS_DIR, config.trainer.keep_checkpoints)
-    try:
-        available = checkpoints.all_steps()
-        step = available[-1] if step is None and available else step
-        if step not in available:
-            raise UserError(f"export --torch: {str(run_dir)!r} has no checkpoint at step {step}; it has "
-                            f"{available or 'none'}")
-        state = checkpoints.restore(step, with_shardings(program.abstract_state, program.specs, program.mesh)).state
-    except CorruptCheckpoint as err:
-        raise UserError(f"export --torch: checkpoint {checkpoints.directory / str(step)} is unusable ({err}); "
-                        f"export another one with --step (this run has {available})") from None
-    finally:
-        checkpoints.close()
+    abstract = with_shardings(program.abstract_state, program.specs, program.mesh)
+    state, step = read_checkpoint(run_dir, config, step, "export --torch",
+                                  lambda checkpoints, step: checkpoints.restore(step, abstract).state)
     params = state.params if program.pipeline is None else program.pipeline.layout.layer_params(state.params)
     host = jax.tree.map(np.asarray, (params, state.model_state))
     state_dict = program.model.torch.state_dict(*host)
@@ -58,14 +44,19 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
     return out, step
 
 
+def check_new_output(out: Path, command: str, what: str) -> None:
+    """An export writes a new file or directory, never over one."""
+    if out.exists():
+        raise UserError(f"{command}: {str(out)!r} exists; choose a new {what} (nothing is overwritten)")
+    if not out.parent.is_dir():
+        raise UserError(f"{command}: {str(out)!r} is in a directory that does not exist")
+
+
 def export_hugging_face(run_dir: Path, out: Path, step: int | None = None) -> tuple[Path, int]:
     """Write the checkpoint at `step` (default: the latest) of a gpt or llama run as a Hugging Face checkpoint
     directory `out`: transformers.AutoModelForCausalLM.from_pretrained(out) loads it, and the run's tokenizer
     (AutoTokenizer) when it has one."""
-    if out.exists():
-        raise UserError(f"export --hf: {str(out)!r} exists; choose a new directory (nothing is overwritten)")
-    if not out.parent.is_dir():
-        raise UserError(f"export --hf: {str(out)!r} is in a directory that does not exist")
+    check_new_output(out, "export --hf", "directory")
     trained, _, step = from_run(run_dir, step, "export --hf")
     tokenizer = trained.tokenizer
     # transformers' configs default to their own families' special ids (Llama: 1 and 2, GPT-2: 50256), which

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from xlatrain.pipeline.schedule import build
 from xlatrain.run.checkpoints import Checkpoints, CorruptCheckpoint
 from xlatrain.run.directory import CHECKPOINTS_DIR, pinned_partition, read_run_config
 
+T = TypeVar("T")
 TORCH_REFUSED = ("trained a torch module (model.name=torch): its weights belong to your PyTorch code, which xlatrain "
                  "runs only as a whole forward, without a KV cache or a Hugging Face layout; export them with "
                  "`xlatrain export RUN_DIR --torch OUT.pt`")
@@ -74,6 +75,17 @@ def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDeco
 
 
 def _restored_params(run_dir: Path, config: Config, step: int | None, command: str) -> tuple[Any, int]:
+    params, step = read_checkpoint(run_dir, config, step, command,
+                                   lambda checkpoints, step: checkpoints.restore_params_on(step, jax.devices()[0]))
+    if config.mesh.stage > 1:
+        params = _stage_layout(run_dir, config).layer_params(params)
+    return params, step
+
+
+def read_checkpoint(run_dir: Path, config: Config, step: int | None, command: str,
+                    read: Callable[[Checkpoints, int], T]) -> tuple[T, int]:
+    """(`read(checkpoints, step)`, step) of a run's checkpoint at `step` (None: the latest); a step the run does not
+    have, or one that cannot be read, is one line naming the steps it has."""
     checkpoints = Checkpoints(run_dir / CHECKPOINTS_DIR, config.trainer.keep_checkpoints)
     try:
         available = checkpoints.all_steps()
@@ -81,15 +93,12 @@ def _restored_params(run_dir: Path, config: Config, step: int | None, command: s
         if step not in available:
             raise UserError(f"{command}: {str(run_dir)!r} has no checkpoint at step {step}; it has "
                             f"{available or 'none yet'}")
-        params = checkpoints.restore_params_on(step, jax.devices()[0])
+        return read(checkpoints, step), step
     except CorruptCheckpoint as err:
         raise UserError(f"{command}: checkpoint {checkpoints.directory / str(step)} is unusable ({err}); choose "
                         f"another with --step (this run has {available})") from None
     finally:
         checkpoints.close()
-    if config.mesh.stage > 1:
-        params = _stage_layout(run_dir, config).layer_params(params)
-    return params, step
 
 
 def _stage_layout(run_dir: Path, config: Config) -> StageLayout:
