@@ -201,3 +201,13 @@ def test_each_parity_side_gets_the_devices_of_its_whole_mesh():
     assert len(side_devices(load_config(None, ["mesh.data=3", "mesh.stage=2"]))) == 6
     assert len(side_devices(load_config(None, ["mesh.data=2"]))) == 2
     assert len(side_devices(load_config(None, []))) == 8
+
+
+def test_a_bad_interpolation_names_the_override_or_the_file_key_holding_it(capsys, tmp_path):
+    err = cli_error(capsys, "config", "trainer.run_dir=${nope}")
+    assert "override 'trainer.run_dir=${nope}': Interpolation key 'nope' not found" in err
+    err = cli_error(capsys, "config", "name=${oc.decode:'[1'}")
+    assert "override \"name=${oc.decode:'[1'}\": GrammarParseError" in err
+    (tmp_path / "run.yaml").write_text("trainer:\n  run_dir: ${nope}\n")
+    err = cli_error(capsys, "config", str(tmp_path / "run.yaml"))
+    assert f"{tmp_path / 'run.yaml'}: trainer.run_dir: Interpolation key 'nope' not found" in err

@@ -35,11 +35,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         data = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as err:
-        raise UserError(f"config: {first_line(err)} (a value with ${{...}} is an interpolation; quote or change "
-                        "it)") from None
+        raise UserError(f"config: {_holding(getattr(err, 'full_key', None), path, overrides)}: {first_line(err)} (a "
+                        "value with ${...} is an interpolation; quote or change it)") from None
     if isinstance(data.get("model"), dict):
         data["model"] = with_checkpoint_architecture(data["model"])
     return validate_config(data)
+
+
+def _holding(key: str | None, path: str | Path | None, overrides: list[str]) -> str:
+    """Where the value of `key` was given: the last override that sets it, else the file."""
+    given = [item for item in overrides if item.split("=", 1)[0] == key]
+    if given:
+        return f"override {given[-1]!r}"
+    where = f"{path}: " if path is not None else ""
+    return f"{where}{key}" if key else str(path or "the config")
 
 
 def validate_config(data: dict) -> Config:
