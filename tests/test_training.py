@@ -123,8 +123,12 @@ def test_run_dir_of_another_config_is_refused(tmp_path):
     from xlatrain.errors import UserError
 
     losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "taken")
+    before = {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in (tmp_path / "taken").iterdir()
+              if path.is_file()}
     with pytest.raises(UserError, match=r"model.hidden differ"):
         losses([*DIGITS_MLP, "trainer.steps=2", "model.hidden=[16]"], tmp_path, "taken")
+    assert {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in (tmp_path / "taken").iterdir()
+            if path.is_file()} == before  # its lock file included: the refused start wrote nothing
 
 
 def test_foreign_directory_is_never_overwritten(tmp_path):
@@ -134,7 +138,27 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match="not an xlatrain run directory"):
         losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "mine")
+    assert [path.name for path in (tmp_path / "mine").iterdir()] == ["notes.txt"]  # no lock written there either
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("content, said", [
+    ("- a\n", "does not hold an xlatrain config (a mapping of keys)"),
+    (b"\xff\xfe", "is not a UTF-8 text file"),
+    ("name: x\nbogus: 1\n", "is not a valid xlatrain config (config: unknown key 'bogus'"),
+])
+def test_a_run_directory_whose_config_yaml_is_unreadable_is_refused_in_one_clean_sentence(tmp_path, content, said):
+    from xlatrain.errors import UserError
+
+    (tmp_path / "run").mkdir()
+    saved = tmp_path / "run" / "config.yaml"
+    saved.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(UserError) as refused:
+        losses([*DIGITS_MLP, "trainer.steps=2"], tmp_path, "run")
+    message = str(refused.value)
+    assert said in message and message.count(str(saved)) == 1, message
+    assert message.count("move the run directory aside or choose another trainer.run_dir") == 1, message
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["config.yaml"]
 
 
 def test_what_a_first_start_leaves_before_its_run_exists_is_started_again(tmp_path):

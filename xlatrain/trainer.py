@@ -44,6 +44,7 @@ from xlatrain.run.checkpoints import CheckpointNotWritten, Checkpoints
 from xlatrain.run.directory import (
     CHECKPOINTS_DIR,
     RunDirHold,
+    check_run_dir,
     check_still_there,
     directory_identity,
     exclusive_run_dir,
@@ -54,7 +55,12 @@ from xlatrain.run.directory import (
 )
 from xlatrain.run.metrics import DiscardedMetrics, MetricsWriter
 from xlatrain.runtime import cpu_devices
-from xlatrain.runtime.distributed import StopAgreement, check_processes_agree, host_name, is_primary
+from xlatrain.runtime.distributed import (
+    StopAgreement,
+    check_processes_agree,
+    host_name,
+    is_primary,
+)
 from xlatrain.runtime.signals import StopSignals, stop_signals
 from xlatrain.runtime.watchdog import watching
 from xlatrain.state import with_shardings
@@ -86,6 +92,7 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
     with stop_signals() as stop, compile_log.listening(), watching(config.distributed, host_name()) as progress:
         phases = Phases(progress, compile_log, TimeBreakdown())
         check_processes_agree(config)
+        check_run_dir(config)  # a start refused here writes nothing into the directory, not even its lock
         with exclusive_run_dir(config.run_dir()) as hold:
             config = open_run_dir(config, echo)
             with phases.entered(SETTING_UP):

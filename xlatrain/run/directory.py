@@ -107,21 +107,30 @@ def _lock(path: Path) -> tuple[int | None, str]:
     return fd, ""
 
 
-def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
-    """Check trainer.run_dir (held with exclusive_run_dir) before anything expensive runs: when it holds a run,
-    that run has this config. Returns the config to train with: the learning-rate schedule's horizon
-    (optimizer.decay_steps) fixed when the run was created, unless this config sets it."""
+def check_run_dir(config: Config) -> Config | None:
+    """The config of the run trainer.run_dir holds (None: none yet), refusing a directory that holds something else
+    or another config's run. It writes nothing, so that a start refused here leaves the directory as it was: called
+    before exclusive_run_dir locks it, and again under the lock (open_run_dir)."""
     run_dir = config.run_dir()
+    if not run_dir.is_dir() or _holds_no_run_yet(run_dir):
+        return None
     saved_path = run_dir / CONFIG_FILE
-    if _holds_no_run_yet(run_dir):
-        barrier("xlatrain-run-dir-checked")
-        return _with_horizon(config, config.optimizer.decay_steps or config.trainer.steps)
     if not saved_path.is_file():
         raise UserError(f"trainer.run_dir={str(run_dir)!r} exists and is not an xlatrain run directory "
                         f"(no {CONFIG_FILE}); choose another trainer.run_dir so nothing there is overwritten")
     saved = _read_saved(saved_path)
     _check_same_run(config, saved, saved_path)
+    return saved
+
+
+def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
+    """Check trainer.run_dir (held with exclusive_run_dir) before anything expensive runs: when it holds a run,
+    that run has this config. Returns the config to train with: the learning-rate schedule's horizon
+    (optimizer.decay_steps) fixed when the run was created, unless this config sets it."""
+    saved = check_run_dir(config)
     barrier("xlatrain-run-dir-checked")
+    if saved is None:
+        return _with_horizon(config, config.optimizer.decay_steps or config.trainer.steps)
     kept = saved.optimizer.decay_steps or saved.trainer.steps
     wanted = config.optimizer.decay_steps
     if wanted is None or wanted == kept:
@@ -253,7 +262,8 @@ def _read_mapping(saved_path: Path) -> dict:
     try:
         saved = parse_yaml(saved_path.read_text(encoding="utf-8"), str(saved_path))
     except UnicodeDecodeError as err:
-        raise UserError(f"{saved_path} is not a UTF-8 text file ({first_line(err)})") from None
+        raise UserError(f"{saved_path} is not a UTF-8 text file ({first_line(err)}); move the run directory aside or "
+                        "choose another trainer.run_dir") from None
     if not isinstance(saved, dict):
         raise UserError(f"{saved_path} does not hold an xlatrain config (a mapping of keys); move the run directory "
                         "aside or choose another trainer.run_dir")
@@ -261,8 +271,9 @@ def _read_mapping(saved_path: Path) -> dict:
 
 
 def _read_saved(saved_path: Path) -> Config:
+    saved = _read_mapping(saved_path)
     try:
-        return validate_config(upgraded_saved_config(without_derived(_read_mapping(saved_path))))
+        return validate_config(upgraded_saved_config(without_derived(saved)))
     except UserError as err:
         raise UserError(f"{saved_path} is not a valid xlatrain config ({err}); move the run directory aside or "
                         "choose another trainer.run_dir") from None
