@@ -154,6 +154,47 @@ def test_rates_on_an_asynchronous_device_count_each_step_once():
     assert rates[-1]["mfu"] == pytest.approx(2e9 / 0.010 / 1e12)
 
 
+def test_a_boundary_read_early_by_a_checkpoint_reports_the_pace_and_leaves_the_checkpoint_out():
+    """Fused steps (10 per boundary) at a pace of 30 ms a boundary, each boundary's results read 1 ms into the next
+    one. The fifth boundary's checkpoint reads its results 2 ms after its dispatch, then saves for 500 ms: its window
+    stays open, the save is taken out, and every rate is the pace (once, 40,000 samples/s was logged there: 80
+    samples in 2 ms)."""
+    from xlatrain.observe.throughput import Throughput
+
+    now, excluded = [0.0], [0.0]
+    clock = Throughput(8, 8 * 64, 2e9, 1e12, clock=lambda: now[0], excluded=lambda: excluded[0])
+    rates, began, read_early = [], 0.0, None
+
+    def read(first, **early):
+        clock.boundary_done(first, 10, seen_finishing=now[0], **early)
+        rates.append(clock.last["samples_per_sec"])
+
+    for boundary in range(1, 11):
+        first = 10 * boundary - 9
+        now[0] = began
+        clock.dispatching(first)
+        if boundary > 1 and first - 10 != read_early:
+            now[0] = began + 0.001
+            read(first - 10)
+        if boundary == 5:
+            now[0] = began + 0.002
+            read(first, early=True)
+            read_early, excluded[0] = first, 0.5
+            began += 0.5
+        began += 0.030
+    assert rates[1:] == pytest.approx([80 / 0.030] * (len(rates) - 1), rel=1e-6)
+
+
+def test_a_run_logs_at_each_checkpoint_step_the_rate_of_the_window_before(tmp_path):
+    """trainer.steps_per_sync=10: the checkpoints at steps 20 and 40 read their boundary's results early."""
+    train(load_config(None, [*DIGITS_MLP, "trainer.steps=50", "trainer.steps_per_sync=10", "trainer.log_every=10",
+                             "trainer.checkpoint_every=20", f"trainer.run_dir={tmp_path}"]), echo=lambda _: None)
+    rates = {r["step"]: r["samples_per_sec"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text()
+                                                           .splitlines()) if "samples_per_sec" in r}
+    assert sorted(rates) == [10, 20, 30, 40, 50]
+    assert rates[20] == rates[10] and rates[40] == rates[30] and rates[50] == rates[40]
+
+
 def test_rates_are_not_overstated_when_the_results_were_ready_before_the_host_read_them():
     """The host spends 30 ms per step (a hook, data) and finds each 10 ms step long finished: the steps of a
     window ran no earlier than its first dispatch, so the rate is the host's pace, 8 samples per 30 ms."""

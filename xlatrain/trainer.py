@@ -191,7 +191,8 @@ class _Run:
             self.echo(f"  pipeline remat {self.program.remat.describe()}")
         bar = tqdm(total=self.trainer.steps, initial=start, disable=not (self.trainer.progress and is_primary()),
                    unit="step", dynamic_ncols=True)
-        clock = _throughput(self.program, self._peak_flops())
+        clock = _throughput(self.program, self._peak_flops(),
+                            excluded=lambda: self.breakdown.within["eval"] + self.breakdown.within["checkpoint"])
         loop = _Loop(partial(self._record, result=result, writer=metrics_writer, bar=bar, clock=clock), clock,
                      ProfileWindow(self.trainer.profile_steps, self.run_dir, self.echo), train_step, eval_step,
                      evaluation, loader, metrics_writer, result)
@@ -361,11 +362,12 @@ class _Run:
     def _record(self, first_step: int, metrics: dict, *, result: TrainResult,
                 writer: MetricsWriter | DiscardedMetrics, bar: tqdm, clock: Throughput) -> None:
         """Step closure: the host values of the metrics of steps first_step.. (one boundary)."""
-        fused = self.trainer.steps_per_sync > 1
-        clock.boundary_done(first_step, self.trainer.steps_per_sync,
-                            self.closures.seen_finishing(first_step + self.trainer.steps_per_sync - 1))
-        for offset in range(self.trainer.steps_per_sync):
-            values = {k: float(v[offset] if fused else v) for k, v in metrics.items()}
+        k = self.trainer.steps_per_sync
+        fused, last_step = k > 1, first_step + k - 1
+        clock.boundary_done(first_step, k, self.closures.seen_finishing(last_step),
+                            early=last_step == self.progress.step)
+        for offset in range(k):
+            values = {name: float(v[offset] if fused else v) for name, v in metrics.items()}
             self._record_step(first_step + offset, values, result, writer, bar, clock)
 
     def _record_step(self, step: int, values: dict[str, float], result: TrainResult,
@@ -434,10 +436,11 @@ def _knobs(program: Program) -> Knobs:
     return Knobs(prefetch=config.data.prefetch, steps_per_sync=config.trainer.steps_per_sync,
                  rows_per_device=d.global_batch // d.devices, policy=config.precision.policy)
 
-def _throughput(program: Program, peak_flops: float | None) -> Throughput:
+def _throughput(program: Program, peak_flops: float | None, excluded: Callable[[], float]) -> Throughput:
     spec, d = program.dataset.spec, program.derived
     tokens = d.global_batch * spec.input_shape[0] if spec.input_dtype.kind in "iu" else 0
-    return Throughput(d.global_batch, tokens, (program.measured.model_flops_per_step or 0.0) / d.devices, peak_flops)
+    return Throughput(d.global_batch, tokens, (program.measured.model_flops_per_step or 0.0) / d.devices, peak_flops,
+                      excluded=excluded)
 
 
 @dataclass(frozen=True)

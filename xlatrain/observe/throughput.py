@@ -14,36 +14,49 @@ class Throughput:
     host dispatches the next), at the end of that wait: a queued step cannot start before the step before it has
     finished. A rate is thus overstated by at most the time a boundary's metrics take to reach the host,
     however the reads bunch up (fused steps, the final flush); every step of a fused group
-    (trainer.steps_per_sync) reports its window's rate."""
+    (trainer.steps_per_sync) reports its window's rate.
+
+    A boundary whose results its own host work fetched early (evaluation or a checkpoint read them before the next
+    dispatch) does not end a window that already has a rate to show: the host work of the boundary after it
+    (its data, its dispatch) belongs to the training's pace, and a window ended at that early read would leave it
+    out (with fused steps, rates of 5-14x the true one at checkpoint steps); such a boundary, the last one
+    included, reports the rate of the window before. Evaluation and checkpoints
+    (`excluded`: their seconds so far) are not training, and are taken out of the windows they fall in."""
 
     def __init__(self, samples: int, tokens: int, flops_per_device: float, peak_flops: float | None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, excluded: Callable[[], float] = lambda: 0.0):
         """Per step: `samples`, `tokens` (0: not token data) and the model's FLOPs per device (0: not counted);
-        `peak_flops`: one device's peak (None: unknown, no MFU)."""
+        `peak_flops`: one device's peak (None: unknown, no MFU); `excluded()`: the seconds spent so far on what is
+        not training (evaluation, checkpoints)."""
         self.samples = samples
         self.tokens = tokens
         self.flops_per_device = flops_per_device
         self.peak_flops = peak_flops
         self.clock = clock
+        self.excluded = excluded
         self.dispatched: dict[int, float] = {}
-        self.window: tuple[float, int] | None = None
+        self.window: tuple[float, int, float] | None = None
+        """(when it began, the steps it counts, excluded() when it began)"""
         self.previous_finished = float("-inf")
         self.last: dict[str, float] = {}
 
     def dispatching(self, first_step: int) -> None:
         self.dispatched[first_step] = self.clock()
 
-    def boundary_done(self, first_step: int, steps: int, seen_finishing: float | None = None) -> None:
+    def boundary_done(self, first_step: int, steps: int, seen_finishing: float | None = None,
+                      early: bool = False) -> None:
         """The results of steps first_step.. reached the host; `seen_finishing`: when the host, waiting for
-        them, saw their executable finish (None if they were ready before it waited)."""
-        began, counted = self.window or (max(self.dispatched[first_step], self.previous_finished), 0)
+        them, saw their executable finish (None if they were ready before it waited); `early`: fetched by the
+        boundary's own host work, before the next dispatch."""
+        began, counted, excluded_before = self.window or (
+            max(self.dispatched[first_step], self.previous_finished), 0, self.excluded())
         del self.dispatched[first_step]
         counted += steps
         self.previous_finished = float("-inf") if seen_finishing is None else seen_finishing
-        if counted < 5 and self.last:
-            self.window = (began, counted)
+        if (counted < 5 or early) and self.last:
+            self.window = (began, counted, excluded_before)
             return
-        seconds = max(self.clock() - began, 1e-9)
+        seconds = max(self.clock() - began - (self.excluded() - excluded_before), 1e-9)
         self.last = {"samples_per_sec": self.samples * counted / seconds}
         if self.tokens:
             self.last["tokens_per_sec"] = self.tokens * counted / seconds

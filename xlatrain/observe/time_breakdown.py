@@ -36,6 +36,9 @@ class TimeBreakdown:
         self._interval = dict.fromkeys(CLAIMED, 0.0)
         self._inner: list[float] = []
         self.session = dict.fromkeys(CATEGORIES, 0.0)
+        self.within = dict.fromkeys(CLAIMED, 0.0)
+        """Seconds inside each category's spans since the start (spans inside them included), the interval in
+        progress too."""
 
     @contextmanager
     def spending(self, category: str) -> Iterator[None]:
@@ -44,7 +47,9 @@ class TimeBreakdown:
         try:
             yield
         finally:
-            self.claim(category, self._clock() - began, inner=self._inner.pop())
+            seconds = self._clock() - began
+            self.claim(category, seconds, inner=self._inner.pop())
+            self.within[category] += seconds
 
     def claim(self, category: str, seconds: float, inner: float = 0.0) -> None:
         """Count `seconds` that just elapsed (of which `inner` was already counted by spans inside)."""
