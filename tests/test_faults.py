@@ -311,6 +311,36 @@ def test_a_save_the_file_system_refuses_midway_is_one_line_and_any_other_failure
         checkpoints.wait_until_written()
 
 
+def test_the_checkpoint_the_watchdog_names_is_one_written_whole(tmp_path, monkeypatch):
+    """A save in flight is not named until orbax has finished it, and one whose write failed never is."""
+    import jax.numpy as jnp
+
+    from xlatrain.run.checkpoints import Checkpoints
+
+    checkpoints = Checkpoints(tmp_path / "checkpoints", keep=3)
+    assert checkpoints.written_step() is None
+    checkpoints.save(1, {"w": jnp.ones(4)}, {"position": 1})
+    checkpoints.wait_until_written()
+    assert checkpoints.written_step() == 1
+    writing = [True]
+    monkeypatch.setattr(checkpoints._manager, "is_saving_in_progress", lambda: writing[0])
+    checkpoints.save(2, {"w": jnp.ones(4)}, {"position": 2})
+    assert checkpoints.written_step() == 1  # still being written
+    writing[0] = False
+    checkpoints._manager.wait_until_finished()
+    assert checkpoints.written_step() == 2
+
+    def failed():
+        raise ValueError("the background write failed")
+
+    checkpoints.wait_until_written()
+    monkeypatch.setattr(checkpoints._manager, "check_for_errors", failed)
+    checkpoints._in_flight = 3  # a save of step 3 whose write ended in an error
+    assert checkpoints.written_step() == 2
+    checkpoints._in_flight = None
+    checkpoints.close()
+
+
 def test_orbax_logs_of_a_write_the_file_system_refused_are_dropped_and_others_kept(tmp_path, caplog):
     import logging
 

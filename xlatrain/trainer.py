@@ -218,6 +218,7 @@ class _Run:
                 metrics_writer.close()
                 self._summarise(step, began)  # also when the run stops on an error: `xlatrain report` shows why
             self.checkpoints.wait_until_written()
+            self._note_written_checkpoint()
         result.final_step = step
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
                   f"checkpoint and metrics in {self.run_dir}")
@@ -259,7 +260,14 @@ class _Run:
         if self._crossed(self.trainer.log_every, first, step) or last or stopping:
             self._time_interval(step, loop.metrics_writer, loop.clock,
                                 traced=loop.profile.touches(self._interval_first_step, step))
+        self._note_written_checkpoint()
         return state, step, stopping
+
+    def _note_written_checkpoint(self) -> None:
+        """What the watchdog names as the last checkpoint: one written whole, never a save still in flight."""
+        written = self.checkpoints.written_step()
+        if written is not None:
+            self.progress.last_checkpoint = written
 
     def _peak_flops(self) -> float | None:
         """One device's peak for MFU; said once at the start, with the step's model FLOPs."""
@@ -303,7 +311,6 @@ class _Run:
             except CheckpointNotWritten:  # when the directory went away while it was written, that is the reason
                 check_still_there(self.run_dir, self.run_dir_identity, step, agreed=False)
                 raise
-        self.progress.last_checkpoint = step
         self.closures.device_to_host_bytes += sum(x.addressable_data(0).nbytes for x in jax.tree.leaves(state))
 
     def _summarise(self, step: int, began: float) -> None:

@@ -91,6 +91,7 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._in_flight: int | None = None
+        self._written: int | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -120,6 +121,19 @@ class Checkpoints:
         if step is not None:
             with self._writing(step):
                 self._manager.wait_until_finished()
+            self._written = step
+
+    def written_step(self) -> int | None:
+        """The newest step this run saved and orbax finished writing whole, without waiting (None: none yet). A
+        save in flight counts once its background write has ended without an error (a failed one is reported by
+        wait_until_written, as the next save or the end of the run calls it)."""
+        if self._in_flight is not None and not self._manager.is_saving_in_progress():
+            try:
+                self._manager.check_for_errors()
+            except Exception:  # orbax re-raises its write's failure, of any type: reported by wait_until_written
+                return self._written
+            return self._in_flight
+        return self._written
 
     @contextlib.contextmanager
     def _writing(self, step: int) -> Iterator[None]:
