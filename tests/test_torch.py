@@ -10,7 +10,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import COMPILE_FASTER, REPO, run_cli
 from test_user_errors import assert_one_line_error
 
 torch = pytest.importorskip("torch", reason="PyTorch (the [torch] extra) is not installed; offline, torch 2.13.0 "
@@ -338,6 +338,16 @@ def test_export_writes_a_state_dict_the_module_loads_strictly(tmp_path):
     module.load_state_dict(torch.load(tmp_path / "out.pt"), strict=True)
     again = run_cli("export", str(run_dir), "--torch", str(tmp_path / "out.pt"), env=env)
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_exporting_a_pipelined_run_makes_the_cpu_devices_its_stages_need(tmp_path, devices):
+    """In a process of one CPU device (no count in XLA_FLAGS), as `xlatrain train` makes them."""
+    run([*TORCH_GPT, "mesh.stage=2", "parallel.pipeline.microbatches=2", "trainer.steps=1"], tmp_path, "piped",
+        devices[:2])
+    exported = run_cli("export", str(tmp_path / "piped"), "--torch", str(tmp_path / "piped.pt"),
+                       env={"PYTHONPATH": PYTHONPATH, "XLA_FLAGS": COMPILE_FASTER})
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "step 1" in exported.stdout and (tmp_path / "piped.pt").is_file()
 
 
 def test_sampling_and_a_hugging_face_export_refuse_a_torch_run_with_the_reason(tmp_path, devices):

@@ -15,7 +15,7 @@ from xlatrain.config.hugging_face import hugging_face_config
 from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, byte_tokenizer, bytes_as_hugging_face
 from xlatrain.errors import UserError, first_line
 from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
-from xlatrain.program import build_program
+from xlatrain.program import apply_cpu_devices, build_program
 from xlatrain.run.atomic import replace_file
 from xlatrain.run.directory import pinned_partition, read_run_config
 from xlatrain.state import with_shardings
@@ -31,8 +31,10 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
         raise UserError(f"export --torch: {str(run_dir)!r} trained model.name={config.model.name}, not a torch module "
                         "(model.name=torch)")
     check_new_output(out, "export --torch", "path")
-    # Restore onto the devices present, whatever data-parallel size the run trained with.
+    # Restore onto the devices present, whatever data-parallel size the run trained with; on CPU, with the devices
+    # its pipeline stages need (mesh.cpu_devices, as `xlatrain train` makes them).
     config = config.model_copy(update={"mesh": config.mesh.model_copy(update={"data": -1})})
+    apply_cpu_devices(config)
     program = build_program(config, pinned_partition=pinned_partition(run_dir))
     abstract = with_shardings(program.abstract_state, program.specs, program.mesh)
     state, step = read_checkpoint(run_dir, config, step, "export --torch",
