@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import COMPILE_FASTER, REPO, TINY_GPT
+from conftest import COMPILE_FASTER, DIGITS_MLP, REPO, TINY_GPT
 
 from xlatrain.compat.backends import set_cpu_device_count
 from xlatrain.config import load_config
@@ -178,3 +178,13 @@ def test_available_memory_is_what_is_left_of_the_control_groups_limit_where_that
         (tmp_path / "fs" / name).write_text(text + "\n")
     assert available_memory_bytes(tmp_path / "meminfo", tmp_path / "missing", tmp_path / "fs") == expected
     assert available_memory_bytes(tmp_path / "missing", tmp_path / "missing", tmp_path / "nothing") is None
+
+
+def test_a_run_counted_by_mesh_cpu_devices_resumes_on_another_count_as_one_counted_by_xla_flags(tmp_path):
+    """mesh.cpu_devices is a device count like mesh.data: an elastic resume may change it."""
+    common = [*DIGITS_MLP, "trainer.checkpoint_every=2", f"trainer.run_dir={tmp_path / 'run'}"]
+    first = _xlatrain("train", *common, "trainer.steps=2", "mesh.cpu_devices=2", cores=2)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = _xlatrain("train", *common, "trainer.steps=4", "mesh.cpu_devices=4", cores=2)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from checkpoint at step 2" in resumed.stdout and "data-parallel 4" in resumed.stdout
