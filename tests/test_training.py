@@ -252,11 +252,12 @@ def test_nonfinite_loss_stops_naming_the_step_and_saves_no_broken_state(tmp_path
     assert not [p for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit()]
 
 
-def test_nonfinite_loss_can_skip_updates(tmp_path):
+def test_nonfinite_loss_can_skip_updates(tmp_path, caplog):
     result = losses([*_nan_arrays(tmp_path), "trainer.steps=3", "trainer.on_nonfinite=skip"], tmp_path, "skip")
     assert result.final_step == 3
     records = read_metrics(tmp_path / "skip" / "metrics.jsonl")
     assert [r["skipped"] for r in records if "loss" in r] == [True, True, True]
+    assert "NaN or Inf" not in caplog.text  # tensorboardX's warning of each: the run reports them itself
 
 
 @pytest.mark.slow

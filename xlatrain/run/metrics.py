@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import sys
 from pathlib import Path
 from traceback import walk_tb
@@ -28,6 +30,7 @@ class MetricsWriter:
                 _drop_records_after(self.path, start_step)
             self._file = open_for_append(self.path)
             self._tensorboard = _summary_writer()(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        _quiet_tensorboard_nan_warnings()
 
     def write(self, record: dict[str, Any]) -> None:
         with self._refused_as(f"at step {record['step']}"):
@@ -67,6 +70,13 @@ def _summary_writer() -> type:
     finally:
         del sys.modules["torch"]
     return SummaryWriter
+
+
+@functools.cache
+def _quiet_tensorboard_nan_warnings() -> None:
+    """tensorboardX warns of every NaN or infinite scalar it is given: a skipped step's loss, which the run reports
+    itself (trainer.on_nonfinite=skip) and metrics.jsonl and TensorBoard record as it was."""
+    logging.getLogger("tensorboardX.x2num").addFilter(lambda record: "NaN or Inf found" not in record.getMessage())
 
 
 def _quiet_tensorboard_at_exit() -> None:
