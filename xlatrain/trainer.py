@@ -222,7 +222,7 @@ class _Run:
         result.final_step = step
         self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
                   f"checkpoint and metrics in {self.run_dir}")
-        for line in self.summary.lines():
+        for line in self.summary.lines(findings_said=True):
             self.echo(f"  {line}")
         return result
 

@@ -69,9 +69,11 @@ class Finding:
     """0: before the first step."""
     message: str
 
+    def where(self) -> str:
+        return "before the first step" if self.step == 0 else f"at step {self.step}"
+
     def line(self) -> str:
-        where = "before the first step" if self.step == 0 else f"at step {self.step}"
-        return f"bottleneck {self.rule} {where}: {self.message}"
+        return f"bottleneck {self.rule} {self.where()}: {self.message}"
 
 
 def data_bound(interval: Interval, knobs: Knobs) -> str | None:

@@ -50,7 +50,9 @@ class RunSummary:
     findings: list[dict] = field(default_factory=list)
     """The bottleneck rules that fired (xlatrain/observe/bottlenecks.py): rule, step, message."""
 
-    def lines(self) -> list[str]:
+    def lines(self, findings_said: bool = False) -> list[str]:
+        """`findings_said`: the bottleneck findings were printed as they fired (the run's own end of session), so
+        they are named here, not repeated."""
         steps = self.final_step - self.start_step
         per_step = f" ({1e3 * self.wall_seconds / steps:.2f} ms/step)" if steps else ""
         lines = [
@@ -68,7 +70,11 @@ class RunSummary:
         ]
         if self.time_breakdown:
             lines.append(f"time: {describe(self.time_breakdown)}")
-        lines += [Finding(**f).line() for f in self.findings]
+        findings = [Finding(**f) for f in self.findings]
+        if findings_said and findings:
+            lines.append("bottlenecks (said above): " + ", ".join(f"{f.rule} {f.where()}" for f in findings))
+        else:
+            lines += [f.line() for f in findings]
         return lines
 
     def append_to(self, run_dir: Path) -> None:
