@@ -139,3 +139,22 @@ def test_a_second_run_in_one_distributed_session_reads_nothing_the_first_publish
 
     assert as_primary_has_it("verdict", "refused") == "refused"
     assert as_primary_has_it("verdict", "") == ""
+
+
+def test_the_watchdogs_error_line_starts_a_line_of_its_own_under_a_progress_bar(monkeypatch):
+    import io
+
+    from tqdm import tqdm
+
+    from xlatrain.runtime.watchdog import say_error
+
+    terminal = io.StringIO()
+    monkeypatch.setattr("sys.stderr", terminal)
+    bar = tqdm(total=100, file=terminal, unit="step")
+    bar.update(7)
+    say_error("rank 1 stopped sending heartbeats")
+    bar.close()
+    before, said, _ = terminal.getvalue().partition("xlatrain: error: rank 1 stopped sending heartbeats\n")
+    # on a terminal, the line the error starts on holds nothing else: the bar's frame was written over with blanks
+    last_line = before.rsplit("\n", 1)[-1].split("\r")
+    assert said and before.endswith(("\r", "\n")) and last_line[-2].strip() == "", repr(before[-120:])

@@ -229,8 +229,16 @@ class Watchdog:
 
 
 def _exit_with(message: str) -> None:
-    print(f"xlatrain: error: {message}", file=sys.stderr)
+    say_error(message)
     leave_now(WATCHDOG_EXIT)
+
+
+def say_error(message: str) -> None:
+    """The error line, on a line of its own also while the training's progress bar is on the terminal (this runs on
+    the watchdog's thread, in the middle of the bar's line): tqdm clears the bar first."""
+    from tqdm import tqdm
+
+    tqdm.write(f"xlatrain: error: {message}", file=sys.stderr)
 
 
 def leave_now(code: int) -> None:
