@@ -185,5 +185,6 @@ def test_a_pipeline_with_an_uneven_explicit_partition_is_called_imbalanced_befor
     ratio = re.search(r"compute per stage .*? max/mean (\d\.\d\d)", balance).group(1)
     assert float(ratio) > 1.1 and f"stage 0 does {ratio}x the mean stage's FLOPs" in said[0], lines
     assert len(said) == 1 and "partition: auto" in said[0], lines
-    assert any(line.strip() == "bottlenecks (said above): stage-imbalance before the first step" for line in lines), lines
+    named = "bottlenecks (said above): stage-imbalance before the first step"
+    assert any(line.strip() == named for line in lines), lines
     assert result.summary.findings[0]["rule"] == "stage-imbalance"
