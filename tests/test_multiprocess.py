@@ -18,6 +18,7 @@ from conftest import REPO, TINY_GPT, xla_flags
 from xlatrain.commands.launch import free_port
 from xlatrain.config import load_config
 from xlatrain.run.metrics import read_metrics
+from xlatrain.runtime.distributed import slurm_step_port
 from xlatrain.runtime.watchdog import WATCHDOG_EXIT
 from xlatrain.trainer import train
 
@@ -320,32 +321,52 @@ def test_processes_whose_devices_measure_a_pipeline_differently_take_one_partiti
     assert_same_losses(losses_of(run_dir), alone.losses, steps=range(1, 5))
 
 
-def slurm_env(rank: int, port: int) -> dict:
-    """What srun gives each task (jax derives the coordinator port from the job id)."""
-    return {**devices_env(4), "SLURM_JOB_ID": str(port - (65535 - 2**12 + 1)), "SLURM_STEP_NODELIST": "127.0.0.1",
-            "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_STEP_NUM_NODES": "1"}
+def slurm_env(rank: int, job: int, step: int | None = None) -> dict:
+    """What srun gives each task of a job step (the coordinator port follows the job id and the step id)."""
+    return {**devices_env(4), "SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_STEP_NUM_NODES": "1",
+            **({} if step is None else {"SLURM_STEP_ID": str(step)})}
 
 
-def free_port_in_slurm_range() -> int:
-    for port in range(65535 - 2**12 + 1, 65535):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port for the SLURM test")
+def is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_slurm_job(steps: int = 1) -> int:
+    """A job id whose first `steps` steps' coordinator ports are free here."""
+    for job in range(2**12):
+        if all(is_free(slurm_step_port(str(job), str(step))) for step in range(steps)):
+            return job
+    raise AssertionError("no free ports for the SLURM test")
+
+
+def test_each_slurm_job_step_meets_on_a_port_of_its_own_and_step_0_on_jaxs():
+    first, count = 65535 - 2**12 + 1, 2**12
+    assert slurm_step_port("123456", None) == slurm_step_port("123456", "0") == first + 123456 % count
+    steps = [slurm_step_port("123456", str(step)) for step in range(count)]
+    assert len(set(steps)) == count and all(first <= port <= 65535 for port in steps)
+    assert slurm_step_port("7", "batch") == first + 7  # sbatch's own step, not a number
 
 
 @pytest.mark.slow
-def test_slurm_environment_alone_joins_the_processes(tmp_path, devices):
-    port = free_port_in_slurm_range()
-    args = [sys.executable, "-m", "xlatrain.cli", "train", CONFIG, *COMMON, f"trainer.run_dir={tmp_path / 'run'}"]
-    processes = [subprocess.Popen(args, cwd=REPO, env=slurm_env(i, port), text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for i in range(2)]
+def test_slurm_environment_alone_joins_the_processes_and_two_steps_of_one_job_run_at_once(tmp_path, devices):
+    """A sweep: two `srun` steps of one job at the same time, each of two tasks, with no distributed.* keys."""
+    job = free_slurm_job(steps=2)
+    processes = [subprocess.Popen([sys.executable, "-m", "xlatrain.cli", "train", CONFIG, *COMMON,
+                                   f"trainer.run_dir={tmp_path / f'step{step}'}"], cwd=REPO,
+                                  env=slurm_env(rank, job, step), text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for step in range(2) for rank in range(2)]
     outputs = succeed(processes)
-    assert "data-parallel 8" in outputs[0][1]
-    assert_same_losses(losses_of(tmp_path / "run"), reference_losses(tmp_path), steps=range(1, 13))
+    assert "data-parallel 8" in outputs[0][1] and "data-parallel 8" in outputs[2][1]
+    assert f"(job {job}, step 1: 127.0.0.1:{slurm_step_port(str(job), '1')})" in outputs[2][1]
+    reference = reference_losses(tmp_path)
+    for step in range(2):
+        assert_same_losses(losses_of(tmp_path / f"step{step}"), reference, steps=range(1, 13))
 
 
 NO_MPIRUN = pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed "

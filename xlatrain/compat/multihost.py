@@ -69,3 +69,10 @@ def detected_cluster() -> str | None:
     if found is None:
         return None
     return getattr(found, "name", "") or found.__name__.removesuffix("Cluster").lower()
+
+
+def slurm_coordinator(port: int) -> str:
+    """Process 0's address as jax.distributed finds it under SLURM (the step's first node), with `port`."""
+    from jax._src.clusters.slurm_cluster import SlurmCluster
+
+    return SlurmCluster.get_coordinator_address(None, str(port))

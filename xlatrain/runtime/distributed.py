@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import os
 import socket
 from importlib.metadata import version
 from typing import Any
@@ -23,6 +24,7 @@ from xlatrain.compat.multihost import (
     key_value_dir_get,
     key_value_get,
     key_value_set,
+    slurm_coordinator,
     use_gloo_for_cpu_collectives,
 )
 from xlatrain.config import Config, DistributedConfig, flatten
@@ -32,6 +34,21 @@ from xlatrain.runtime.watchdog import guard_against_runtime_abort
 
 START_TIMEOUT_S = 300.0
 """How long a process waits for the others' start-up facts (they joined already, so this is generous)."""
+
+
+SLURM_PORTS = (65535 - 2**12 + 1, 2**12)
+"""The ephemeral ports jax.distributed takes SLURM's coordinator port from: (first, how many)."""
+SLURM_STEP_STRIDE = 1021
+"""Ports between consecutive job steps: prime, so one job's steps take every port of the range before one repeats."""
+
+
+def slurm_step_port(job_id: str, step_id: str | None) -> int:
+    """The coordinator port of one SLURM job step. jax.distributed derives it from the job id alone, so two steps
+    of one job running at once (a sweep of `srun`s in one allocation) met on one port and one of them aborted; the
+    step id moves each step to a port of its own (step 0, and a job without steps, keep jax's)."""
+    first, count = SLURM_PORTS
+    step = int(step_id) if step_id is not None and step_id.isdigit() else 0
+    return first + (int(job_id) + SLURM_STEP_STRIDE * step) % count
 
 
 def initialize(config: DistributedConfig) -> None:
@@ -45,11 +62,15 @@ def initialize(config: DistributedConfig) -> None:
         return
     use_gloo_for_cpu_collectives()
     keep_our_signal_handlers()
-    joined_through = (f"distributed.coordinator={config.coordinator}" if config.coordinator
-                      else f"the {cluster} cluster's environment")
+    coordinator = config.coordinator
+    joined_through = f"distributed.coordinator={coordinator}" if coordinator else f"the {cluster} cluster's environment"
+    if coordinator is None and cluster == "slurm":
+        job, step = os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_STEP_ID")
+        coordinator = slurm_coordinator(slurm_step_port(job, step))
+        joined_through += f" (job {job}, step {step or 0}: {coordinator})"
     print(f"xlatrain: joining the other processes through {joined_through}", flush=True)
     try:
-        jax.distributed.initialize(coordinator_address=config.coordinator, num_processes=config.num_processes,
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=config.num_processes,
                                    process_id=config.process_id)
     except Exception as err:  # connection and timeout errors come from deep inside the runtime
         raise UserError(f"distributed: could not join the other processes through {joined_through} "
