@@ -146,6 +146,7 @@ def test_foreign_directory_is_never_overwritten(tmp_path):
     ("- a\n", "does not hold an xlatrain config (a mapping of keys)"),
     (b"\xff\xfe", "is not a UTF-8 text file"),
     ("name: x\nbogus: 1\n", "is not a valid xlatrain config (config: unknown key 'bogus'"),
+    ("name: [x\n", "config.yaml:2:1: expected ',' or ']'"),
 ])
 def test_a_run_directory_whose_config_yaml_is_unreadable_is_refused_in_one_clean_sentence(tmp_path, content, said):
     from xlatrain.errors import UserError

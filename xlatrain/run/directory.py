@@ -259,15 +259,18 @@ def saved_derived(run_dir: Path) -> dict:
     return derived if isinstance(derived, dict) else {}
 
 
+MOVE_IT_ASIDE = "move the run directory aside or choose another trainer.run_dir"
+
+
 def _read_mapping(saved_path: Path) -> dict:
     try:
         saved = parse_yaml(saved_path.read_text(encoding="utf-8"), str(saved_path))
     except UnicodeDecodeError as err:
-        raise UserError(f"{saved_path} is not a UTF-8 text file ({first_line(err)}); move the run directory aside or "
-                        "choose another trainer.run_dir") from None
+        raise UserError(f"{saved_path} is not a UTF-8 text file ({first_line(err)}); {MOVE_IT_ASIDE}") from None
+    except UserError as err:  # YAML that does not parse, named by file, line and column
+        raise UserError(f"{err}; {MOVE_IT_ASIDE}") from None
     if not isinstance(saved, dict):
-        raise UserError(f"{saved_path} does not hold an xlatrain config (a mapping of keys); move the run directory "
-                        "aside or choose another trainer.run_dir")
+        raise UserError(f"{saved_path} does not hold an xlatrain config (a mapping of keys); {MOVE_IT_ASIDE}")
     return saved
 
 
@@ -276,5 +279,4 @@ def _read_saved(saved_path: Path) -> Config:
     try:
         return validate_config(upgraded_saved_config(without_derived(saved)))
     except UserError as err:
-        raise UserError(f"{saved_path} is not a valid xlatrain config ({err}); move the run directory aside or "
-                        "choose another trainer.run_dir") from None
+        raise UserError(f"{saved_path} is not a valid xlatrain config ({err}); {MOVE_IT_ASIDE}") from None
