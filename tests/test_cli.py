@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from xlatrain.cli import _parse_intermixed, _parser
+from xlatrain.cli import _parse_intermixed, _parser, main
 from xlatrain.run.metrics import read_metrics
 
 
@@ -116,3 +116,24 @@ def test_an_option_that_names_a_config_key_points_at_the_override(argv, flag, me
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         f"xlatrain: error: unrecognized arguments: {flag}; did you mean {meant}? (see xlatrain --help)"]
+
+
+def test_train_help_names_the_sections_and_how_to_list_every_key(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = capsys.readouterr().out
+    assert "config sections: name, seed, model, data, batch, optimizer" in shown
+    assert "xlatrain config [CONFIG] [key=value ...] --keys [SECTION]" in shown
+
+
+def test_config_keys_lists_the_keys_of_the_configs_own_kinds_with_values_and_meaning(capsys):
+    assert main(["config", "model.name=llama", "model.kv_heads=2", "--keys", "model"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["model.name=llama", "A", "Llama-style", "decoder", "(Llama,", "Mistral,", "Qwen2):",
+                                "RoPE,", "RMSNorm,", "SwiGLU", "MLP,", "grouped-query", "attention."]
+    assert any(line.startswith("model.kv_heads=2 ") and "Key/value heads" in line for line in lines)
+    assert not any(line.startswith(("model.mlp_ratio", "trainer.")) for line in lines)  # the GPT's; another section
+    assert main(["config", "--keys", "trainer.steps"]) == 0
+    assert capsys.readouterr().out.split() == ["trainer.steps=300", "Optimizer", "steps", "in", "total."]
+    assert main(["config", "--keys", "trainr"]) == 2
+    assert "no such key or section; the sections: batch, collectives, data" in capsys.readouterr().err

@@ -105,6 +105,11 @@ def _config_arguments(sub: argparse.ArgumentParser, help_text: str) -> None:
     sub.set_defaults(intermixed=True)
 
 
+KEYS_EPILOG = """config sections: name, seed, model, data, batch, optimizer, mesh, parallel, precision, collectives,
+trainer, distributed (model.name, data.source and optimizer.name choose a kind, with keys of its own).
+Every key of a config, with its value and meaning: xlatrain config [CONFIG] [key=value ...] --keys [SECTION]
+(the whole reference, with defaults: docs/configuration.md)."""
+
 PARITY_RTOL = 1e-4
 """Two xlatrain runs: the same kernels, so what parts them is the configs' difference (docs/getting-started.md)."""
 PARITY_RTOL_AGAINST_TORCH = 2e-3
@@ -120,9 +125,13 @@ def _parser() -> argparse.ArgumentParser:
     for name, func, help_text in (("train", _train, "train (or resume) a run"),
                                   ("config", _config, "print the resolved config and derived values"),
                                   ("lower", _lower, "compile the train step and report FLOPs, memory, collectives")):
-        sub = commands.add_parser(name, help=help_text)
+        sub = commands.add_parser(name, help=help_text, epilog=KEYS_EPILOG,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         _config_arguments(sub, "optional YAML file, then dotted overrides such as trainer.steps=100")
         sub.set_defaults(command=func)
+        if name == "config":
+            sub.add_argument("--keys", nargs="?", const="", metavar="SECTION", help="list every key (of SECTION, "
+                             "e.g. model or trainer) with its value and what it means, instead of the config")
         if name == "lower":
             sub.add_argument("--json", action="store_true", help="print one JSON object")
             sub.add_argument("--dump", type=Path, metavar="DIR", help="write StableHLO and optimised HLO text")
@@ -347,7 +356,9 @@ def _launch(config_path: str | None, overrides: list[str], args: argparse.Namesp
     return launch(args.nproc, args.devices_per_proc, config_path, overrides)
 
 
-def _config(config_path: str | None, overrides: list[str], _args: argparse.Namespace) -> int:
+def _config(config_path: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    if args.keys is not None:
+        return _config_keys(config_path, overrides, args.keys)
     import jax
 
     from xlatrain.config import config_and_derived_to_yaml, derive
@@ -359,6 +370,23 @@ def _config(config_path: str | None, overrides: list[str], _args: argparse.Names
     if jax.default_backend() == "cpu":
         print(f"# CPU devices: {cpu_devices.applied.describe()}")
     print(f"# malloc: {malloc.applied or 'as the system allocates (set by the xlatrain command only)'}")
+    return 0
+
+
+def _config_keys(config_path: str | None, overrides: list[str], section: str) -> int:
+    """`xlatrain config --keys [SECTION]`: the keys of this config (those of its model, data source and optimizer
+    kinds)."""
+    from xlatrain.config import load_config
+    from xlatrain.config.reference import described_keys
+
+    keys = described_keys(load_config(config_path, overrides))
+    chosen = [key for key in keys if not section or key[0] == section or key[0].startswith(f"{section}.")]
+    if not chosen:
+        sections = sorted({key.split(".", 1)[0] for key, _, _ in keys})
+        raise UserError(f"config --keys {section}: no such key or section; the sections: {', '.join(sections)}")
+    width = max(len(f"{key}={value}") for key, value, _ in chosen)
+    for key, value, meaning in chosen:
+        print(f"{f'{key}={value}':{width}}  {meaning}")
     return 0
 
 

@@ -27,7 +27,8 @@ A config is a YAML file plus dotted overrides on the command line (`xlatrain tra
 model.hidden=[64,64]`); with no file, the built-in default below is used. Override values are YAML: quote one that
 starts with `*`, `&` or `!` (in a shell: `"data.glob='*.txt'"`). A section with kinds (`model.name`, `data.source`,
 `optimizer.name`) takes the keys of its kind. `xlatrain config [CONFIG] [key=value ...]` prints the resolved config
-and the values derived from it, and a run saves both in its `config.yaml`. Every mistake (an unknown key, with a
+and the values derived from it, and a run saves both in its `config.yaml`; with `--keys [SECTION]` it lists each key of
+that config (its kinds' keys included) with its value and the first sentence of its meaning. Every mistake (an unknown key, with a
 did-you-mean; a wrong type; a value out of range; a batch that does not divide) is one line naming the key, before
 anything compiles.
 """
@@ -41,6 +42,29 @@ def reference() -> str:
         if name not in top:
             lines += _section(name, field)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def described_keys(config: BaseModel, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, its value as YAML, the first sentence of its description) of every key of a config, the keys of
+    the kinds it has (its model, data source, optimizer) included: what `xlatrain config --keys` lists."""
+    found = []
+    names = list(type(config).model_fields)
+    kinds = [name for name in ("name", "source") if prefix and name in names]  # a section's kind comes first
+    for name in kinds + [name for name in names if name not in kinds]:
+        value = getattr(config, name)
+        if isinstance(value, BaseModel):
+            found += described_keys(value, f"{prefix}{name}.")
+        else:
+            shown = yaml.safe_dump(_plain(value), default_flow_style=True, width=10**6).strip()
+            found.append((f"{prefix}{name}", shown.removesuffix("...").strip(), _first_sentence(_field_doc(
+                type(config), name))))
+    return found
+
+
+def _first_sentence(doc: str) -> str:
+    text = _text(doc).replace("\\|", "|")
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
 
 
 def undescribed() -> list[str]:
