@@ -211,3 +211,22 @@ def test_a_bad_interpolation_names_the_override_or_the_file_key_holding_it(capsy
     (tmp_path / "run.yaml").write_text("trainer:\n  run_dir: ${nope}\n")
     err = cli_error(capsys, "config", str(tmp_path / "run.yaml"))
     assert f"{tmp_path / 'run.yaml'}: trainer.run_dir: Interpolation key 'nope' not found" in err
+
+
+def test_home_and_variables_in_paths_are_expanded(tmp_path, monkeypatch, capsys):
+    """As a shell would: a shell leaves `~` alone inside key=value, and a YAML file always does."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XLATRAIN_TEST_DATA", str(tmp_path / "texts"))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("some text to read " * 20)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "run.yaml").write_text("trainer:\n  run_dir: ~/runs/x\n")
+    config = load_config("~/run.yaml", ["data.path=$XLATRAIN_TEST_DATA", "data.tokenizer=~/tokenizer.json",
+                                        "trainer.compile_cache=$HOME/cache"])
+    assert config.trainer.run_dir == str(tmp_path / "runs" / "x") and config.data.path == str(tmp_path / "texts")
+    assert config.data.tokenizer == str(tmp_path / "tokenizer.json")
+    assert config.trainer.compile_cache == str(tmp_path / "cache") and config.run_dir() == tmp_path / "runs" / "x"
+    err = cli_error(capsys, "config", "model.init_from=hf:~/no_checkpoint")
+    assert f"{tmp_path / 'no_checkpoint'}' holds no config.json" in err
+    err = cli_error(capsys, "report", "~/no_run")
+    assert f"{tmp_path / 'no_run' / 'summary.jsonl'} not found" in err

@@ -134,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
                              "e.g. model or trainer) with its value and what it means, instead of the config")
         if name == "lower":
             sub.add_argument("--json", action="store_true", help="print one JSON object")
-            sub.add_argument("--dump", type=Path, metavar="DIR", help="write StableHLO and optimised HLO text")
+            sub.add_argument("--dump", type=_path, metavar="DIR", help="write StableHLO and optimised HLO text")
             sub.add_argument("--target", metavar="GPU", help="compile for GPUs this host need not have: "
                              "h100, h200, a100, l4, or a GPU target config file (needs jax's CUDA plugin)")
             sub.add_argument("--devices", type=int, metavar="N", help="with --target: how many GPUs (default: "
@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     parity.add_argument("--steps", type=int, default=20, help="steps to compare (default 20)")
     parity.add_argument("--rtol", type=float, help=f"relative tolerance (default {PARITY_RTOL:g}; with --against, "
                         f"{PARITY_RTOL_AGAINST_TORCH:g}: two frameworks' float32 kernels round differently)")
-    parity.add_argument("--plot", type=Path, metavar="PNG", help="also draw both sides' curves into this PNG")
+    parity.add_argument("--plot", type=_path, metavar="PNG", help="also draw both sides' curves into this PNG")
     parity.add_argument("--against", choices=("torch", "torch_xla"), help="compare a torch model (model.name=torch) "
                         "trained by xlatrain (side A, with --a overrides) with PyTorch eager or torch_xla (side B)")
     parity.add_argument("--python", metavar="PATH", help="with --against torch_xla: the Python of a virtual "
@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "draw its Gantt chart", epilog=PIPELINE_EXAMPLES,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     _config_arguments(pipeline, "optional YAML file, then dotted overrides such as mesh.stage=4")
-    pipeline.add_argument("--out", type=Path, default=Path("pipeline_schedule.png"), metavar="PATH",
+    pipeline.add_argument("--out", type=_path, default=Path("pipeline_schedule.png"), metavar="PATH",
                           help="where to write the chart; its suffix picks the format (default: pipeline_schedule.png)")
     pipeline.set_defaults(command=_pipeline)
     profile = commands.add_parser("profile", help="train the first steps of a config into a fresh run directory "
@@ -169,19 +169,19 @@ def _parser() -> argparse.ArgumentParser:
     profile.set_defaults(command=_profile)
     plot = commands.add_parser("plot", help="draw runs' loss, eval loss, learning rate, loss scale, throughput and "
                                "MFU against step (several runs overlaid)")
-    plot.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
-    plot.add_argument("--out", type=Path, default=Path("metrics.png"), metavar="PNG",
+    plot.add_argument("run_dirs", nargs="+", type=_path, metavar="RUN_DIR")
+    plot.add_argument("--out", type=_path, default=Path("metrics.png"), metavar="PNG",
                       help="where to write the chart (default: metrics.png)")
     plot.set_defaults(command=_plot, args=[])
     report = commands.add_parser("report", help="print the run summaries (compilations, executions, transfers)")
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.add_argument("run_dir", type=_path, metavar="RUN_DIR")
     report.set_defaults(command=_report, args=[])
     export = commands.add_parser("export", help="write a run's trained weights as a torch state_dict or a Hugging "
                                  "Face checkpoint")
-    export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    export.add_argument("run_dir", type=_path, metavar="RUN_DIR")
     target = export.add_mutually_exclusive_group(required=True)
-    target.add_argument("--torch", type=Path, metavar="OUT.pt", help="a torch run: where to write the state_dict")
-    target.add_argument("--hf", type=Path, metavar="OUT", help="a gpt or llama run: the directory to write "
+    target.add_argument("--torch", type=_path, metavar="OUT.pt", help="a torch run: where to write the state_dict")
+    target.add_argument("--hf", type=_path, metavar="OUT", help="a gpt or llama run: the directory to write "
                         "(config.json, safetensors, the tokenizer) for transformers' from_pretrained")
     export.add_argument("--step", type=_non_negative, help="which checkpoint (default: the latest)")
     export.set_defaults(command=_export, args=[])
@@ -209,9 +209,9 @@ def _parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="prepare training data").add_subparsers(required=True, metavar="ACTION")
     prepare = data.add_parser("prepare", help="tokenize text files, JSONL or Parquet into token shards for "
                               "data.source=tokens (docs/data.md)")
-    prepare.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="files (.txt and others: one document "
+    prepare.add_argument("inputs", nargs="+", type=_path, metavar="INPUT", help="files (.txt and others: one document "
                          "each; .jsonl: one per line; .parquet: one per row) or directories of them")
-    prepare.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the shards and manifest go")
+    prepare.add_argument("--out", type=_path, required=True, metavar="DIR", help="where the shards and manifest go")
     which = prepare.add_mutually_exclusive_group()
     which.add_argument("--tokenizer", default="bytes", metavar="T", help="bytes (default), a tokenizer.json, a "
                        "sentencepiece .model, or a directory holding one")
@@ -265,6 +265,13 @@ def _bounded(convert: Callable[[str], Any], accepts: Callable[[Any], bool], says
         return value
 
     return parse
+
+
+def _path(text: str) -> Path:
+    """A path argument, `~` and $VARIABLES expanded also where the shell did not (--out=~/x, a quoted one)."""
+    from xlatrain.config.base import expanded
+
+    return Path(expanded(text))
 
 
 _positive = _bounded(int, lambda value: value >= 1, "a positive whole number")

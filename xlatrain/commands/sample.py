@@ -12,6 +12,7 @@ import numpy as np
 
 from xlatrain.commands.trained import TrainedDecoder, from_hugging_face, from_run
 from xlatrain.config import HUGGING_FACE_PREFIX
+from xlatrain.config.base import expanded
 from xlatrain.config.hugging_face import checkpoint_directory
 from xlatrain.errors import UserError
 from xlatrain.models.sampling import Sampling, generate
@@ -40,7 +41,7 @@ def trained_decoder(source: str, step: int | None) -> TrainedDecoder:
         if step is not None:
             raise UserError("sample: --step picks a run's checkpoint; a Hugging Face directory has one")
         return from_hugging_face(directory, "sample")
-    return from_run(Path(source), step, "sample")[0]
+    return from_run(Path(expanded(source)), step, "sample")[0]
 
 
 def prompt_ids(trained: TrainedDecoder, request: Request) -> tuple[np.ndarray, int]:

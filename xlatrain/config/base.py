@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 INT32_MAX = 2**31 - 1
 """Counts and sizes must fit the int32 that array shapes, indices and XLA's loop counters use."""
@@ -14,6 +15,16 @@ Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 """What numpy's and torch's generators accept."""
 Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
 DropoutRate = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+def expanded(value: Any) -> Any:
+    """A path as a shell would have made it: `~` and $VARIABLES expanded (a shell leaves them alone inside
+    key=value, and YAML always does); anything but a string as it is."""
+    return os.path.expandvars(os.path.expanduser(value)) if isinstance(value, str) else value
+
+
+PathText = Annotated[str, BeforeValidator(expanded)]
+"""A config value that names a file or directory."""
 
 
 class Strict(BaseModel):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from xlatrain.config.base import Fraction, PositiveInt, Strict
+from xlatrain.config.base import Fraction, PathText, PositiveInt, Strict, expanded
 
 
 class DataBase(Strict):
@@ -38,7 +38,7 @@ class TrainedTokenizer(Strict):
     directory as tokenizer-bpe-N.json, reused on resume)."""
 
 
-Tokenizer = Union[str, TrainedTokenizer]
+Tokenizer = Annotated[Union[str, TrainedTokenizer], BeforeValidator(expanded)]
 
 
 def check_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
@@ -52,7 +52,7 @@ def check_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
 class TextData(DataBase):
     source: Literal["text"]
     """Text files read as bytes: windows of data.seq_len + 1 bytes, or one paragraph each with data.buckets."""
-    path: str | None = None
+    path: PathText | None = None
     """Directory of text files; null: this Python's standard-library sources."""
     glob: str = "**/*.py"
     """Which files under data.path, relative to it (quote a leading *: data.glob='*.txt')."""
@@ -98,7 +98,7 @@ class TextData(DataBase):
 class ArrayData(DataBase):
     source: Literal["arrays"]
     """Your arrays: inputs and targets of the same number of rows."""
-    path: str
+    path: PathText
     """A directory holding inputs.npy and targets.npy (memory-mapped), or an .npz file with those keys."""
     holdout: Fraction = 0.1
     """Fraction of the examples held out for evaluation."""
@@ -116,7 +116,7 @@ class ArrayData(DataBase):
 class TokensData(DataBase):
     source: Literal["tokens"]
     """Token shards prepared by `xlatrain data prepare` (docs/data.md), memory-mapped."""
-    path: str
+    path: PathText
     """The directory `xlatrain data prepare --out` wrote (its manifest.json lists the shards)."""
     seq_len: PositiveInt = 64
     """Tokens per example."""
@@ -124,7 +124,7 @@ class TokensData(DataBase):
     """false: windows of seq_len + 1 tokens that cross documents (the end-of-text token between them). true: whole
     documents packed into rows, with segment ids and positions restarting at 0, so that attention and the loss
     never cross a document; a document longer than a row is split."""
-    tokenizer: str | None = None
+    tokenizer: PathText | None = None
     """null: the shards' own (their manifest's). A tokenizer (`bytes`, a tokenizer.json, a .model): the shards
     must have been prepared with it, else the run is refused."""
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from xlatrain.config.base import expanded
 from xlatrain.config.model import HUGGING_FACE_PREFIX, RopeScaling
 from xlatrain.errors import UserError, first_line
 
@@ -26,7 +27,7 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def checkpoint_directory(init_from: str) -> Path:
-    return Path(init_from[len(HUGGING_FACE_PREFIX):]).expanduser()
+    return Path(expanded(init_from[len(HUGGING_FACE_PREFIX):]))
 
 
 def read_config_json(directory: Path, named: str, otherwise: str = "") -> dict:

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
+from xlatrain.config.base import expanded
 from xlatrain.config.hugging_face import with_checkpoint_architecture
 from xlatrain.config.schema import Config
 from xlatrain.errors import UserError, first_line
@@ -19,7 +20,7 @@ from xlatrain.errors import UserError, first_line
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Config from an optional YAML file plus `key=value` overrides; None means the built-in default."""
-    raw = _read_yaml(Path(path)) if path is not None else {}
+    raw = _read_yaml(Path(expanded(str(path)))) if path is not None else {}
     _reject_malformed_overrides(overrides)
     try:
         merged = OmegaConf.create(raw)

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from xlatrain.config.base import DropoutRate, PositiveInt, Strict
+from xlatrain.config.base import DropoutRate, PathText, PositiveInt, Strict, expanded
 
 
 class ModelBase(Strict):
@@ -80,11 +80,13 @@ class DecoderConfig(ModelBase):
     @field_validator("init_from", mode="before")
     @classmethod
     def _init_from_names_a_checkpoint_directory(cls, value: Any) -> Any:
-        if value is not None and not (isinstance(value, str) and value.startswith(HUGGING_FACE_PREFIX)
-                                      and len(value) > len(HUGGING_FACE_PREFIX)):
+        if value is None:
+            return value
+        if not (isinstance(value, str) and value.startswith(HUGGING_FACE_PREFIX)
+                and len(value) > len(HUGGING_FACE_PREFIX)):
             raise ValueError(f"takes {HUGGING_FACE_PREFIX}DIR, a local Hugging Face checkpoint directory (config.json "
                              "and *.safetensors)")
-        return value
+        return HUGGING_FACE_PREFIX + expanded(value[len(HUGGING_FACE_PREFIX):])
 
     def scans_layers(self, platform: str) -> bool:
         """auto scans on accelerators and unrolls on CPU up to CPU_UNROLLED_LAYERS blocks, where XLA:CPU runs
@@ -189,7 +191,7 @@ class TorchModelConfig(ModelBase):
     """"package.module:Name" of a torch.nn.Module subclass, or of a function returning a module."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments for it, checked against its signature."""
-    init_from: str | None = None
+    init_from: PathText | None = None
     """A torch state_dict (.pt) to start from instead of the module's own initialisation."""
     shard_dims: dict[str, int | None] = {}
     """Parameter-name glob -> the dimension zero1/fsdp shard over `data` (null: keep it whole); the first

@@ -25,12 +25,13 @@ edit the schema's docstrings, not this page. -->
 
 A config is a YAML file plus dotted overrides on the command line (`xlatrain train run.yaml trainer.steps=100
 model.hidden=[64,64]`); with no file, the built-in default below is used. Override values are YAML: quote one that
-starts with `*`, `&` or `!` (in a shell: `"data.glob='*.txt'"`). A section with kinds (`model.name`, `data.source`,
-`optimizer.name`) takes the keys of its kind. `xlatrain config [CONFIG] [key=value ...]` prints the resolved config
-and the values derived from it, and a run saves both in its `config.yaml`; with `--keys [SECTION]` it lists each key of
-that config (its kinds' keys included) with its value and the first sentence of its meaning. Every mistake (an unknown key, with a
-did-you-mean; a wrong type; a value out of range; a batch that does not divide) is one line naming the key, before
-anything compiles.
+starts with `*`, `&` or `!` (in a shell: `"data.glob='*.txt'"`). Paths (files and directories, in the config and on
+the command line) may start with `~` and hold `$VARIABLES`, expanded as a shell would. A section with kinds
+(`model.name`, `data.source`, `optimizer.name`) takes the keys of its kind. `xlatrain config [CONFIG] [key=value
+...]` prints the resolved config and the values derived from it, and a run saves both in its `config.yaml`; with
+`--keys [SECTION]` it lists each key of that config (its kinds' keys included) with its value and the first
+sentence of its meaning. Every mistake (an unknown key, with a did-you-mean; a wrong type; a value out of range; a
+batch that does not divide) is one line naming the key, before anything compiles.
 """
 
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 
-from xlatrain.config.base import PositiveInt, Strict, positive_ints
+from xlatrain.config.base import PathText, PositiveInt, Strict, positive_ints
 
 
 class TrainerConfig(Strict):
@@ -16,7 +16,7 @@ class TrainerConfig(Strict):
 
     steps: PositiveInt = 300
     """Optimizer steps in total."""
-    run_dir: str | None = None
+    run_dir: PathText | None = None
     """Default: runs/<name>. An existing run directory is resumed from its latest checkpoint."""
     log_every: PositiveInt = 10
     """Steps between metrics.jsonl records."""
@@ -39,7 +39,7 @@ class TrainerConfig(Strict):
     """Stop the run, with the recompile report, once the steps have been compiled more than this often."""
     profile_steps: tuple[PositiveInt, PositiveInt] | None = None
     """[a, b]: a jax.profiler trace of steps a..b (numbered from 1) in RUN_DIR/profile."""
-    compile_cache: str = "auto"
+    compile_cache: PathText = "auto"
     """JAX's persistent compilation cache: auto (JAX_COMPILATION_CACHE_DIR, else ~/.cache/xlatrain/jax), a
     directory, or off."""
 
