@@ -1,6 +1,7 @@
 """`xlatrain train` end to end in a real process: logs, TensorBoard files, saved config, resume."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,15 @@ def test_train_writes_metrics_tensorboard_config_and_checkpoints(tmp_path):
     records = read_metrics(run_dir / "metrics.jsonl")
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [5, 10, 15, 20, 25, 30]
+    # stderr is not a terminal (trainer.progress: auto): a plain line per logged step, no progress-bar frames
+    logged = [line.strip() for line in result.stdout.splitlines() if re.match(r"\s+step \d+/30: ", line)]
+    assert [int(line.split("/")[0].split()[1]) for line in logged] == [5, 10, 15, 20, 25, 30]
+    assert all(re.fullmatch(r"step \d+/30: loss \d+\.\d{4}, lr [\d.e-]+, [\d,]+ samples/s, [\d.]+% MFU, "
+                            r"ETA \d+:\d\d:\d\d", line) for line in logged), logged
+    assert logged[-1].startswith(f"step 30/30: loss {train_records[-1]['loss']:.4f}") and "\r" not in result.stderr
+    eval_30 = [r for r in records if "eval_loss" in r][-1]["eval_loss"]
+    assert result.stdout.splitlines()[-1] == (f"  finished at step 30; checkpoint and metrics in {run_dir}; train loss "
+                                              f"{train_records[-1]['loss']:.4f}, eval loss {eval_30:.4f}")
     assert {"loss", "accuracy", "grad_norm", "lr", "samples_per_sec"} <= set(train_records[0])
     assert [r["step"] for r in records if "eval_loss" in r] == [15, 30]
     assert train_records[-1]["loss"] < train_records[0]["loss"]
@@ -137,3 +147,31 @@ def test_config_keys_lists_the_keys_of_the_configs_own_kinds_with_values_and_mea
     assert capsys.readouterr().out.split() == ["trainer.steps=300", "Optimizer", "steps", "in", "total."]
     assert main(["config", "--keys", "trainr"]) == 2
     assert "no such key or section; the sections: batch, collectives, data" in capsys.readouterr().err
+
+
+def test_progress_true_keeps_the_bar_where_stderr_is_not_a_terminal(tmp_path):
+    result = run_cli("train", "examples/configs/digits_mlp.yaml", "trainer.steps=10", "trainer.log_every=5",
+                     "trainer.progress=true", f"trainer.run_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr
+    assert "10/10" in result.stderr and "step/s" in result.stderr  # tqdm's frames
+    assert not re.search(r"step \d+/10: loss", result.stdout)
+
+
+def test_the_last_line_tells_a_stopped_run_from_a_finished_one_and_gives_the_final_losses(tmp_path):
+    from xlatrain.trainer import TrainResult, final_line
+
+    finished = TrainResult(tmp_path, 0, 300, losses={299: 2.5, 300: 2.31234}, eval_losses={100: 2.9, 300: 2.4})
+    assert final_line(finished, tmp_path) == (f"finished at step 300; checkpoint and metrics in {tmp_path}; "
+                                              "train loss 2.3123, eval loss 2.4000")
+    stopped = TrainResult(tmp_path, 0, 120, losses={120: 2.7}, eval_losses={100: 2.9}, interrupted=True)
+    assert final_line(stopped, tmp_path) == (f"stopped by signal at step 120; a checkpoint there resumes with the same "
+                                             f"command; checkpoint and metrics in {tmp_path}; train loss 2.7000, "
+                                             "eval loss 2.9000 (step 100)")
+
+
+def test_the_time_left_is_the_pace_so_far_times_the_steps_left():
+    from xlatrain.trainer import Eta
+
+    now = [100.0]
+    eta = Eta(start=50, steps=350, began=40.0, clock=lambda: now[0])
+    assert eta.at(50) == "?" and eta.at(110) == "0:04:00"  # 60 s for 60 steps, 240 to go

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -149,6 +151,9 @@ class _Run:
         self.closures = StepClosures(waiting=lambda: self.phases.entered(WAITING_FOR_THE_DEVICE))
         self.summary = RunSummary()
         self.rules = BottleneckRules(_knobs(program), self._say)
+        self.lines_instead_of_bar = not self.trainer.shows_bar(sys.stderr.isatty())
+        """trainer.progress: a plain line each trainer.log_every steps instead of the progress bar."""
+        self._eta = Eta(0, self.trainer.steps, time.perf_counter())
         self._interval_first_step = 1
         self.host_to_device_bytes = 0
 
@@ -189,7 +194,7 @@ class _Run:
                   f"{self.trainer.steps}" + (f", {k} steps per executable" if k > 1 else ""))
         if self.program.remat is not None and self.config.parallel.pipeline.remat == "auto":
             self.echo(f"  pipeline remat {self.program.remat.describe()}")
-        bar = tqdm(total=self.trainer.steps, initial=start, disable=not (self.trainer.progress and is_primary()),
+        bar = tqdm(total=self.trainer.steps, initial=start, disable=self.lines_instead_of_bar or not is_primary(),
                    unit="step", dynamic_ncols=True)
         clock = _throughput(self.program, self._peak_flops(),
                             excluded=lambda: self.breakdown.within["eval"] + self.breakdown.within["checkpoint"])
@@ -197,6 +202,7 @@ class _Run:
                      ProfileWindow(self.trainer.profile_steps, self.run_dir, self.echo), train_step, eval_step,
                      evaluation, loader, metrics_writer, result)
         began = time.perf_counter()
+        self._eta = Eta(start, self.trainer.steps, began)
         self.breakdown.start(began)
         self._interval_first_step = start + 1
         if self.program.pipeline is not None:
@@ -220,10 +226,9 @@ class _Run:
             self.checkpoints.wait_until_written()
             self._note_written_checkpoint()
         result.final_step = step
-        self.echo(f"  {'stopped by signal' if result.interrupted else 'finished'} at step {step}; "
-                  f"checkpoint and metrics in {self.run_dir}")
         for line in self.summary.lines(findings_said=True):
             self.echo(f"  {line}")
+        self.echo(f"  {final_line(result, self.run_dir)}")
         return result
 
     def _boundary(self, loop: _Loop, state: Any, step: int) -> tuple[Any, int, bool]:
@@ -387,6 +392,16 @@ class _Run:
         bar.update(1)
         if step % self.trainer.log_every == 0 or step == self.trainer.steps:
             writer.write({"step": step, **values, **clock.rates(numeric=True), "skipped": not finite})
+            if self.lines_instead_of_bar:
+                self.echo(f"  {self._progress_line(step, values, clock)}")
+
+    def _progress_line(self, step: int, values: dict[str, float], clock: Throughput) -> str:
+        """A logged step as one plain line (trainer.progress: the bar's figures, and the learning rate)."""
+        rates = clock.rates()
+        shown = [f"{rates[unit]} {unit}" for unit in ("tokens/s" if "tokens/s" in rates else "samples/s", "MFU")
+                 if unit in rates]
+        return ", ".join([f"step {step}/{self.trainer.steps}: loss {values['loss']:.4f}", f"lr {values['lr']:.3g}",
+                          *shown, f"ETA {self._eta.at(step)}"])
 
     def _time_interval(self, step: int, writer: MetricsWriter | DiscardedMetrics, clock: Throughput,
                        traced: bool) -> None:
@@ -436,6 +451,33 @@ class _Run:
             self.echo(f"  step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
 
         self.closures.add(step, report, (outputs,))
+
+
+class Eta:
+    """The time left to trainer.steps at the loop's pace so far (evaluation and checkpoints included)."""
+
+    def __init__(self, start: int, steps: int, began: float, clock: Callable[[], float] = time.perf_counter):
+        self.start, self.steps, self.began, self.clock = start, steps, began, clock
+
+    def at(self, step: int) -> str:
+        done = step - self.start
+        if done <= 0:
+            return "?"
+        left = (self.clock() - self.began) / done * (self.steps - step)
+        return str(datetime.timedelta(seconds=round(left)))
+
+
+def final_line(result: TrainResult, run_dir: Path) -> str:
+    """The run's last line: how it ended (a finished run and one a signal stopped, with its checkpoint, read apart
+    at a glance in a job's log), where its outputs are, and its final train and eval loss."""
+    step = result.final_step
+    ended = (f"stopped by signal at step {step}; a checkpoint there resumes with the same command"
+             if result.interrupted else f"finished at step {step}")
+    losses = [f"train loss {result.losses[step]:.4f}"] if step in result.losses else []
+    if result.eval_losses:
+        last = max(result.eval_losses)
+        losses.append(f"eval loss {result.eval_losses[last]:.4f}" + ("" if last == step else f" (step {last})"))
+    return f"{ended}; checkpoint and metrics in {run_dir}" + (f"; {', '.join(losses)}" if losses else "")
 
 
 def _knobs(program: Program) -> Knobs:

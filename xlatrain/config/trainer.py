@@ -30,8 +30,13 @@ class TrainerConfig(Strict):
     """Checkpoints kept; older ones are removed."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """On an inf/NaN loss or gradient: stop the run, or skip that update."""
-    progress: bool = True
-    """A progress bar (step, loss, samples/s, tokens/s, ETA)."""
+    progress: Literal["auto"] | bool = "auto"
+    """true: a progress bar on stderr (step, loss, samples/s, tokens/s, ETA). false: instead, a plain line on stdout
+    every trainer.log_every steps (step, loss, lr, tokens/s or samples/s, MFU, ETA), as a cluster job's log wants.
+    auto: the bar where stderr is a terminal, the lines elsewhere."""
+
+    def shows_bar(self, stderr_is_a_terminal: bool) -> bool:
+        return self.progress is True or (self.progress == "auto" and stderr_is_a_terminal)
     steps_per_sync: PositiveInt = 1
     """Optimizer steps fused into one executable (a step boundary every k steps); host work such as
     logging, eval and checkpoints happens only at boundaries."""
