@@ -74,3 +74,27 @@ def test_a_figure_that_cannot_be_written_keeps_the_old_one(tmp_path, capsys, mon
     assert main(["plot", str(run), "--out", str(out)]) == 2
     assert f"xlatrain: error: cannot write {out}: No space left on device" in capsys.readouterr().err
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "run"]
+
+
+def test_accuracy_mfu_in_percent_marked_evaluations_integer_steps_a_title_and_chosen_panels(tmp_path, capsys,
+                                                                                               monkeypatch):
+    from xlatrain.observe import plot
+
+    drawn = {}
+    monkeypatch.setattr(plot, "save_figure", lambda figure, path: drawn.update(figure=figure))
+    run = write_run(tmp_path / "digits", [*steps(7, accuracy=0.5, mfu=0.021), {"step": 7, "eval_loss": 0.4,
+                                                                            "eval_accuracy": 0.9}])
+    assert main(["plot", str(run), "--out", str(tmp_path / "a.png")]) == 0
+    assert "(loss, accuracy, learning rate, samples / s, MFU (%) against step, 1 run(s))" in capsys.readouterr().out
+    figure = drawn["figure"]
+    assert figure._suptitle.get_text() == "digits: loss, accuracy, learning rate, samples / s, MFU (%) against step"
+    loss, accuracy, *_, mfu = figure.axes
+    train_line, eval_line = accuracy.get_lines()
+    assert train_line.get_marker() == "." and eval_line.get_marker() == "o" and eval_line.get_linestyle() == "--"
+    assert list(eval_line.get_ydata()) == [0.9] and list(mfu.get_lines()[0].get_ydata()) == [2.1] * 7
+    assert all(tick == int(tick) for tick in mfu.get_xticks())  # steps are whole numbers
+    assert main(["plot", str(run), "--metrics", "grad_norm,eval_loss", "--out", str(tmp_path / "b.png")]) == 2
+    assert "--metrics grad_norm: no run logs it; they log accuracy, eval_accuracy, eval_loss, loss, lr, mfu" \
+        in capsys.readouterr().err
+    assert main(["plot", str(run), "--metrics", "samples_per_sec,eval_loss", "--out", str(tmp_path / "b.png")]) == 0
+    assert "(samples / s, loss against step" in capsys.readouterr().out

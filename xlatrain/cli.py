@@ -167,11 +167,14 @@ def _parser() -> argparse.ArgumentParser:
                          help="the steps to trace, numbered from 1 (default 3:5: after the compilation and the "
                          "first steps' warm-up)")
     profile.set_defaults(command=_profile)
-    plot = commands.add_parser("plot", help="draw runs' loss, eval loss, learning rate, loss scale, throughput and "
-                               "MFU against step (several runs overlaid)")
+    plot = commands.add_parser("plot", help="draw runs' loss, accuracy, learning rate, loss scale, throughput and "
+                               "MFU against step, evaluations marked (several runs overlaid)")
     plot.add_argument("run_dirs", nargs="+", type=_path, metavar="RUN_DIR")
     plot.add_argument("--out", type=_path, default=Path("metrics.png"), metavar="PNG",
                       help="where to write the chart (default: metrics.png)")
+    plot.add_argument("--metrics", type=_names, metavar="A,B", help="the panels to draw, by metric (e.g. "
+                      "loss,grad_norm,mfu; any metric metrics.jsonl holds); default: loss, accuracy, learning rate, "
+                      "loss scale, samples/s and MFU, those the runs log")
     plot.set_defaults(command=_plot, args=[])
     report = commands.add_parser("report", help="print the run summaries (compilations, executions, transfers)")
     report.add_argument("run_dir", type=_path, metavar="RUN_DIR")
@@ -272,6 +275,13 @@ def _path(text: str) -> Path:
     from xlatrain.config.base import expanded
 
     return Path(expanded(text))
+
+
+def _names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing; give names separated by commas, e.g. loss,mfu")
+    return names
 
 
 _positive = _bounded(int, lambda value: value >= 1, "a positive whole number")
@@ -511,7 +521,7 @@ def _plot(_config_path: str | None, _overrides: list[str], args: argparse.Namesp
     from xlatrain.observe.plot import figure_path, plot_runs
 
     out = figure_path("plot", "--out", args.out)
-    panels = plot_runs(args.run_dirs, out)
+    panels = plot_runs(args.run_dirs, out, args.metrics)
     print(f"wrote {out} ({', '.join(panels)} against step, {len(args.run_dirs)} run(s))")
     return 0
 
