@@ -69,6 +69,23 @@ def test_training_from_python_runs_as_written(tmp_path):
     assert (tmp_path / "runs" / "digits-mlp" / "checkpoints").is_dir()
 
 
+def test_the_notebook_of_the_python_page_runs_as_written(tmp_path):
+    """docs/python.md's cells, one after another in one interpreter, as a notebook runs them; then again (it
+    resumes)."""
+    page = (DOCS / "python.md").read_text()
+    cells = [block.split("```", 1)[0] for block in page.split("```python\n")[1:]]
+    script = "\n".join(cells).replace('"examples/configs/digits_mlp.yaml"',
+                                       repr(str(REPO / "examples/configs/digits_mlp.yaml")))
+    for attempt in ("first", "again"):
+        result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=300, env=os.environ)
+        assert result.returncode == 0, result.stderr[-2000:]
+        lines = result.stdout.splitlines()
+        assert lines[0].startswith(f"runs/notebook 200 finished") or "early stopping" in lines[0], lines
+        assert lines[1].startswith("last loss") and "'eval_loss'" in lines[1], lines
+    assert (tmp_path / "runs" / "notebook" / "checkpoints").is_dir()
+
+
 def test_the_pipeline_help_examples_run_as_written(tmp_path, capsys, devices):
     """In this process, whose 8 CPU devices are the ones the examples ask for."""
     from xlatrain.cli import PIPELINE_EXAMPLES, main

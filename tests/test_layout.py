@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import REPO
 
 FLOORS = [
-    ["errors", "sizes", "phases", "sharding"],
+    ["errors", "sizes", "phases", "sharding", "callbacks"],
     ["compat", "config"],
     ["runtime", "mesh", "precision", "boundaries", "custom_calls"],
     ["data", "run"],
@@ -16,7 +16,7 @@ FLOORS = [
     ["lowering", "observe"],
     ["program"],
     ["trainer"],
-    ["commands"],
+    ["commands", "api"],
     ["cli"],
 ]
 """docs/design.md's floors, from the ground up: the rooms (a top-level module, or a folder) on each."""

@@ -11,7 +11,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from xlatrain.errors import NonFiniteLoss, UserError, file_system_refusals_named, make_writable_directory
+from xlatrain.errors import (
+    NonFiniteLoss,
+    UserError,
+    file_system_refusals_named,
+    make_writable_directory,
+)
 
 USAGE_EXAMPLES = """examples:
   xlatrain train                                  the built-in default: a byte-level GPT on Python's stdlib
@@ -300,7 +305,11 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
 def _train(config_path: str | None, overrides: list[str], _args: argparse.Namespace,
            once_joined: Callable[[], list[str]] = list) -> int:
     """`once_joined()`: more overrides, found after this process joined the others (if any)."""
-    from xlatrain.runtime.signals import STOPPED_BEFORE_FIRST_STEP, StoppedBeforeFirstStep, stop_signals
+    from xlatrain.runtime.signals import (
+        STOPPED_BEFORE_FIRST_STEP,
+        StoppedBeforeFirstStep,
+        stop_signals,
+    )
 
     with stop_signals():
         try:

@@ -12,7 +12,14 @@ from typing import Any
 import jax
 import optax
 
-from xlatrain.config import AdafactorConfig, AdamWConfig, Derived, LionConfig, OptimizerConfig, SGDConfig
+from xlatrain.config import (
+    AdafactorConfig,
+    AdamWConfig,
+    Derived,
+    LionConfig,
+    OptimizerConfig,
+    SGDConfig,
+)
 from xlatrain.models.blocks import in_blocks
 
 

@@ -17,20 +17,43 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from xlatrain.config import DECODERS, Config, Derived, TextData, TorchModelConfig, derive, saved_values
+from xlatrain.config import (
+    DECODERS,
+    Config,
+    Derived,
+    TextData,
+    TorchModelConfig,
+    derive,
+    saved_values,
+)
 from xlatrain.config.hugging_face import checkpoint_directory
-from xlatrain.data.identity import check_every_process_reads_the_same, data_identity, identity_record
+from xlatrain.data.identity import (
+    check_every_process_reads_the_same,
+    data_identity,
+    identity_record,
+)
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, warn
 from xlatrain.hf.tokenizer import other_tokens_than_the_checkpoints
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
-from xlatrain.lowering.compile import CompileBook, StepExecutables, compile_eval_step, compile_train_step
+from xlatrain.lowering.compile import (
+    CompileBook,
+    StepExecutables,
+    compile_eval_step,
+    compile_train_step,
+)
 from xlatrain.lowering.data_parallel import DataParallel
 from xlatrain.lowering.flops import UncountedLoop, step_flops
 from xlatrain.lowering.inspect import peak_memory_bytes
 from xlatrain.lowering.pipeline.parallel import pipeline_parallel, refuse_unpipelinable
-from xlatrain.lowering.step import fuse_steps, loss_sums, make_forward, make_gradient_step, make_train_step
+from xlatrain.lowering.step import (
+    fuse_steps,
+    loss_sums,
+    make_forward,
+    make_gradient_step,
+    make_train_step,
+)
 from xlatrain.mesh import build_mesh, eval_batch_sharding, train_batch_sharding
 from xlatrain.models import flax_model, model_factory
 from xlatrain.models.fit import check_model_outputs
@@ -41,7 +64,12 @@ from xlatrain.pipeline.remat import RematChoice
 from xlatrain.precision import Policy, resolve_policy
 from xlatrain.runtime import cpu_devices
 from xlatrain.runtime.compile_cache import use_compile_cache
-from xlatrain.runtime.device_memory import DeviceMemory, check_state_fits, check_step_fits, device_memory
+from xlatrain.runtime.device_memory import (
+    DeviceMemory,
+    check_state_fits,
+    check_step_fits,
+    device_memory,
+)
 from xlatrain.runtime.distributed import everyones, is_primary
 from xlatrain.runtime.platform import compiling_for
 from xlatrain.sharding import named

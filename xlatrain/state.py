@@ -18,7 +18,12 @@ from xlatrain.errors import UserError
 from xlatrain.models.interface import ModelDef
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.run.fingerprints import fingerprint
-from xlatrain.sharding import named, optimizer_specs, param_specs, specs_following_params
+from xlatrain.sharding import (
+    named,
+    optimizer_specs,
+    param_specs,
+    specs_following_params,
+)
 
 
 @flax.struct.dataclass

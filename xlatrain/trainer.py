@@ -17,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
+from xlatrain.callbacks import Callback
 from xlatrain.compat.transfers import allow_transfers, forbid_implicit_transfers
 from xlatrain.config import Config
 from xlatrain.data.identity import check_same_tokenizer, data_change, identity_record
@@ -55,7 +56,12 @@ from xlatrain.run.directory import (
     run_dir_gone,
     save_run_config,
 )
-from xlatrain.run.metrics import DiscardedMetrics, MetricsWriter
+from xlatrain.run.metrics import (
+    METRICS_FILE,
+    DiscardedMetrics,
+    MetricsWriter,
+    last_logged,
+)
 from xlatrain.runtime import cpu_devices
 from xlatrain.runtime.distributed import (
     StopAgreement,
@@ -78,16 +84,22 @@ class TrainResult:
     interrupted: bool = False
     compile_log: CompileLog = field(default_factory=CompileLog)
     summary: RunSummary = field(default_factory=RunSummary)
+    stopped_by: str = ""
+    """What stopped the run before trainer.steps: "signal", a callback's reason; "" when it finished."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The last step's metrics (loss, accuracy, grad_norm, lr, ...)."""
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """The last evaluation's (eval_loss, eval_accuracy), with its step under "step"."""
 
 
 def train(config: Config, *, devices: list | None = None, echo: Callable[[str], None] = print,
-          hooks: Sequence[Hook] = ()) -> TrainResult:
+          hooks: Sequence[Hook] = (), callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Train (or resume) a run. In a multi-process run only process 0 prints and writes logs.
 
     Each hook is called with a `Boundary` right after every executable is dispatched; it reads values
-    only through `boundary.add_step_closure` (see xlatrain/boundaries.py). A SIGTERM/SIGINT before the first
-    step raises StoppedBeforeFirstStep; after it, the run saves a checkpoint and returns
-    (xlatrain/runtime/signals.py)."""
+    only through `boundary.add_step_closure` (see xlatrain/boundaries.py). Callbacks (xlatrain/callbacks.py) get
+    the run's events as host values, and may stop it. A SIGTERM/SIGINT before the first step raises
+    StoppedBeforeFirstStep; after it, the run saves a checkpoint and returns (xlatrain/runtime/signals.py)."""
     if not is_primary():
         echo = _silent
     compile_log = CompileLog()
@@ -100,7 +112,7 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
             with phases.entered(SETTING_UP):
                 program = build_program(config, devices, pinned_partition(config.run_dir()))
             _describe(program, echo)
-            return _Run(program, echo, phases, hooks, stop, hold).execute()
+            return _Run(program, echo, phases, hooks, stop, hold, callbacks).execute()
 
 
 def _silent(_: str) -> None:
@@ -130,7 +142,7 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
 
 class _Run:
     def __init__(self, program: Program, echo: Callable[[str], None], phases: Phases, hooks: Sequence[Hook],
-                 stop: StopSignals, hold: RunDirHold):
+                 stop: StopSignals, hold: RunDirHold, callbacks: Sequence[Callback] = ()):
         self.program = program
         self.hold = hold
         self.config = program.config
@@ -146,6 +158,7 @@ class _Run:
                                              program.dataset.spec.tokenizer)
         self.compile_log = phases.compile_log
         self.hooks = hooks
+        self.callbacks = callbacks
         self.breakdown = phases.breakdown
         self.dispatch_waits = cpu_devices.dispatch_waits_for_the_previous_step(list(program.mesh.devices.flat))
         self.closures = StepClosures(waiting=lambda: self.phases.entered(WAITING_FOR_THE_DEVICE))
@@ -180,6 +193,7 @@ class _Run:
         save_run_config(self.config, self.program.saved_derived(), self.hold)
         self.run_dir_identity = directory_identity(self.run_dir)
         result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log, summary=self.summary)
+        result.metrics, result.eval_metrics = last_logged(self.run_dir / METRICS_FILE, start)  # where a resume begins
         self.summary.start_step = self.summary.final_step = start
         if start >= self.trainer.steps:
             self.echo(f"  already at step {start} of trainer.steps={self.trainer.steps}; nothing to do")
@@ -226,9 +240,12 @@ class _Run:
             self.checkpoints.wait_until_written()
             self._note_written_checkpoint()
         result.final_step = step
+        result.stopped_by = self.stop.cause() if result.interrupted else ""
         for line in self.summary.lines(findings_said=True):
             self.echo(f"  {line}")
         self.echo(f"  {final_line(result, self.run_dir)}")
+        for callback in self.callbacks:
+            callback.on_end(result)
         return result
 
     def _boundary(self, loop: _Loop, state: Any, step: int) -> tuple[Any, int, bool]:
@@ -316,6 +333,8 @@ class _Run:
             except CheckpointNotWritten:  # when the directory went away while it was written, that is the reason
                 check_still_there(self.run_dir, self.run_dir_identity, step, agreed=False)
                 raise
+        for callback in self.callbacks:
+            callback.on_checkpoint(step, self.checkpoints.directory / str(step))
         self.closures.device_to_host_bytes += sum(x.addressable_data(0).nbytes for x in jax.tree.leaves(state))
 
     def _summarise(self, step: int, began: float) -> None:
@@ -388,12 +407,20 @@ class _Run:
         if not finite:
             self._nonfinite(step, values)
         result.losses[step] = values["loss"]
+        result.metrics = {**values, **clock.rates(numeric=True), "skipped": not finite}
         bar.set_postfix(loss=f"{values['loss']:.4f}", **clock.rates(), refresh=False)
         bar.update(1)
         if step % self.trainer.log_every == 0 or step == self.trainer.steps:
-            writer.write({"step": step, **values, **clock.rates(numeric=True), "skipped": not finite})
+            writer.write({"step": step, **result.metrics})
             if self.lines_instead_of_bar:
                 self.echo(f"  {self._progress_line(step, values, clock)}")
+        for callback in self.callbacks:
+            self._stop_if_asked(callback, callback.on_step(step, dict(result.metrics)))
+
+    def _stop_if_asked(self, callback: Callback, answer: Any) -> None:
+        """A callback's return value: a reason to stop (a string, or True) stops the loop as a signal does."""
+        if answer:
+            self.stop.ask(answer if isinstance(answer, str) else f"{type(callback).__name__} asked to stop")
 
     def _progress_line(self, step: int, values: dict[str, float], clock: Throughput) -> str:
         """A logged step as one plain line (trainer.progress: the bar's figures, and the learning rate)."""
@@ -447,8 +474,11 @@ class _Run:
         def report(outputs: list[dict]) -> None:
             record = {k: float(np.mean([o[k] for o in outputs])) for k in outputs[0]}
             result.eval_losses[step] = record["eval_loss"]
+            result.eval_metrics = {"step": step, **record}
             writer.write({"step": step, **record})
             self.echo(f"  step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items()))
+            for callback in self.callbacks:
+                self._stop_if_asked(callback, callback.on_eval(step, dict(record)))
 
         self.closures.add(step, report, (outputs,))
 
@@ -471,7 +501,8 @@ def final_line(result: TrainResult, run_dir: Path) -> str:
     """The run's last line: how it ended (a finished run and one a signal stopped, with its checkpoint, read apart
     at a glance in a job's log), where its outputs are, and its final train and eval loss."""
     step = result.final_step
-    ended = (f"stopped by signal at step {step}; a checkpoint there resumes with the same command"
+    why = "by signal" if result.stopped_by in ("signal", "") else f"({result.stopped_by})"
+    ended = (f"stopped {why} at step {step}; a checkpoint there resumes with the same command"
              if result.interrupted else f"finished at step {step}")
     losses = [f"train loss {result.losses[step]:.4f}"] if step in result.losses else []
     if result.eval_losses:

@@ -12,7 +12,12 @@ import numpy as np
 from xlatrain.commands.trained import from_run, read_checkpoint
 from xlatrain.config import TorchModelConfig
 from xlatrain.config.hugging_face import hugging_face_config
-from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, byte_tokenizer, bytes_as_hugging_face
+from xlatrain.data.tokenizers import (
+    TOKENIZER_FILE,
+    Tokenizer,
+    byte_tokenizer,
+    bytes_as_hugging_face,
+)
 from xlatrain.errors import UserError, first_line
 from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
 from xlatrain.program import apply_cpu_devices, build_program

@@ -22,9 +22,23 @@ from typing import Any, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from xlatrain.data.shards import FORMAT, MANIFEST, SPLITS, VERSION, index_name, manifest_fingerprint, shard_name
+from xlatrain.data.shards import (
+    FORMAT,
+    MANIFEST,
+    SPLITS,
+    VERSION,
+    index_name,
+    manifest_fingerprint,
+    shard_name,
+)
 from xlatrain.data.sources import decoded
-from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, load_tokenizer, token_dtype, train_bpe
+from xlatrain.data.tokenizers import (
+    TOKENIZER_FILE,
+    Tokenizer,
+    load_tokenizer,
+    token_dtype,
+    train_bpe,
+)
 from xlatrain.errors import UserError, first_line
 from xlatrain.run.atomic import replace_file
 

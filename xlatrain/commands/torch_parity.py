@@ -20,7 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from xlatrain.commands.parity import ParityReport, compare, parity_config, side_devices, trajectory
+from xlatrain.commands.parity import (
+    ParityReport,
+    compare,
+    parity_config,
+    side_devices,
+    trajectory,
+)
 from xlatrain.config import AdamWConfig, Config, SGDConfig, TorchModelConfig, derive
 from xlatrain.data.loader import train_iterator
 from xlatrain.data.sources import open_dataset

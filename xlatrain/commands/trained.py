@@ -14,7 +14,14 @@ import numpy as np
 from flax import nnx
 from pydantic import TypeAdapter, ValidationError
 
-from xlatrain.config import DECODERS, Config, DecoderConfig, GPTConfig, ModelConfig, TorchModelConfig
+from xlatrain.config import (
+    DECODERS,
+    Config,
+    DecoderConfig,
+    GPTConfig,
+    ModelConfig,
+    TorchModelConfig,
+)
 from xlatrain.config.hugging_face import architecture, read_config_json
 from xlatrain.data.sources import open_dataset, run_tokenizer
 from xlatrain.data.spec import DataSpec

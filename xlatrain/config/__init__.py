@@ -42,7 +42,14 @@ from xlatrain.config.model import (
     RopeScaling,
     TorchModelConfig,
 )
-from xlatrain.config.optimizer import AdafactorConfig, AdamWConfig, BatchConfig, LionConfig, OptimizerConfig, SGDConfig
+from xlatrain.config.optimizer import (
+    AdafactorConfig,
+    AdamWConfig,
+    BatchConfig,
+    LionConfig,
+    OptimizerConfig,
+    SGDConfig,
+)
 from xlatrain.config.parallel import (
     MESH_AXES,
     ZERO_BUBBLE,

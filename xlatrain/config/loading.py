@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 from omegaconf import OmegaConf
@@ -18,14 +19,19 @@ from xlatrain.config.schema import Config
 from xlatrain.errors import UserError, first_line
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Config from an optional YAML file plus `key=value` overrides; None means the built-in default."""
-    raw = _read_yaml(Path(expanded(str(path)))) if path is not None else {}
+def load_config(source: str | Path | dict | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Config from an optional YAML file (or a mapping of the same keys) plus `key=value` overrides; None means the
+    built-in default."""
+    if isinstance(source, dict):
+        raw, path = copy.deepcopy(source), None
+    else:
+        path = source
+        raw = _read_yaml(Path(expanded(str(path)))) if path is not None else {}
     _reject_malformed_overrides(overrides)
     try:
         merged = OmegaConf.create(raw)
     except (OmegaConfBaseException, TypeError, ValueError) as err:
-        raise UserError(f"config: {path}: {first_line(err)}") from None
+        raise UserError(f"config: {path or 'the mapping given'}: {first_line(err)}") from None
     for item in overrides:
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from xlatrain.config import INT32_MAX, ArrayData, DataConfig, DigitsData, TextData, TokensData, TrainedTokenizer
+from xlatrain.config import (
+    INT32_MAX,
+    ArrayData,
+    DataConfig,
+    DigitsData,
+    TextData,
+    TokensData,
+    TrainedTokenizer,
+)
 from xlatrain.data.shards import open_shards, read_manifest
 from xlatrain.data.spec import DataSpec
 from xlatrain.data.tokenizers import (

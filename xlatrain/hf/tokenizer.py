@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xlatrain.data.tokenizers import TOKENIZER_FILE, Tokenizer, byte_tokenizer, load_tokenizer
+from xlatrain.data.tokenizers import (
+    TOKENIZER_FILE,
+    Tokenizer,
+    byte_tokenizer,
+    load_tokenizer,
+)
 
 SENTENCEPIECE_FILE = "tokenizer.model"
 

@@ -7,7 +7,15 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from xlatrain.config import DECODERS, CNNConfig, CustomModelConfig, DecoderConfig, GPTConfig, MLPConfig, ModelConfig
+from xlatrain.config import (
+    DECODERS,
+    CNNConfig,
+    CustomModelConfig,
+    DecoderConfig,
+    GPTConfig,
+    MLPConfig,
+    ModelConfig,
+)
 from xlatrain.data.spec import DataSpec
 from xlatrain.data.tokenizers import rounded_vocab
 from xlatrain.errors import UserError, first_line

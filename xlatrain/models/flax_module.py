@@ -10,7 +10,12 @@ from flax import nnx
 
 from xlatrain.errors import UserError
 from xlatrain.models.axes import logical_axes_of
-from xlatrain.models.blocks import BlockParts, BlockStack, takes_documents, with_documents
+from xlatrain.models.blocks import (
+    BlockParts,
+    BlockStack,
+    takes_documents,
+    with_documents,
+)
 from xlatrain.models.interface import Documents, ModelDef
 
 

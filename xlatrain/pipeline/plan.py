@@ -9,7 +9,12 @@ from typing import Any, Callable
 from xlatrain.config import PipelineConfig, check_block_partition
 from xlatrain.errors import UserError
 from xlatrain.pipeline.layout import StageLayout
-from xlatrain.pipeline.partition import Balance, ModelCosts, action_flops, auto_partition
+from xlatrain.pipeline.partition import (
+    Balance,
+    ModelCosts,
+    action_flops,
+    auto_partition,
+)
 from xlatrain.pipeline.remat import RematChoice
 from xlatrain.pipeline.schedule import (
     Schedule,

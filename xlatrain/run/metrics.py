@@ -14,6 +14,8 @@ from typing import Any, Iterator
 from xlatrain.errors import UserError, drop_follow_up_errors
 from xlatrain.run.jsonl import open_for_append, read_records, write_records
 
+METRICS_FILE = "metrics.jsonl"
+
 
 class LogNotWritten(UserError):
     """The file system refused a log line (a full disk, a lost mount): the run stops; the checkpoints stay."""
@@ -23,7 +25,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, start_step: int):
         """Logs from start_step + 1 on: what an earlier session logged past the state it left (a checkpoint, or
         none when it was killed before its first) is dropped, since those steps run again."""
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self._failed = False
         with self._refused_as("when opening"):
             if self.path.exists():
@@ -101,6 +103,18 @@ class DiscardedMetrics:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return read_records(path) if path.exists() else []
+
+
+def last_logged(path: Path, through_step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The last training record (without its step) and the last evaluation (with it) logged up to `through_step`:
+    what a resumed run had reached. Empty where there are none (or the file cannot be read)."""
+    try:
+        records = [r for r in read_metrics(path) if r.get("step", 0) <= through_step]
+    except (UserError, OSError):
+        return {}, {}
+    trained = next((r for r in reversed(records) if "loss" in r), {})
+    evaluated = next((r for r in reversed(records) if "eval_loss" in r), {})
+    return {k: v for k, v in trained.items() if k != "step"}, dict(evaluated)
 
 
 def _drop_records_after(path: Path, step: int) -> None:

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
+from google.protobuf import (
+    descriptor_pb2,
+    descriptor_pool,
+    message_factory,
+    text_format,
+)
 
 from xlatrain.errors import UserError
 

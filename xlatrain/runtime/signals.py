@@ -9,6 +9,11 @@ compilation, jax.distributed waiting for its coordinator, a collective) would no
 therefore reads the signal numbers that the interpreter's C-level handler writes to a wakeup pipe: it exits on
 the second signal, and, before the first step, also when the main thread has not ended start-up within
 START_UP_GRACE_S of the first (nothing is written before the first step but whole files renamed into place).
+
+That is the `xlatrain` command's way ("exit"). A Python caller (xlatrain.Trainer) may choose "raise": the same
+handlers, but nothing ends the process: a second signal raises KeyboardInterrupt where Python runs the handler, so
+that a notebook's kernel survives; or "none": no handlers at all. The loop also stops, as on a signal, when a
+callback asks (`StopSignals.ask`).
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Literal
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SignalHandling = Literal["exit", "raise", "none"]
 START_UP_GRACE_S = 5.0
 STOPPED_BEFORE_FIRST_STEP = "stopped before the first step; nothing to save"
 
@@ -36,15 +42,26 @@ class StopSignals:
     """`stopped`, `stopped_code`: what a command says, and its exit status (None: 128 + the signal's number, the
     shell's convention for a process a signal ended), when start-up does not end within the grace period."""
 
-    def __init__(self, stopped: str = STOPPED_BEFORE_FIRST_STEP, stopped_code: int | None = 0) -> None:
-        self.stopped, self.stopped_code = stopped, stopped_code
+    def __init__(self, stopped: str = STOPPED_BEFORE_FIRST_STEP, stopped_code: int | None = 0,
+                 handling: SignalHandling = "exit") -> None:
+        self.stopped, self.stopped_code, self.handling = stopped, stopped_code, handling
         self.received: list[int] = []
+        self.asked = ""
+        """Why a callback asked the loop to stop ("": none did)."""
         self.in_loop = False
         self.start_up_deadline: threading.Timer | None = None
 
     @property
     def requested(self) -> bool:
-        return bool(self.received)
+        return bool(self.received or self.asked)
+
+    def ask(self, reason: str) -> None:
+        """Stop the loop at a step boundary, with a checkpoint, as a signal does (the first reason is kept)."""
+        self.asked = self.asked or reason
+
+    def cause(self) -> str:
+        """What stopped the loop: "signal", a callback's reason, or "" (nothing: it finished)."""
+        return "signal" if self.received else self.asked
 
     def begin_loop(self) -> None:
         """From now on a signal only sets the flag that the loop checks at each boundary. A signal that came
@@ -59,6 +76,8 @@ class StopSignals:
         self.received.append(signum)
         if not self.in_loop and len(self.received) == 1 and not _drops_exceptions(frame):
             raise StoppedBeforeFirstStep(signal.Signals(signum).name)
+        if self.handling == "raise" and len(self.received) > 1:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped without saving")
 
 
 def _drops_exceptions(frame) -> bool:
@@ -77,14 +96,24 @@ _current: StopSignals | None = None
 
 
 @contextmanager
-def stop_signals(stopped: str = STOPPED_BEFORE_FIRST_STEP, stopped_code: int | None = 0) -> Iterator[StopSignals]:
+def stop_signals(stopped: str = STOPPED_BEFORE_FIRST_STEP, stopped_code: int | None = 0,
+                 handling: SignalHandling = "exit") -> Iterator[StopSignals]:
     """Install the handlers (main thread only; elsewhere signals stay as they are). Nested uses share the
-    outermost, with its `stopped` and `stopped_code` (StopSignals)."""
+    outermost, with its `stopped`, `stopped_code` and `handling` (StopSignals)."""
     global _current
     if _current is not None or threading.current_thread() is not threading.main_thread():
-        yield _current if _current is not None else StopSignals(stopped, stopped_code)
+        yield _current if _current is not None else StopSignals(stopped, stopped_code, handling)
         return
-    stop = _current = StopSignals(stopped, stopped_code)
+    stop = _current = StopSignals(stopped, stopped_code, handling)
+    if handling != "exit":
+        previous = {sig: signal.signal(sig, stop._handle) for sig in STOP_SIGNALS} if handling == "raise" else {}
+        try:
+            yield stop
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            _current = None
+        return
     previous = {sig: signal.signal(sig, stop._handle) for sig in STOP_SIGNALS}
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
