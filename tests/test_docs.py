@@ -81,7 +81,7 @@ def test_the_notebook_of_the_python_page_runs_as_written(tmp_path):
                                 timeout=300, env=os.environ)
         assert result.returncode == 0, result.stderr[-2000:]
         lines = result.stdout.splitlines()
-        assert lines[0].startswith(f"runs/notebook 200 finished") or "early stopping" in lines[0], lines
+        assert lines[0].startswith("runs/notebook 200 finished") or "early stopping" in lines[0], lines
         assert lines[1].startswith("last loss") and "'eval_loss'" in lines[1], lines
     assert (tmp_path / "runs" / "notebook" / "checkpoints").is_dir()
 

@@ -30,6 +30,7 @@ from xlatrain.observe.profiling import ProfileWindow
 from xlatrain.observe.summary import SUMMARY_FILE, RunSummary
 from xlatrain.observe.throughput import Throughput
 from xlatrain.observe.time_breakdown import TimeBreakdown, fractions
+from xlatrain.observe.trackers import hyperparameters_of, open_trackers
 from xlatrain.phases import (
     CHECKPOINTING,
     COMPILING_STEPS,
@@ -199,7 +200,8 @@ class _Run:
             self.echo(f"  already at step {start} of trainer.steps={self.trainer.steps}; nothing to do")
             return result
         loader = self._loader(data_state)
-        metrics_writer = MetricsWriter(self.run_dir, start) if is_primary() else DiscardedMetrics()
+        metrics_writer = MetricsWriter(self.run_dir, start, self.trainer.loggers, hyperparameters_of(self.config),
+                                       open_trackers(self.config, self.run_dir)) if is_primary() else DiscardedMetrics()
         evaluation = self._eval_batches()
         with self.phases.entered(COMPILING_STEPS):
             train_step, eval_step = self.program.train_step, self.program.eval_step

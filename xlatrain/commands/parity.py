@@ -50,10 +50,11 @@ class ParityReport:
 
 
 def parity_config(config: Config, steps: int, run_dir: Path) -> Config:
-    """The config as parity runs it: N steps, every step logged, in a scratch run directory."""
+    """The config as parity runs it: N steps, every step logged to metrics.jsonl only (no tracker runs), in a
+    scratch run directory."""
     trainer = config.trainer.model_copy(update={"steps": steps, "log_every": 1, "progress": False,
                                                 "run_dir": str(run_dir), "checkpoint_every": steps,
-                                                "eval_every": steps})
+                                                "eval_every": steps, "loggers": ("jsonl",)})
     return config.model_copy(update={"trainer": trainer})
 
 

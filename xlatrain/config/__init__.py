@@ -61,7 +61,7 @@ from xlatrain.config.parallel import (
 )
 from xlatrain.config.precision import FloatDtype, LossScaleConfig, PrecisionConfig
 from xlatrain.config.schema import Config
-from xlatrain.config.trainer import TrainerConfig
+from xlatrain.config.trainer import MlflowConfig, TrainerConfig, WandbConfig
 
 __all__ = [
     "INT32_MAX", "NonNegativeInt", "PositiveInt", "Strict",
@@ -78,5 +78,5 @@ __all__ = [
     "check_block_partition",
     "FloatDtype", "LossScaleConfig", "PrecisionConfig",
     "Config",
-    "TrainerConfig",
+    "MlflowConfig", "TrainerConfig", "WandbConfig",
 ]

@@ -1,4 +1,6 @@
-"""Run logs: metrics.jsonl (one JSON object per logged step) and TensorBoard event files."""
+"""Run logs: metrics.jsonl (one JSON object per logged step, flat keys), TensorBoard event files, and the trackers
+a run also logs to (xlatrain/observe/trackers.py), which, with TensorBoard, get the scalars under train/, eval/ and
+perf/ (`tracker_scalars`)."""
 
 from __future__ import annotations
 
@@ -9,44 +11,94 @@ import logging
 import sys
 from pathlib import Path
 from traceback import walk_tb
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol, Sequence
 
 from xlatrain.errors import UserError, drop_follow_up_errors
 from xlatrain.run.jsonl import open_for_append, read_records, write_records
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PERF_METRICS = ("samples_per_sec", "tokens_per_sec", "tflops_per_sec_per_device", "mfu", "interval_seconds")
+"""The throughput and timing metrics, logged under perf/ (with the time_* fractions)."""
 
 
 class LogNotWritten(UserError):
     """The file system refused a log line (a full disk, a lost mount): the run stops; the checkpoints stay."""
 
 
+class Tracker(Protocol):
+    """A service that records a run's scalars (xlatrain/observe/trackers.py)."""
+
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl record's numbers as trackers name them: eval_loss -> eval/loss, samples_per_sec and the
+    time_* fractions -> perf/..., the rest (loss, accuracy, grad_norm, lr, ...) -> train/...; `skipped` as 0 or 1."""
+    scalars = {}
+    for key, value in record.items():
+        if key == "step" or not isinstance(value, (int, float)):
+            continue
+        if key.startswith("eval_"):
+            name = f"eval/{key.removeprefix('eval_')}"
+        elif key in PERF_METRICS or key.startswith("time_"):
+            name = f"perf/{key}"
+        else:
+            name = f"train/{key}"
+        scalars[name] = float(value)
+    return scalars
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: Path, start_step: int):
+    def __init__(self, run_dir: Path, start_step: int, loggers: Sequence[str] = ("jsonl", "tensorboard"),
+                 hyperparameters: dict[str, Any] | None = None, trackers: Sequence[Tracker] = ()):
         """Logs from start_step + 1 on: what an earlier session logged past the state it left (a checkpoint, or
-        none when it was killed before its first) is dropped, since those steps run again."""
+        none when it was killed before its first) is dropped from metrics.jsonl and TensorBoard, since those steps
+        run again; the trackers, which cannot drop, are not given those steps again (`hyperparameters`: the flat
+        resolved config, given to TensorBoard once, as a new run starts)."""
         self.path = run_dir / METRICS_FILE
         self._failed = False
+        self._file = self._tensorboard = None
+        self._trackers = list(trackers)
+        self._logged_before = start_step
+        """The last step an earlier session logged (the trackers have it): steps up to it are not logged again."""
         with self._refused_as("when opening"):
             if self.path.exists():
+                self._logged_before = max(start_step, max((r.get("step", 0) for r in read_metrics(self.path)),
+                                                          default=0))
                 _drop_records_after(self.path, start_step)
-            self._file = open_for_append(self.path)
-            self._tensorboard = _summary_writer()(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+            if "jsonl" in loggers:
+                self._file = open_for_append(self.path)
+            if "tensorboard" in loggers:
+                self._tensorboard = _summary_writer()(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
+                if hyperparameters and start_step == 0:
+                    _write_hyperparameters(self._tensorboard, hyperparameters)
         _quiet_tensorboard_nan_warnings()
 
     def write(self, record: dict[str, Any]) -> None:
-        with self._refused_as(f"at step {record['step']}"):
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tensorboard.add_scalar(key, value, record["step"])
+        step = record["step"]
+        with self._refused_as(f"at step {step}"):
+            if self._file is not None:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            scalars = tracker_scalars(record)
+            if self._tensorboard is not None:
+                for name, value in scalars.items():
+                    self._tensorboard.add_scalar(name, value, step)
+        if step > self._logged_before:
+            for tracker in self._trackers:
+                tracker.log(step, scalars)
 
     def close(self) -> None:
         """After a refused write the files are closed without a word: that line is lost and the error said so."""
         with contextlib.suppress(OSError) if self._failed else self._refused_as("when closing"):
-            self._file.close()
-            self._tensorboard.close()
+            for log in (self._file, self._tensorboard):
+                if log is not None:
+                    log.close()
+        for tracker in self._trackers:
+            tracker.close()
 
     @contextlib.contextmanager
     def _refused_as(self, when: str) -> Iterator[None]:
@@ -58,6 +110,17 @@ class MetricsWriter:
             raise LogNotWritten(f"{self.path} or its TensorBoard events could not be written {when} "
                                 f"({err.strerror or err}): make room or repair the directory, then run the same "
                                 "command to resume from the newest checkpoint") from None
+
+
+def _write_hyperparameters(writer: Any, hyperparameters: dict[str, Any]) -> None:
+    """The config as TensorBoard's hyperparameters (its HPARAMS tab), in the run's own event file (tensorboardX's
+    add_hparams would make a run of its own); values it cannot show are shown as text."""
+    from tensorboardX.summary import hparams
+
+    shown = {key: value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
+             for key, value in hyperparameters.items()}
+    for summary in hparams(shown, {"train/loss": 0.0, "eval/loss": 0.0}):  # the metrics it shows beside them
+        writer.file_writer.add_summary(summary)
 
 
 def _summary_writer() -> type:
