@@ -33,6 +33,7 @@ def offline(monkeypatch, tmp_path):
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's own MlflowClient, which reads them
 
 
 def wandb_records(path: Path) -> list:
