@@ -219,15 +219,20 @@ class Checkpoints:
 
     def restore_params_on(self, step: int, device: jax.Device) -> Any:
         """The params saved at `step` on one device, whatever mesh wrote them (in their layout as saved: a
-        pipeline's blocks in stages), verified against their fingerprints."""
+        pipeline's blocks in stages), verified against their fingerprints. Only the params are read: the optimizer
+        state beside them (twice their bytes with Adam) stays on disk."""
         _quiet_abandoned_io()
         try:
             metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
             sharding = jax.sharding.SingleDeviceSharding(device)
-            fields = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                                  dict(getattr(metadata, "item_metadata", metadata)),
-                                  is_leaf=lambda leaf: hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
-            params = self._restore(step, fields)[0]["params"]
+            wanted = {"params": jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                dict(getattr(metadata, "item_metadata", metadata))["params"],
+                is_leaf=lambda leaf: hasattr(leaf, "shape") and hasattr(leaf, "dtype"))}
+            restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=sharding), wanted)
+            restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                wanted, restore_args=restore_args, partial_restore=True)))
+            params = restored.state["params"]
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
             raise CorruptCheckpoint(_unreadable(err)) from None
         saved = self._integrity(step).get("fingerprints", {})
