@@ -40,8 +40,9 @@ class Trainer:
     def __init__(self, config: Config | dict | str | Path | None = None, overrides: Sequence[str] = (), *,
                  callbacks: Sequence[Callback] = (), signals: SignalHandling = "raise", devices: list | None = None,
                  echo: Callable[[str], None] | None = print):
-        self.config = config if isinstance(config, Config) and not overrides else load_config(
-            config.model_dump(mode="json") if isinstance(config, Config) else config, overrides)
+        if isinstance(config, Config) and overrides:
+            config = config.model_dump(mode="json")  # loaded again with the overrides, as a mapping
+        self.config = config if isinstance(config, Config) else load_config(config, overrides)
         self.callbacks = list(callbacks)
         self.signals = signals
         self.devices = devices

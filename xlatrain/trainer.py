@@ -200,8 +200,7 @@ class _Run:
             self.echo(f"  already at step {start} of trainer.steps={self.trainer.steps}; nothing to do")
             return result
         loader = self._loader(data_state)
-        metrics_writer = MetricsWriter(self.run_dir, start, self.trainer.loggers, hyperparameters_of(self.config),
-                                       open_trackers(self.config, self.run_dir)) if is_primary() else DiscardedMetrics()
+        metrics_writer = self._metrics_writer(start) if is_primary() else DiscardedMetrics()
         evaluation = self._eval_batches()
         with self.phases.entered(COMPILING_STEPS):
             train_step, eval_step = self.program.train_step, self.program.eval_step
@@ -286,6 +285,12 @@ class _Run:
                                 traced=loop.profile.touches(self._interval_first_step, step))
         self._note_written_checkpoint()
         return state, step, stopping
+
+    def _metrics_writer(self, start: int) -> MetricsWriter:
+        """metrics.jsonl, TensorBoard and the trackers of trainer.loggers (process 0's)."""
+        hyperparameters = hyperparameters_of(self.config)
+        return MetricsWriter(self.run_dir, start, self.trainer.loggers, hyperparameters,
+                             open_trackers(self.config, self.run_dir, hyperparameters))
 
     def _note_written_checkpoint(self) -> None:
         """What the watchdog names as the last checkpoint: one written whole, never a save still in flight."""

@@ -57,9 +57,6 @@ class CheckpointTensors:
                             "with transformers (model.save_pretrained(DIR, safe_serialization=True))")
         return files
 
-    def names(self) -> set[str]:
-        return set(self.file_of)
-
     def resolve(self, tensor: Tensor) -> Tensor:
         """GPT-2's tensors as this checkpoint names them (with or without GPT2LMHeadModel's prefix)."""
         if tensor.name.startswith(GPT2_PREFIX) and tensor.of_layer(0) not in self.file_of:

@@ -17,8 +17,12 @@ from xlatrain.models.blocks import BLOCKS
 
 def param_paths(params: Any) -> list[tuple[tuple[str, ...], Any]]:
     """(keys, leaf) of each parameter of a params dict."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return [(tuple(entry.key for entry in path), leaf) for path, leaf in flat]
+    return [(path_keys(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def path_keys(path: tuple) -> tuple[str, ...]:
+    """A params leaf's jax key path as its dict keys: ("blocks", "q", "kernel")."""
+    return tuple(entry.key for entry in path)
 
 
 class HuggingFaceWeights:
@@ -74,7 +78,7 @@ def placed_params(weights: HuggingFaceWeights, abstract_params: Any, shardings: 
     the index)."""
 
     def place(path, abstract, sharding):
-        keys = tuple(entry.key for entry in path)
+        keys = path_keys(path)
 
         def piece(index: tuple[slice, ...]) -> np.ndarray:
             if keys[0] != BLOCKS:

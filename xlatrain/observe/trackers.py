@@ -28,10 +28,10 @@ TRACKERS_FILE = "trackers.json"
 MLFLOW_DIR = "mlruns"
 
 
-def open_trackers(config: Config, run_dir: Path) -> list[Tracker]:
-    """The trackers trainer.loggers names, each joined to the run it began (trackers.json) or a new one."""
+def open_trackers(config: Config, run_dir: Path, hyperparameters: dict[str, Any]) -> list[Tracker]:
+    """The trackers trainer.loggers names, each joined to the run it began (trackers.json) or a new one;
+    `hyperparameters`: hyperparameters_of(config)."""
     known = _read_known(run_dir)
-    hyperparameters = hyperparameters_of(config)
     trackers: list[Tracker] = []
     for name in config.trainer.loggers:
         if name == "wandb":

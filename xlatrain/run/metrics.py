@@ -66,9 +66,9 @@ class MetricsWriter:
         """The last step an earlier session logged (the trackers have it): steps up to it are not logged again."""
         with self._refused_as("when opening"):
             if self.path.exists():
-                self._logged_before = max(start_step, max((r.get("step", 0) for r in read_metrics(self.path)),
-                                                          default=0))
-                _drop_records_after(self.path, start_step)
+                records = read_metrics(self.path)
+                self._logged_before = max([start_step, *(r.get("step", 0) for r in records)])
+                write_records(self.path, [r for r in records if r.get("step", 0) <= start_step])
             if "jsonl" in loggers:
                 self._file = open_for_append(self.path)
             if "tensorboard" in loggers:
@@ -178,7 +178,3 @@ def last_logged(path: Path, through_step: int) -> tuple[dict[str, Any], dict[str
     trained = next((r for r in reversed(records) if "loss" in r), {})
     evaluated = next((r for r in reversed(records) if "eval_loss" in r), {})
     return {k: v for k, v in trained.items() if k != "step"}, dict(evaluated)
-
-
-def _drop_records_after(path: Path, step: int) -> None:
-    write_records(path, [r for r in read_metrics(path) if r.get("step", 0) <= step])
