@@ -4,6 +4,7 @@ pmap) x parallel.strategy (replicated, zero1, fsdp) over the `data` axis. A pipe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -12,18 +13,36 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas, explicit_replicas
+from xlatrain.lowering.grad_sync import (
+    ExplicitReplicas,
+    PartitionedReplicas,
+    explicit_replicas,
+)
 from xlatrain.lowering.step import make_eval_step
 
 from xlatrain.compat.mapping import pmap_over_rows, shard_map
 from xlatrain.config import Config, Derived
-from xlatrain.mesh import DATA, per_replica, replicated, train_batch_sharding
+from xlatrain.errors import UserError
+from xlatrain.mesh import (
+    DATA,
+    TENSOR,
+    per_replica,
+    tensor_size,
+    train_batch_sharding,
+)
 from xlatrain.models.interface import ModelDef
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
 from xlatrain.precision import Policy
 from xlatrain.runtime.device_memory import DeviceMemory
-from xlatrain.sharding import param_specs
+from xlatrain.sharding import (
+    ActivationLayout,
+    activations_laid_out,
+    named,
+    param_specs,
+    rules_over,
+    tensor_undivided,
+)
 from xlatrain.state import TrainState, state_specs
 
 Replicas = PartitionedReplicas | ExplicitReplicas
@@ -66,15 +85,18 @@ class DataParallel:
 
     def state_specs(self, init: Callable[[], TrainState], tx: optax.GradientTransformation,
                     ) -> tuple[TrainState, TrainState]:
-        """(abstract state, its PartitionSpecs) from the model's logical axes and parallel.logical_rules."""
-        return state_specs(init, self.model, tx, self.config.parallel.strategy, self._rules(), self.mesh)
+        """(abstract state, its PartitionSpecs) from the model's logical axes and parallel.logical_rules; a
+        parameter that the rules split over `tensor` and mesh.tensor does not divide is refused."""
+        abstract, specs = state_specs(init, self.model, tx, self.config.parallel.strategy, self._rules(), self.mesh)
+        check_tensor_split(self.config, abstract.params, self.model.logical_axes, self._rules(), self.mesh)
+        return abstract, specs
 
     def param_count(self, params: Any) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
     def param_split_specs(self, params: Any) -> Any:
         """Per abstract param, its PartitionSpec when split over `data` (zero1's optimizer state, fsdp's params)."""
-        return param_specs(params, self.model.logical_axes, True, self._rules(), self.mesh)
+        return param_specs(params, self.model.logical_axes, rules_over(self._rules(), (DATA,)), self.mesh)
 
     def choose_remat(self, memory: DeviceMemory, most_bytes_with_residuals: Callable[[], int]) -> RematChoice | None:
         """How a pipeline's backward gets its residuals; nothing to choose without one."""
@@ -101,7 +123,7 @@ class DataParallel:
                              out_specs=(specs, P()) if out_specs is None else out_specs)
         if mode == "pmap":
             return pmap_over_rows(step, DATA, list(self.mesh.devices.ravel()), rows_axis=len(batch_spec) - 1)
-        return step
+        return self._laid_out(step)
 
     def gather_params(self, params: Any) -> Callable[[Any], Any]:
         """params -> the whole params compute reads: FSDP keeps them sharded at rest and gathers them; other
@@ -114,11 +136,28 @@ class DataParallel:
 
     def eval_step(self, specs: TrainState, params: Any) -> Callable[[TrainState, dict], dict]:
         """One global program over the whole eval batch."""
-        return make_eval_step(self.model, self.config.model.loss, self.policy, self.gather_params(params))
+        return self._laid_out(make_eval_step(self.model, self.config.model.loss, self.policy,
+                                             self.gather_params(params)))
+
+    def _laid_out(self, step: Callable) -> Callable:
+        """One global program's step with its activations split over `tensor` as the rules (and
+        parallel.sequence_parallel) say, while it is traced; the step as it is without a tensor axis."""
+        if tensor_size(self.mesh) == 1:
+            return step
+        layout = ActivationLayout.of(self.mesh, self._rules(), self.config.parallel.sequence_parallel)
+
+        @functools.wraps(step)
+        def laid_out(*args):
+            with activations_laid_out(layout):
+                return step(*args)
+
+        return laid_out
 
     def _gather_whole(self, params: Any) -> Callable[[Any], Any]:
-        """In one global program the partitioner gathers what a replicated sharding constraint asks for."""
-        return lambda tree: jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: replicated(self.mesh), tree))
+        """In one global program the partitioner gathers what a sharding constraint asks for: each param whole
+        over `data`, still split over `tensor` where the rules say so."""
+        compute_specs = param_specs(params, self.model.logical_axes, rules_over(self._rules(), (TENSOR,)), self.mesh)
+        return lambda tree: jax.lax.with_sharding_constraint(tree, named(self.mesh, compute_specs))
 
     def _split_dims(self, params: Any) -> Any:
         """Per param, the dimension its optimizer state (and with FSDP the param) is split along over `data`
@@ -132,7 +171,34 @@ class DataParallel:
         return processes_along(self.mesh, DATA)
 
     def _rules(self) -> dict:
-        return self.model.rules(self.config.parallel.logical_rules)
+        """parallel.logical_rules over the model's own, less `tensor` for the names a tensor group keeps whole."""
+        whole = self.derived.tensor_whole or ()
+        return {name: tuple(axis for axis in axes if name not in whole or axis != TENSOR)
+                for name, axes in self.model.rules(self.config.parallel.logical_rules).items()}
+
+
+def check_tensor_split(config: Config, abstract_params: Any, logical_axes: Any, rules: dict, mesh: Mesh) -> None:
+    """Tensor parallelism splits what the rules name, never replicating a dimension silently: one it does not
+    divide, or a model it splits nothing of, is refused."""
+    tensor = tensor_size(mesh)
+    if tensor == 1:
+        return
+    undivided = tensor_undivided(abstract_params, logical_axes, rules, mesh)
+    if undivided:
+        hint = " (model.vocab_multiple rounds the vocabulary up)" if "(vocab:" in undivided[0] else ""
+        raise UserError(f"config: mesh.tensor={tensor} does not divide {undivided[0]}{hint}, which "
+                        "parallel.logical_rules split over the tensor axis: choose a mesh.tensor that divides it, or "
+                        "take `tensor` out of that logical name's rule")
+    specs = param_specs(abstract_params, logical_axes, rules_over(rules, (TENSOR,)), mesh)
+    if not any(TENSOR in (axes if isinstance(axes, tuple) else (axes,))
+               for spec in jax.tree.leaves(specs, is_leaf=_is_spec) for axes in spec):
+        raise UserError(f"config: mesh.tensor={tensor} splits no parameter of {config.model.named()}: its logical "
+                        "names map to no `tensor` axis in parallel.logical_rules (a built-in decoder's heads, mlp and "
+                        "vocab do); map some there, or set mesh.tensor=1")
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
 
 
 def _as_they_are(params: Any) -> Any:

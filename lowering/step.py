@@ -43,19 +43,29 @@ def loss_sums(outputs: jax.Array, batch: dict, loss: str) -> Metrics:
     if loss == "mse":
         err = jnp.square(outputs.astype(jnp.float32) - targets.reshape(outputs.shape).astype(jnp.float32))
         return {"loss": jnp.sum(err * weights.reshape(err.shape)), "weight": jnp.sum(weights)}
-    per_position = cross_entropy_with_integer_labels(outputs, targets).astype(jnp.float32)
-    correct = (jnp.argmax(outputs, axis=-1) == targets).astype(jnp.float32)
+    label_logits = logit_of_label(outputs, targets)
+    per_position = cross_entropy_with_integer_labels(outputs, targets, label_logits).astype(jnp.float32)
+    correct = (label_logits >= jnp.max(outputs, axis=-1)).astype(jnp.float32)
     return {"loss": jnp.sum(per_position * weights), "weight": jnp.sum(weights),
             "accuracy": jnp.sum(correct * weights)}
 
 
-def cross_entropy_with_integer_labels(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """optax's softmax_cross_entropy_with_integer_labels over the last axis, the same arithmetic, but it drops the
-    gathered axis with a squeeze, not `.take(0)`: the take's gradient is a scatter, which XLA constant-folds into
-    a [*labels] array built into the step (over a second of compile time per 2**20 positions) or, when positions
-    are masked, runs every step."""
-    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1).squeeze(-1)
+def cross_entropy_with_integer_labels(logits: jax.Array, labels: jax.Array,
+                                      label_logits: jax.Array | None = None) -> jax.Array:
+    """optax's softmax_cross_entropy_with_integer_labels over the last axis, the same values, with the label's
+    logit from `logit_of_label` (given, or taken here): vocabulary-parallel, and no scatter in its gradient."""
+    label_logits = logit_of_label(logits, labels) if label_logits is None else label_logits
     return jax.nn.logsumexp(logits, axis=-1) - label_logits
+
+
+def logit_of_label(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Each position's logit of its label, picked by comparison with the vocabulary's indices and a sum over it,
+    not a gather: with the vocabulary split over `tensor` each device sums its part and the partitioner adds
+    the parts (a gather would assemble every device's logits), and the gradient is a select: no scatter, which
+    XLA would constant-fold into an array built into the step. A position is correct when no logit exceeds its
+    label's."""
+    vocabulary = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
+    return jnp.sum(jnp.where(vocabulary == labels[..., None], logits, 0), axis=-1)
 
 
 def means(sums: Metrics) -> Metrics:

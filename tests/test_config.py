@@ -129,10 +129,13 @@ def test_a_mesh_that_does_not_match_the_devices_of_several_processes_names_the_l
 
 
 def test_logical_rules_merge_over_defaults_and_name_real_mesh_axes(capsys):
-    rules = load_config(None, ["parallel.logical_rules.embed=null"]).parallel.logical_rules
-    assert rules["embed"] is None and rules["mlp"] == "data"
+    rules = load_config(None, ["parallel.logical_rules.embed=null", "parallel.logical_rules.vocab=data",
+                               "parallel.logical_rules.heads=[data,tensor]"]).parallel.logical_rules
+    assert rules["embed"] == () and rules["mlp"] == ("tensor", "data")
+    assert rules["vocab"] == ("data",) and rules["heads"] == ("data", "tensor")
     err = cli_error(capsys, "config", "parallel.logical_rules.embed=model")
-    assert "parallel.logical_rules" in err and "['data']" in err
+    assert "parallel.logical_rules" in err and "['data', 'tensor']" in err
+    assert "twice" in cli_error(capsys, "config", "parallel.logical_rules.mlp=[data,data]")
 
 
 def test_distributed_settings_must_agree(capsys):

@@ -17,10 +17,20 @@ from xlatrain.state import verify_replicas_identical
 
 def test_logical_rules_shard_the_first_divisible_axis(devices):
     mesh = build_mesh(load_config(None))
-    rules = {"vocab": "data", "embed": "data"}
+    rules = {"vocab": ("data",), "embed": ("data",)}
     assert logical_spec(("vocab", "embed"), (256, 64), rules, mesh) == P("data", None)
     assert logical_spec(("vocab", "embed"), (10, 64), rules, mesh) == P(None, "data")
     assert logical_spec(("vocab", None), (10, 64), rules, mesh) == P(None, None)
+
+
+def test_a_logical_name_splits_over_each_listed_axis_that_divides_what_is_left(devices):
+    mesh = build_mesh(load_config(None, ["mesh.data=2", "mesh.tensor=4"]))
+    assert dict(mesh.shape) == {"data": 2, "tensor": 4}
+    rules = {"mlp": ("tensor", "data"), "embed": ("data",), "heads": ("data", "tensor")}
+    assert logical_spec(("embed", "mlp"), (64, 256), rules, mesh) == P("data", "tensor")
+    assert logical_spec(("mlp", "embed"), (256, 64), rules, mesh) == P(("tensor", "data"), None)
+    assert logical_spec(("mlp", "embed"), (12, 64), rules, mesh) == P("tensor", "data")  # 12 / 4 = 3: no data
+    assert logical_spec(("heads",), (8,), rules, mesh) == P(("data", "tensor"))
 
 
 @pytest.mark.parametrize("strategy, params_sharded, moments_sharded", [

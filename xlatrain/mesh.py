@@ -2,30 +2,57 @@
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlatrain.config import Config, resolve_data_parallel
+from xlatrain.errors import UserError
+from xlatrain.sharding import TENSOR
 
 DATA = "data"
 STAGE = "stage"
 
 
 def build_mesh(config: Config, devices: list | None = None) -> Mesh:
-    """A mesh over every device, with axis `data` (and `stage` for a pipeline); fails clearly when config and
-    devices disagree. Within one process neighbouring stages sit on consecutive devices; over several processes
-    the stages are spread over the processes, each process holding whole stages of every data replica (the
-    pipeline sends only activations between processes, each stage's gradient all-reduce stays inside one)."""
+    """A mesh over every device, with axis `data` (and `stage` for a pipeline, `tensor` innermost for tensor
+    parallelism); fails clearly when config and devices disagree. Within one process neighbouring stages sit on
+    consecutive devices, and a tensor group on consecutive devices inside a stage (the fastest links); over several
+    processes the stages are spread over the processes, each process holding whole stages of every data replica
+    (the pipeline sends only activations between processes, each stage's gradient all-reduce stays inside one),
+    and every tensor group lies inside one process."""
     devices = jax.devices() if devices is None else devices
     data = resolve_data_parallel(config.mesh, devices)
-    stages = config.mesh.stage
-    if stages == 1:
-        return Mesh(np.asarray(devices).reshape(data), (DATA,))
-    if len({d.process_index for d in devices}) > 1:
-        return Mesh(np.asarray(devices).reshape(stages, data).T, (DATA, STAGE))
-    return Mesh(np.asarray(devices).reshape(data, stages), (DATA, STAGE))
+    stages, tensor = config.mesh.stage, config.mesh.tensor
+    check_tensor_groups_inside_processes(devices, tensor)
+    in_order = np.asarray(devices)
+    if stages > 1 and len({d.process_index for d in devices}) > 1:
+        grid = in_order.reshape(stages, data, tensor).transpose(1, 0, 2)
+    else:
+        grid = in_order.reshape(data, stages, tensor)
+    kept = [i for i, (axis, size) in enumerate(((DATA, data), (STAGE, stages), (TENSOR, tensor)))
+            if axis == DATA or size > 1]
+    names = tuple((DATA, STAGE, TENSOR)[i] for i in kept)
+    return Mesh(grid.reshape([grid.shape[i] for i in kept]), names)
+
+
+def check_tensor_groups_inside_processes(devices: list, tensor: int) -> None:
+    """A tensor group talks at every layer: its devices must share a process (and its fast links)."""
+    if tensor == 1:
+        return
+    per_process = collections.Counter(d.process_index for d in devices)
+    if any(count % tensor for count in per_process.values()):
+        counts = sorted(set(per_process.values()))
+        raise UserError(f"config: mesh.tensor={tensor} splits every layer over devices that talk at each layer, so a "
+                        f"tensor group stays inside one process, but the processes hold {counts} devices each; set "
+                        "mesh.tensor to a divisor of each process's device count")
+
+
+def tensor_size(mesh: Mesh) -> int:
+    return mesh.shape.get(TENSOR, 1)
 
 
 def process_row_block(mesh: Mesh) -> tuple[int, int]:
@@ -48,8 +75,12 @@ def train_batch_sharding(mesh: Mesh, fused_steps: int = 1) -> NamedSharding:
 
 
 def per_replica(mesh: Mesh, tree):
-    """Constrain trees with a leading replica axis to one replica per `data` shard (inside jit)."""
-    return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: NamedSharding(mesh, P(DATA)), tree))
+    """Constrain trees with a leading replica axis to one replica per `data` shard (inside jit); their other
+    dimensions are the partitioner's (a tensor-parallel gradient stays split over `tensor`)."""
+    def pinned(x):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA, *[P.UNCONSTRAINED] * (x.ndim - 1))))
+
+    return jax.tree.map(pinned, tree)
 
 
 def eval_batch_sharding(mesh: Mesh) -> NamedSharding:

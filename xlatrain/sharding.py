@@ -1,44 +1,69 @@
-"""Logical-axis rules -> PartitionSpecs for parameters and optimizer state (replicated, ZeRO-1, FSDP)."""
+"""Logical-axis rules -> PartitionSpecs for parameters and optimizer state (replicated, ZeRO-1, FSDP, tensor
+parallelism), and the activations' layout that tensor and sequence parallelism pin inside a traced step."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+Rules = Mapping[str, tuple[str, ...]]
+"""Logical name -> the mesh axes its dimension is split over (parallel.logical_rules)."""
+TENSOR = "tensor"
 
-def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...], rules: Mapping[str, str | None],
-                 mesh: Mesh) -> P:
-    """Shard each dimension whose logical name maps to a mesh axis that divides it; each axis once."""
+
+def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> P:
+    """Split each dimension over the mesh axes its logical name maps to, in order, as far as each is a mesh axis
+    of more than one device that no earlier dimension used and that divides what is left of the dimension."""
     used, spec = set(), []
     for name, size in zip(names, shape, strict=True):
-        axis = rules.get(name) if name is not None else None
-        usable = axis in mesh.shape and axis not in used and mesh.shape[axis] > 1 and size % mesh.shape[axis] == 0
-        spec.append(axis if usable else None)
-        if usable:
-            used.add(axis)
+        chosen = []
+        for axis in rules.get(name, ()) if name is not None else ():
+            parts = mesh.shape.get(axis, 1)
+            if axis not in used and parts > 1 and size % parts == 0:
+                chosen.append(axis)
+                used.add(axis)
+                size //= parts
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
     return P(*spec)
 
 
-def param_specs(abstract_params: Any, logical_axes: Any, sharded: bool, rules: Mapping[str, str | None],
-                mesh: Mesh) -> Any:
-    if not sharded:
-        return jax.tree.map(lambda _: P(), abstract_params)
+def rules_over(rules: Rules, axes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The rules less the mesh axes not in `axes` (the replicated strategy splits only over `tensor`)."""
+    return {name: tuple(axis for axis in mapped if axis in axes) for name, mapped in rules.items()}
+
+
+def param_specs(abstract_params: Any, logical_axes: Any, rules: Rules, mesh: Mesh) -> Any:
     return jax.tree.map(lambda leaf, names: logical_spec(names, leaf.shape, rules, mesh),
                         abstract_params, logical_axes, is_leaf=_is_axes)
 
 
 def optimizer_specs(tx: optax.GradientTransformation, abstract_opt_state: Any, abstract_params: Any,
-                    logical_axes: Any, sharded: bool, rules: Mapping[str, str | None], mesh: Mesh) -> Any:
+                    logical_axes: Any, rules: Rules, mesh: Mesh) -> Any:
     """Param-shaped optimizer leaves (moments) follow the param's logical axes (see specs_following_params);
     the rest is replicated."""
-    if not sharded:
-        return jax.tree.map(lambda _: P(), abstract_opt_state)
-    wanted = param_specs(abstract_params, logical_axes, True, rules, mesh)
+    wanted = param_specs(abstract_params, logical_axes, rules, mesh)
     return specs_following_params(tx, abstract_opt_state, abstract_params, wanted)
+
+
+def tensor_undivided(abstract_params: Any, logical_axes: Any, rules: Rules, mesh: Mesh) -> list[str]:
+    """Parameters with a dimension the rules split over `tensor` that mesh.tensor does not divide, as
+    "path (name: size)": tensor parallelism never replicates such a dimension silently."""
+    parts = mesh.shape.get(TENSOR, 1)
+    if parts == 1:
+        return []
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    names = jax.tree.leaves(logical_axes, is_leaf=_is_axes)
+    return [f"{jax.tree_util.keystr(path, simple=True, separator='.')} ({name}: {size})"
+            for (path, leaf), leaf_names in zip(flat, names, strict=True)
+            for name, size in zip(leaf_names, leaf.shape, strict=True)
+            if name is not None and TENSOR in rules.get(name, ()) and size % parts]
 
 
 def specs_following_params(tx: optax.GradientTransformation, abstract_opt_state: Any, abstract_params: Any,
@@ -68,3 +93,46 @@ def named(mesh: Mesh, specs: Any) -> Any:
 
 def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+BATCH, LENGTH = "batch", "length"
+"""Logical names of activation dimensions beside the parameters' (heads, kv_heads, mlp, vocab)."""
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """Which activation dimensions are split over `tensor` in one global program (parallel.mode=jit)."""
+
+    mesh: Mesh
+    split: frozenset[str]
+    """Logical names split over `tensor`: those the rules split (heads, mlp, vocab...), and LENGTH with
+    sequence parallelism."""
+
+    @staticmethod
+    def of(mesh: Mesh, rules: Rules, sequence_parallel: bool) -> ActivationLayout:
+        split = {name for name, axes in rules.items() if TENSOR in axes}
+        return ActivationLayout(mesh, frozenset(split | ({LENGTH} if sequence_parallel else set())))
+
+
+_LAYOUT: ContextVar[ActivationLayout | None] = ContextVar("activation_layout", default=None)
+
+
+@contextlib.contextmanager
+def activations_laid_out(layout: ActivationLayout | None) -> Iterator[None]:
+    """While a step is traced: `constrain` pins activations to `layout` (None: leaves them as they are)."""
+    token = _LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """`x` with each dimension named: split over `tensor` where the traced step's layout says so, whole where it
+    does not, the batch left to the partitioner (the data axis, and the replicas' vmap, place it). Outside a
+    tensor-parallel step, `x` as it is."""
+    layout = _LAYOUT.get()
+    if layout is None:
+        return x
+    spec = P(*(P.UNCONSTRAINED if name == BATCH else TENSOR if name in layout.split else None for name in names))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from xlatrain.compat.mapping import shard_map
 from xlatrain.compat.multihost import gather_to_host
 from xlatrain.errors import UserError
+from xlatrain.mesh import DATA, TENSOR
 from xlatrain.models.interface import ModelDef
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.run.fingerprints import fingerprint
@@ -22,6 +23,7 @@ from xlatrain.sharding import (
     named,
     optimizer_specs,
     param_specs,
+    rules_over,
     specs_following_params,
 )
 
@@ -72,11 +74,19 @@ def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.Gradi
         wanted = (fixed_optimizer_specs or fixed_param_specs)(abstract.params)
         opt = specs_following_params(tx, abstract.opt_state, abstract.params, wanted)
     else:
-        params = param_specs(abstract.params, model.logical_axes, strategy == "fsdp", rules, mesh)
+        params = param_specs(abstract.params, model.logical_axes, rules_over(rules, split_axes(strategy, "params")),
+                             mesh)
         opt = optimizer_specs(tx, abstract.opt_state, abstract.params, model.logical_axes,
-                              strategy in ("zero1", "fsdp"), rules, mesh)
+                              rules_over(rules, split_axes(strategy, "optimizer")), mesh)
     return abstract, TrainState(step=P(), params=params, model_state=jax.tree.map(lambda _: P(), abstract.model_state),
                                 opt_state=opt, rng=P(), loss_scale=jax.tree.map(lambda _: P(), abstract.loss_scale))
+
+
+def split_axes(strategy: str, held: str) -> tuple[str, ...]:
+    """The mesh axes the params (`held`="params") or the optimizer state ("optimizer") are split over: `tensor`
+    always, `data` for fsdp's params and zero1's and fsdp's optimizer state."""
+    over_data = strategy == "fsdp" or (held == "optimizer" and strategy == "zero1")
+    return (TENSOR, DATA) if over_data else (TENSOR,)
 
 
 def create_state(init: Callable[..., TrainState], specs: TrainState, mesh: Mesh, given: Any = None,
@@ -96,7 +106,8 @@ def verify_replicas_identical(state: Any, specs: Any, mesh: Mesh) -> None:
     """Every replicated leaf must hold the same bits on every device (and every process)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     spec_leaves = treedef.flatten_up_to(specs)
-    checked = [(path, leaf) for (path, leaf), spec in zip(leaves, spec_leaves, strict=True) if spec == P()]
+    checked = [(path, leaf) for (path, leaf), spec in zip(leaves, spec_leaves, strict=True)
+               if all(axis is None for axis in spec)]
     if not checked or mesh.size == 1:
         return
     prints = gather_to_host(_fingerprints(mesh, [leaf for _, leaf in checked]))

@@ -96,7 +96,7 @@ def gpu_target(config_path: str | None, overrides: list[str], asked: str, count:
     if config.collectives.impl == "custom":
         raise UserError("lower --target: collectives.impl=custom compiles against xlatrain's NCCL library, which "
                         "needs the GPUs themselves; compile with collectives.impl=xla")
-    devices = target_devices(config.mesh.data, config.mesh.stage, count)
+    devices = target_devices(config.mesh.data, config.mesh.per_replica(), count)
     return config, target, compile_only_gpus(target.config_text, devices, target.label)
 
 

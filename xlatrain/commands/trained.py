@@ -32,7 +32,7 @@ from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.models import flax_model, model_factory
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.schedule import build
-from xlatrain.run.checkpoints import Checkpoints, CorruptCheckpoint
+from xlatrain.run.checkpoints import Checkpoints, CorruptCheckpoint, in_current_layout
 from xlatrain.run.directory import CHECKPOINTS_DIR, pinned_partition, read_run_config
 
 T = TypeVar("T")
@@ -78,7 +78,14 @@ def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDeco
         max_len = model.max_len or getattr(config.data, "seq_len", None) or \
             open_dataset(config.data, model.loss).spec.input_shape[0]
     resolved = model.model_copy(update={"vocab": vocab, "max_len": max_len})
+    params = in_current_layout(params, _abstract_params(resolved))
     return TrainedDecoder(resolved, params, run_tokenizer(config.data, run_dir), f"{run_dir} step {step}"), config, step
+
+
+def _abstract_params(model: DecoderConfig) -> Any:
+    """The decoder's params as shapes, in the model's layout (blocks stacked [layers, ...])."""
+    return jax.eval_shape(flax_model(model_factory(model, _spec(model), jnp.float32, scan_layers=True)).init,
+                          jax.random.PRNGKey(0))[0]
 
 
 def _restored_params(run_dir: Path, config: Config, step: int | None, command: str) -> tuple[Any, int]:
@@ -127,8 +134,7 @@ def from_hugging_face(directory: Path, command: str) -> TrainedDecoder:
         model = TypeAdapter(ModelConfig).validate_python(keys)
     except ValidationError as err:
         raise UserError(f"{named}: config.json describes a model xlatrain refuses: {first_line(err)}") from None
-    abstract = jax.eval_shape(flax_model(model_factory(model, _spec(model), jnp.float32, scan_layers=True)).init,
-                              jax.random.PRNGKey(0))[0]
+    abstract = _abstract_params(model)
     weights = HuggingFaceWeights(directory, model.name, named)
     weights.check(abstract)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -32,6 +32,10 @@ class Derived:
     """Rows of one pipeline microbatch on one replica (pipelines only)."""
     scan_layers: bool | None = None
     """Whether a built-in decoder's blocks run in a `lax.scan` on these devices (model.scan_layers resolved)."""
+    tensor_whole: tuple[str, ...] | None = None
+    """Logical names parallel.logical_rules split over `tensor` that each device of a tensor group keeps whole
+    (grouped-query attention's model.kv_heads when fewer than mesh.tensor: every device computes every key/value
+    head for its query heads)."""
 
     def as_dict(self) -> dict[str, Any]:
         return saved_values(self)
@@ -75,6 +79,7 @@ def derive(config: Config, devices: list) -> Derived:
         lr_scale=lr_scale,
         effective_lr=config.optimizer.lr * lr_scale,
         scan_layers=config.model.scans_layers(devices[0].platform) if isinstance(config.model, DECODERS) else None,
+        tensor_whole=config.tensor_whole() or None,
         **_pipeline_sizes(config, global_batch // data_parallel),
     )
 
@@ -98,14 +103,15 @@ def _pipeline_sizes(config: Config, per_replica_batch: int) -> dict[str, int]:
 
 
 def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
-    """mesh.data x mesh.stage must be the devices present; -1 for mesh.data takes what the stages leave."""
-    present, stages = len(devices), mesh.stage
-    data = present // stages if mesh.data == -1 else mesh.data
-    if data >= 1 and data * stages == present:
+    """mesh.data x mesh.stage x mesh.tensor must be the devices present; -1 for mesh.data takes what the stages
+    and the tensor axis leave."""
+    present, per_replica = len(devices), mesh.per_replica()
+    data = present // per_replica if mesh.data == -1 else mesh.data
+    if data >= 1 and data * per_replica == present:
         return data
     platform = devices[0].platform if devices else "cpu"
     found = ", ".join(str(d) for d in devices[:8]) + (" ..." if len(devices) > 8 else "")
-    wanted = (mesh.data if mesh.data != -1 else max(data, 1)) * stages
+    wanted = (mesh.data if mesh.data != -1 else max(data, 1)) * per_replica
     processes = len({d.process_index for d in devices})
     if processes > 1:  # mesh.cpu_devices is for one process; each process's own count makes the total
         how = (f"start {wanted} devices over the processes ({processes} now): with `xlatrain launch`, --nproc x "
@@ -116,14 +122,15 @@ def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
                f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted}) to get that many CPU devices")
     else:
         how = "choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=0,1,2,3)"
-    if stages == 1:
+    split = [(f"mesh.{axis}", size) for axis, size in (("stage", mesh.stage), ("tensor", mesh.tensor)) if size > 1]
+    named, sized = " x ".join(n for n, _ in split), " x ".join(f"{n}={size}" for n, size in split)
+    if per_replica == 1:
         asked, fix = f"mesh.data={mesh.data} needs {mesh.data}", f"Set mesh.data={present} (or -1 for all)"
     elif mesh.data == -1:
-        asked = f"mesh.stage={stages} needs a multiple of {stages}"
-        fix = f"Set mesh.stage to a divisor of {present}"
+        asked, fix = f"{sized} needs a multiple of {per_replica}", f"Set {named} to a divisor of {present}"
     else:
-        asked = f"mesh.data={mesh.data} x mesh.stage={stages} needs {wanted}"
-        fix = f"Set mesh.data x mesh.stage to {present} (mesh.data=-1 takes what the stages leave)"
+        asked = f"mesh.data={mesh.data} x {sized} needs {wanted}"
+        fix = f"Set mesh.data x {named} to {present} (mesh.data=-1 takes what the others leave)"
     raise UserError(
         f"config: {asked} devices but {present} {platform} device(s) are present: [{found}]. {fix}, or {how}."
     )

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from xlatrain.config.base import expanded
 from xlatrain.config.hugging_face import with_checkpoint_architecture
+from xlatrain.config.parallel import DEFAULT_LOGICAL_RULES
 from xlatrain.config.schema import Config
 from xlatrain.errors import UserError, first_line
 
@@ -67,14 +68,21 @@ def validate_config(data: dict) -> Config:
 
 
 def upgraded_saved_config(data: dict) -> dict:
-    """A run directory's config.yaml as this version reads it: what older versions saved, converted. Before
-    model.vocab followed the tokenizer (and model.vocab_multiple existed), a GPT trained on bytes saved its default
-    vocab, 256, which is what null gives bytes now: without that conversion, an older run would be refused as a
-    different config when resumed with the defaults."""
+    """A run directory's config.yaml as this version reads it: what older versions saved, converted, so that an
+    older run resumed with the defaults is not refused as a different config. Before model.vocab followed the
+    tokenizer (and model.vocab_multiple existed), a GPT trained on bytes saved its default vocab, 256, which is
+    what null gives bytes now. Before mesh.tensor existed, the default parallel.logical_rules named `data` alone;
+    those defaults are today's (the same layout while mesh.tensor is 1)."""
     model = data.get("model")
     if isinstance(model, dict) and model.get("name") == "gpt" and "vocab_multiple" not in model \
             and model.get("vocab") == 256:
-        return {**data, "model": {**model, "vocab": None}}
+        data = {**data, "model": {**model, "vocab": None}}
+    mesh, parallel = data.get("mesh"), data.get("parallel")
+    if isinstance(mesh, dict) and "tensor" not in mesh and isinstance(parallel, dict) \
+            and isinstance(parallel.get("logical_rules"), dict):
+        rules = {name: list(DEFAULT_LOGICAL_RULES[name]) if axes == "data" and name in DEFAULT_LOGICAL_RULES
+                 else axes for name, axes in parallel["logical_rules"].items()}
+        data = {**data, "parallel": {**parallel, "logical_rules": rules}}
     return data
 
 

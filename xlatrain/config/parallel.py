@@ -12,13 +12,19 @@ from xlatrain.config.precision import FloatDtype
 
 
 class MeshConfig(Strict):
-    """The device mesh: a `data` axis, and a `stage` axis for a pipeline; mesh.data x mesh.stage must be the
-    devices present, or the run stops before compiling, naming them (docs/parallelism.md)."""
+    """The device mesh: a `data` axis, a `stage` axis for a pipeline and a `tensor` axis that splits the layers;
+    mesh.data x mesh.stage x mesh.tensor must be the devices present, or the run stops before compiling, naming
+    them (docs/parallelism.md)."""
 
     data: Annotated[int, Field(ge=-1)] = -1
-    """Data-parallel size; -1 uses every device present (divided by mesh.stage)."""
+    """Data-parallel size; -1 uses every device present (divided by mesh.stage x mesh.tensor)."""
     stage: PositiveInt = 1
     """Pipeline stages; more than 1 runs the model as a pipeline (parallel.pipeline) on a data x stage mesh."""
+    tensor: PositiveInt = 1
+    """Tensor-parallel size: each layer split over this many devices (the innermost mesh axis, neighbouring
+    devices), Megatron-style by the default parallel.logical_rules: attention heads and the MLP's hidden
+    dimension (column-parallel in, row-parallel out) and the vocabulary of the embedding and the head, with a
+    vocabulary-parallel cross-entropy (docs/parallelism.md)."""
     cpu_devices: Literal["auto", "per_core"] | PositiveInt = "auto"
     """XLA:CPU devices the `xlatrain` command makes in a single-process run on CPU (ignored on GPUs, and where
     the environment sets a count: XLA_FLAGS' --xla_force_host_platform_device_count or JAX_NUM_CPU_DEVICES).
@@ -40,11 +46,21 @@ class MeshConfig(Strict):
             raise ValueError("mesh.data must be a positive device count, or -1 for all devices")
         return self
 
+    def per_replica(self) -> int:
+        """Devices that hold one data replica: mesh.stage x mesh.tensor."""
+        return self.stage * self.tensor
 
-MESH_AXES = ("data",)
+
+TENSOR = "tensor"
+MESH_AXES = ("data", TENSOR)
 """Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
-DEFAULT_LOGICAL_RULES = {"vocab": "data", "embed": "data", "mlp": "data",
-                         "heads": "data", "kv_heads": "data", "hidden": "data", "channels": "data"}
+MeshAxes = tuple[str, ...]
+DEFAULT_LOGICAL_RULES: dict[str, MeshAxes] = {
+    "vocab": ("tensor", "data"), "embed": ("data",), "mlp": ("tensor", "data"), "heads": ("tensor", "data"),
+    "kv_heads": ("tensor", "data"), "hidden": ("data",), "channels": ("data",)}
+"""Megatron-style tensor parallelism over `tensor` (heads, the MLP's hidden dimension, the vocabulary), and what
+zero1/fsdp split over `data`: a dimension goes to each listed axis in turn that is not used by another of the
+parameter's dimensions and divides it, together (e.g. heads over tensor x data)."""
 
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]
@@ -130,9 +146,16 @@ class ParallelConfig(Strict):
     (docs/parallelism.md); a pipeline's schedule over the `stage` axis (docs/pipelines.md)."""
 
     strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
-    """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too."""
-    logical_rules: dict[str, str | None] = DEFAULT_LOGICAL_RULES
-    """Logical axis name -> mesh axis (or null), merged over the defaults; used by zero1/fsdp."""
+    """replicated: plain data parallel. zero1: optimizer state sharded over `data`. fsdp: params too. Every
+    strategy splits layers over `tensor` (mesh.tensor)."""
+    logical_rules: dict[str, MeshAxes] = DEFAULT_LOGICAL_RULES
+    """Logical axis name -> a mesh axis, a list of them (the dimension split over their product, as far as each
+    divides it), or null (not split); merged over the defaults. `data` is used by zero1 (optimizer state) and
+    fsdp (params too), `tensor` by every strategy when mesh.tensor > 1."""
+    sequence_parallel: bool = False
+    """With mesh.tensor > 1: the activations between the tensor-parallel regions (norms, dropout, residual adds)
+    split along the sequence over `tensor` (gathered before the column-parallel matmul, reduce-scattered after
+    the row-parallel one), so their memory per device falls by mesh.tensor."""
     mode: Literal["auto", "jit", "shard_map", "pmap"] = "auto"
     """auto: shard_map where a per-device program is needed (a pipeline, mesh.stage > 1, or
     collectives.impl=custom), jit otherwise. jit: one global program, XLA's partitioner inserts the gradient
@@ -140,14 +163,22 @@ class ParallelConfig(Strict):
     collectives.impl). pmap: the same per-device program through the legacy jax.pmap API."""
     pipeline: PipelineConfig = PipelineConfig()
 
-    @field_validator("logical_rules")
+    @field_validator("logical_rules", mode="before")
     @classmethod
-    def _rules_name_mesh_axes(cls, rules: dict[str, str | None]) -> dict[str, str | None]:
-        unknown = {name: axis for name, axis in rules.items() if axis is not None and axis not in MESH_AXES}
+    def _rules_name_mesh_axes(cls, rules: Any) -> Any:
+        if not isinstance(rules, dict):
+            return rules
+        as_axes = {name: () if axes is None else (axes,) if isinstance(axes, str) else axes
+                   for name, axes in rules.items()}
+        unknown = {name: axes for name, axes in as_axes.items()
+                   if not isinstance(axes, (list, tuple)) or any(axis not in MESH_AXES for axis in axes)}
         if unknown:
             raise ValueError(f"parallel.logical_rules maps {unknown} to mesh axes that do not exist; "
-                             f"mesh axes are {list(MESH_AXES)} (or null for not sharded)")
-        return {**DEFAULT_LOGICAL_RULES, **rules}
+                             f"mesh axes are {list(MESH_AXES)} (one, a list of them, or null for not sharded)")
+        repeated = {name: axes for name, axes in as_axes.items() if len(set(axes)) != len(axes)}
+        if repeated:
+            raise ValueError(f"parallel.logical_rules maps {repeated} to a mesh axis twice; name each axis once")
+        return {**DEFAULT_LOGICAL_RULES, **{name: tuple(axes) for name, axes in as_axes.items()}}
 
 
 class CollectivesConfig(Strict):

@@ -10,9 +10,17 @@ from pydantic import Field, PrivateAttr, model_validator
 from xlatrain.config.base import Seed, Strict
 from xlatrain.config.data import DataConfig, DigitsData, TextData, TokensData
 from xlatrain.config.distributed import DistributedConfig
-from xlatrain.config.model import DECODERS, CNNConfig, GPTConfig, MLPConfig, ModelConfig
+from xlatrain.config.model import (
+    DECODERS,
+    CNNConfig,
+    GPTConfig,
+    LlamaConfig,
+    MLPConfig,
+    ModelConfig,
+)
 from xlatrain.config.optimizer import AdamWConfig, BatchConfig, OptimizerConfig
 from xlatrain.config.parallel import (
+    TENSOR,
     CollectivesConfig,
     MeshConfig,
     ParallelConfig,
@@ -92,6 +100,53 @@ class Config(Strict):
                              "parameter on its own, which needs an elementwise optimizer (adamw, sgd, lion), not "
                              "adafactor; use parallel.mode=jit")
         return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> Config:
+        tensor = self.mesh.tensor
+        if self.parallel.sequence_parallel and tensor == 1:
+            raise ValueError("parallel.sequence_parallel=true splits activations along the sequence over the tensor "
+                             "axis: set mesh.tensor to 2 or more, or sequence_parallel=false")
+        if tensor == 1:
+            return self
+        if self.model.name == "torch":
+            raise ValueError(f"mesh.tensor={tensor} splits layers by the logical names of their parameters, and a "
+                             "torch module's parameters name none: set mesh.tensor=1 (data and stage axes split a "
+                             "torch module's training)")
+        if self.parallel.mode != "jit":
+            chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
+            raise ValueError(f"mesh.tensor={tensor} runs in parallel.mode=jit, where XLA's partitioner inserts the "
+                             f"tensor-parallel collectives; parallel.mode={self.parallel.mode}{chosen} is a per-device "
+                             "program, whose layers are not split over `tensor`: use mesh.stage=1, "
+                             "collectives.impl=xla and parallel.mode=auto or jit, or set mesh.tensor=1")
+        if isinstance(self.model, DECODERS):
+            self._decoder_splits_by_whole_heads(tensor)
+        return self
+
+    def _decoder_splits_by_whole_heads(self, tensor: int) -> None:
+        """Each device of a tensor group holds whole attention heads and an equal part of the MLP."""
+        model, rules = self.model, self.parallel.logical_rules
+        kv_heads = model.kv_head_count() if isinstance(model, LlamaConfig) else model.heads
+        mlp = model.mlp_width() if isinstance(model, LlamaConfig) else model.mlp_ratio * model.width
+        sizes = [("heads", "model.heads", model.heads, "attention heads"),
+                 ("mlp", "model.mlp_hidden" if isinstance(model, LlamaConfig) else "model.mlp_ratio x model.width",
+                  mlp, "the MLP's hidden width")]
+        if kv_heads >= tensor:
+            sizes.append(("kv_heads", "model.kv_heads", kv_heads, "key/value heads"))
+        for name, field, size, what in sizes:
+            if TENSOR in rules.get(name, ()) and size % tensor:
+                raise ValueError(f"mesh.tensor={tensor} splits {what} over the tensor axis, and {field}={size} does "
+                                 f"not divide by {tensor}: choose a mesh.tensor that divides it, or take `tensor` "
+                                 f"out of parallel.logical_rules.{name}")
+
+    def tensor_whole(self) -> tuple[str, ...]:
+        """Logical names the rules split over `tensor` that each device of a tensor group keeps whole: grouped-query
+        attention's key/value heads when there are fewer than mesh.tensor (each device computes them all)."""
+        if self.mesh.tensor > 1 and isinstance(self.model, LlamaConfig) \
+                and TENSOR in self.parallel.logical_rules.get("kv_heads", ()) \
+                and self.model.kv_head_count() < self.mesh.tensor:
+            return ("kv_heads",)
+        return ()
 
     @model_validator(mode="after")
     def _pipeline_fits(self) -> Config:

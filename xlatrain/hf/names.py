@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from xlatrain.models.blocks import BLOCKS
@@ -16,6 +17,15 @@ class Tensor:
     name: str
     """The checkpoint's name; a block's holds LAYER."""
     transposed: bool = False
+    groups: int | None = None
+    """The checkpoint keeps the parameter's last two dimensions [groups, n] as one [groups x n] (GPT-2's c_attn
+    [width, 3 x width] for the GPT's qkv [width, 3, width])."""
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint's shape of a parameter of `shape` (one layer's)."""
+        if self.groups is not None:
+            return (*shape[:-2], shape[-2] * shape[-1])
+        return shape[::-1] if self.transposed else shape
 
     def of_layer(self, layer: int) -> str:
         return self.name.replace(LAYER, str(layer))
@@ -27,7 +37,7 @@ def _linear(ours: str, theirs: str, bias: bool = True) -> dict[tuple[str, ...], 
 
 
 def _in_blocks(names: dict[tuple[str, ...], Tensor], prefix: str) -> dict[tuple[str, ...], Tensor]:
-    return {(BLOCKS, *path): Tensor(f"{prefix}.{LAYER}.{t.name}", t.transposed) for path, t in names.items()}
+    return {(BLOCKS, *path): dataclasses.replace(t, name=f"{prefix}.{LAYER}.{t.name}") for path, t in names.items()}
 
 
 LLAMA_LAYER = {("attn_norm", "scale"): Tensor("input_layernorm.weight"),
@@ -40,7 +50,8 @@ LLAMA = {("embed", "embedding"): Tensor("model.embed_tokens.weight"), ("norm", "
          ("head", "kernel"): Tensor("lm_head.weight", transposed=True), **_in_blocks(LLAMA_LAYER, "model.layers")}
 
 GPT2_LAYER = {("ln_attn", "scale"): Tensor("ln_1.weight"), ("ln_attn", "bias"): Tensor("ln_1.bias"),
-              ("qkv", "kernel"): Tensor("attn.c_attn.weight"), ("qkv", "bias"): Tensor("attn.c_attn.bias"),
+              ("qkv", "kernel"): Tensor("attn.c_attn.weight", groups=3),
+              ("qkv", "bias"): Tensor("attn.c_attn.bias", groups=3),
               ("attn_out", "kernel"): Tensor("attn.c_proj.weight"), ("attn_out", "bias"): Tensor("attn.c_proj.bias"),
               ("ln_mlp", "scale"): Tensor("ln_2.weight"), ("ln_mlp", "bias"): Tensor("ln_2.bias"),
               ("mlp_in", "kernel"): Tensor("mlp.c_fc.weight"), ("mlp_in", "bias"): Tensor("mlp.c_fc.bias"),

@@ -4,6 +4,7 @@ bfloat16; every other dtype is read through safetensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -60,7 +61,7 @@ class CheckpointTensors:
     def resolve(self, tensor: Tensor) -> Tensor:
         """GPT-2's tensors as this checkpoint names them (with or without GPT2LMHeadModel's prefix)."""
         if tensor.name.startswith(GPT2_PREFIX) and tensor.of_layer(0) not in self.file_of:
-            return Tensor(tensor.name[len(GPT2_PREFIX):], tensor.transposed)
+            return dataclasses.replace(tensor, name=tensor.name[len(GPT2_PREFIX):])
         return tensor
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -38,8 +38,7 @@ class HuggingFaceWeights:
         for path, leaf in param_paths(abstract_params):
             tensor = self.tensor(path)
             stacked = path[0] == BLOCKS
-            shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
-            expected = shape[::-1] if tensor.transposed else shape
+            expected = tensor.stored_shape(tuple(leaf.shape[1:] if stacked else leaf.shape))
             for layer in range(leaf.shape[0]) if stacked else (None,):
                 name = tensor.name if layer is None else tensor.of_layer(layer)
                 if name not in self.tensors.file_of:
@@ -59,6 +58,9 @@ class HuggingFaceWeights:
         def one(name: str) -> np.ndarray:
             if tensor.transposed:
                 return self.tensors.read(name, index[::-1]).T
+            if tensor.groups is not None:  # the merged last dimension read whole, then split and indexed
+                merged = self.tensors.read(name, (*index[:-2], slice(None)))
+                return merged.reshape(*merged.shape[:-1], tensor.groups, -1)[..., index[-2], index[-1]]
             return self.tensors.read(name, index)
 
         if layers is None:

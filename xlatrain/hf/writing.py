@@ -30,7 +30,8 @@ def checkpoint_tensors(model_name: str, params: Any) -> dict[str, np.ndarray]:
         tensor, value = tensor_of(model_name, path), np.asarray(leaf, np.float32)
         for layer, array in enumerate(value) if path[0] == BLOCKS else [(None, value)]:
             name = tensor.name if layer is None else tensor.of_layer(layer)
-            found[name] = np.ascontiguousarray(array.T if tensor.transposed else array)
+            found[name] = np.ascontiguousarray(array.T if tensor.transposed else array).reshape(
+                tensor.stored_shape(array.shape))
     return found
 
 

@@ -16,6 +16,7 @@ from flax import nnx
 
 from xlatrain.models.blocks import BLOCKS, BlockStack
 from xlatrain.models.interface import Documents
+from xlatrain.sharding import BATCH, LENGTH, constrain
 
 
 class KVCache(NamedTuple):
@@ -42,11 +43,12 @@ class Decoder(BlockStack):
     def before_blocks(self, tokens_BxL, documents: Documents | None = None):
         """Positions restart at 0 in each packed document."""
         positions = jnp.arange(tokens_BxL.shape[1])[None] if documents is None else documents.positions
-        return self.embed_at(tokens_BxL, positions)
+        return residual_stream(self.embed_at(tokens_BxL, positions))
 
     def after_blocks(self, x_BxLxD):
         x_BxLxD = self.final_norm(x_BxLxD)
-        return self.embed.attend(x_BxLxD) if self.head is None else self.head(x_BxLxD)
+        logits_BxLxV = self.embed.attend(x_BxLxD) if self.head is None else self.head(x_BxLxD)
+        return constrain(logits_BxLxV, BATCH, None, "vocab")
 
     def empty_cache(self, batch: int, length: int, dtype: jnp.dtype) -> KVCache:
         layers = jax.tree.leaves(nnx.state(getattr(self, BLOCKS), nnx.Param))[0].shape[0]
@@ -66,6 +68,17 @@ class Decoder(BlockStack):
 
         x, (keys, values) = jax.lax.scan(layer, x, (params_Lx, cache.keys, cache.values))
         return self.after_blocks(x), KVCache(keys, values)
+
+
+def residual_stream(x_BxLxD: jax.Array) -> jax.Array:
+    """The activations between the tensor-parallel regions: whole on each device of a tensor group, or split
+    along the sequence with sequence parallelism (xlatrain.sharding.constrain)."""
+    return constrain(x_BxLxD, BATCH, LENGTH, None)
+
+
+def by_heads(x_BxLxHxK: jax.Array, heads: str = "heads") -> jax.Array:
+    """Attention's queries, keys, values and outputs: split by whole heads over a tensor group."""
+    return constrain(x_BxLxHxK, BATCH, None, heads, None)
 
 
 def dropout_keys(rngs: jax.Array | None) -> tuple:

@@ -11,10 +11,11 @@ from flax import nnx
 from xlatrain.models.attention import cached_attention, causal_attention
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import stack_blocks
-from xlatrain.models.decoder import Decoder, dropout_keys
+from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_stream
 from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.interface import Documents
-from xlatrain.models.linear import linear
+from xlatrain.models.linear import GroupedLinear, linear
+from xlatrain.sharding import BATCH, constrain
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,8 @@ class Block(nnx.Module):
         d = shape.width
         self.heads = shape.heads
         self.ln_attn = layer_norm(shape, rngs)
-        self.qkv = linear(d, 3 * d, kernel_metadata=axes("embed", "heads"), bias_metadata=axes("heads"),
-                          rngs=rngs)
+        self.qkv = GroupedLinear(d, 3, d, kernel_metadata=axes("embed", None, "heads"),
+                                 bias_metadata=axes(None, "heads"), rngs=rngs)
         self.attn_out = linear(d, d, kernel_metadata=axes("heads", "embed"), bias_metadata=axes("embed"),
                                rngs=rngs)
         self.ln_mlp = layer_norm(shape, rngs)
@@ -58,7 +59,7 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None):
         keys = dropout_keys(rngs)
         q, k, v = self._qkv(x_BxLxD)
-        attended_BxLxHxK = causal_attention(q, k, v, None if documents is None else documents.segment_ids)
+        attended_BxLxHxK = by_heads(causal_attention(q, k, v, None if documents is None else documents.segment_ids))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, keys)
 
     def decode(self, x_BxTxD, keys_BxSxHxK, values_BxSxHxK, start):
@@ -68,12 +69,13 @@ class Block(nnx.Module):
     def _qkv(self, x_BxLxD):
         batch, length, width = x_BxLxD.shape
         qkv_BxLx3xHxK = self.qkv(self.ln_attn(x_BxLxD)).reshape(batch, length, 3, self.heads, width // self.heads)
-        return tuple(qkv_BxLx3xHxK[:, :, i] for i in range(3))
+        return tuple(by_heads(qkv_BxLx3xHxK[:, :, i]) for i in range(3))
 
     def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
-        x_BxLxD = x_BxLxD + self._drop(self.attn_out(attended_BxLxHxK.reshape(x_BxLxD.shape)), keys[0])
-        hidden_BxLxF = jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD)))
-        return x_BxLxD + self._drop(self.mlp_out(hidden_BxLxF), keys[1])
+        x_BxLxD = residual_stream(x_BxLxD + self._drop(self.attn_out(attended_BxLxHxK.reshape(x_BxLxD.shape)),
+                                                       keys[0]))
+        hidden_BxLxF = constrain(jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD))), BATCH, None, "mlp")
+        return residual_stream(x_BxLxD + self._drop(self.mlp_out(hidden_BxLxF), keys[1]))
 
     def _drop(self, x, key):
         return self.dropout(x, deterministic=key is None, rngs=key)

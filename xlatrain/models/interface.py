@@ -47,7 +47,7 @@ class ModelDef:
     """(params, model state, inputs, key, documents) -> (outputs, new model state). A key means training (dropout
     draws from it, BatchNorm uses batch statistics and updates its running ones); None means evaluation.
     `documents`: packed data's Documents (None otherwise), given only to a model that takes_documents."""
-    logical_rules: dict[str, str | None] = field(default_factory=dict)
+    logical_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Rules for logical names of the model's own (a torch model's `sharded`), beneath parallel.logical_rules."""
     initial_values: Callable[[], tuple[Tree, Tree]] | None = None
     """Host values of (params, model state) for a model that comes with its weights (a torch module):
@@ -67,7 +67,7 @@ class ModelDef:
     takes_documents: bool = False
     """Whether the model keeps attention and positions inside the documents of packed data (data.packing)."""
 
-    def rules(self, configured: dict[str, str | None]) -> dict[str, str | None]:
+    def rules(self, configured: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
         """parallel.logical_rules over the model's own rules."""
         return {**self.logical_rules, **configured}
 

@@ -15,11 +15,14 @@ matmul, reverse mode transposes the tangent with the rule above, and the forward
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype
+from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.custom_derivatives import SymbolicZero
 
 from xlatrain.compat.primitives import define_primitive, is_being_transposed
@@ -28,6 +31,24 @@ from xlatrain.compat.primitives import define_primitive, is_being_transposed
 def linear(in_features: int, out_features: int, **kwargs) -> nnx.Linear:
     """nnx.Linear with the weight gradient of `dense_dot_general`."""
     return nnx.Linear(in_features, out_features, dot_general=dense_dot_general, **kwargs)
+
+
+class GroupedLinear(nnx.Module):
+    """[..., in] -> [..., groups, out]: several projections of one input in one matmul (a decoder's query, key and
+    value), its kernel [in, groups, out] and bias [groups, out], so that splitting `out` over a mesh axis splits
+    every projection alike (whole heads, where `out` is heads x head width). Initialised with nnx.Linear(in,
+    groups x out)'s draws, reshaped; its weight gradient is `dense_dot_general`'s."""
+
+    def __init__(self, in_features: int, groups: int, out_features: int, *, rngs: nnx.Rngs,
+                 kernel_metadata: dict | None = None, bias_metadata: dict | None = None):
+        kernel = default_kernel_init(rngs.params(), (in_features, groups * out_features), jnp.float32)
+        self.kernel = nnx.Param(kernel.reshape(in_features, groups, out_features), **(kernel_metadata or {}))
+        self.bias = nnx.Param(default_bias_init(rngs.params(), (groups, out_features), jnp.float32),
+                              **(bias_metadata or {}))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x, kernel, bias = promote_dtype((x, self.kernel[...], self.bias[...]), dtype=None)
+        return _dense(None, x, kernel) + bias.reshape((1,) * (x.ndim - 1) + bias.shape)
 
 
 def dense_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
@@ -44,21 +65,25 @@ def dense_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precisi
 
 
 def _product(x: jax.Array, w: jax.Array, precision) -> jax.Array:
-    """x [..., in] @ w [in, out]."""
+    """x [..., in] @ w [in, *out]."""
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
 def _input_gradient(dy: jax.Array, w: jax.Array, precision) -> jax.Array:
-    return jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())), precision=precision)
+    """dy [..., *out] against w [in, *out]: [..., in]."""
+    outs = w.ndim - 1
+    return jax.lax.dot_general(dy, w, ((tuple(range(dy.ndim - outs, dy.ndim)), tuple(range(1, w.ndim))), ((), ())),
+                               precision=precision)
 
 
 def _weight_gradient(x: jax.Array, dy: jax.Array, precision) -> jax.Array:
-    """x^T @ dy over every row, with the smaller side transposed."""
+    """x^T @ dy over every row, with the smaller side transposed: [in, *out]."""
     rows = tuple(range(x.ndim - 1))
-    if x.size <= dy.size + x.shape[-1] * dy.shape[-1]:  # XLA transposes x for x^T @ dy
+    outputs = dy.size // max(1, math.prod(dy.shape[:len(rows)]))
+    if x.size <= dy.size + x.shape[-1] * outputs:  # XLA transposes x for x^T @ dy
         return jax.lax.dot_general(x, dy, ((rows, rows), ((), ())), precision=precision)
-    # it transposes dy, then the [out, in] product
-    return jax.lax.dot_general(dy, x, ((rows, rows), ((), ())), precision=precision).T
+    # it transposes dy, then the [*out, in] product
+    return jnp.moveaxis(jax.lax.dot_general(dy, x, ((rows, rows), ((), ())), precision=precision), -1, 0)
 
 
 def _product_tangent(x, w, dx, dw, precision) -> jax.Array:

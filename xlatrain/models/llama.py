@@ -13,11 +13,12 @@ from flax import nnx
 from xlatrain.models.attention import cached_attention, causal_attention
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import stack_blocks
-from xlatrain.models.decoder import Decoder, dropout_keys
+from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_stream
 from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import linear
 from xlatrain.models.rope import inverse_frequencies, rotate
+from xlatrain.sharding import BATCH, constrain
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class LlamaBlock(nnx.Module):
     def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None):
         positions = jnp.arange(x_BxLxD.shape[1]) if documents is None else documents.positions
         q, k, v = self._qkv(x_BxLxD, positions)
-        attended_BxLxHxK = causal_attention(q, k, v, None if documents is None else documents.segment_ids)
+        attended_BxLxHxK = by_heads(causal_attention(q, k, v, None if documents is None else documents.segment_ids))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
 
     def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start):
@@ -84,14 +85,16 @@ class LlamaBlock(nnx.Module):
                                 for proj in (self.k, self.v))
         head_dim, theta, scaling = self.rope
         frequencies = inverse_frequencies(head_dim, theta, None if scaling is None else dict(scaling))
-        return rotate(q_BxLxHxK, positions, frequencies), rotate(k_BxLxGxK, positions, frequencies), v_BxLxGxK
+        q_BxLxHxK, k_BxLxGxK = rotate(q_BxLxHxK, positions, frequencies), rotate(k_BxLxGxK, positions, frequencies)
+        return by_heads(q_BxLxHxK), by_heads(k_BxLxGxK, "kv_heads"), by_heads(v_BxLxGxK, "kv_heads")
 
     def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
         batch, length, _ = x_BxLxD.shape
         attended = self.attn_out(attended_BxLxHxK.reshape(batch, length, self.heads * self.head_dim))
-        x_BxLxD = x_BxLxD + self._drop(attended, keys[0])
+        x_BxLxD = residual_stream(x_BxLxD + self._drop(attended, keys[0]))
         normed = self.mlp_norm(x_BxLxD)
-        return x_BxLxD + self._drop(self.down(jax.nn.silu(self.gate(normed)) * self.up(normed)), keys[1])
+        hidden_BxLxF = constrain(jax.nn.silu(self.gate(normed)) * self.up(normed), BATCH, None, "mlp")
+        return residual_stream(x_BxLxD + self._drop(self.down(hidden_BxLxF), keys[1]))
 
     def _drop(self, x, key):
         return self.dropout(x, deterministic=key is None, rngs=key)

@@ -175,18 +175,23 @@ class Checkpoints:
                             "directory to start over")
         return None
 
-    def _check_layout(self, step: int, abstract_state: Any) -> None:
+    def _check_layout(self, step: int, abstract_state: Any) -> dict[str, tuple[int, ...]]:
         """A checkpoint whose arrays have other names or shapes than this run's state is not corrupt: the model
         changed since it was written (its code, or the data its shapes follow). Refused with the differences, and
-        nothing is moved aside. One whose metadata cannot be read is left to the restore, which calls it corrupt."""
+        nothing is moved aside; arrays saved in an older layout of the same parameter (`_saved_merged`) are
+        returned with their saved shapes, to be restored and reshaped. One whose metadata cannot be read is left to
+        the restore, which calls it corrupt."""
         try:
             metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
         except Exception:  # orbax raises many types; the restore reports the checkpoint as unusable
-            return
+            return {}
         stored, wanted = _shapes(getattr(metadata, "item_metadata", metadata)), _shapes(abstract_state)
+        older = {path: stored[path] for path in set(stored) & set(wanted)
+                 if _saved_merged(path, stored[path], wanted[path])}
         params_first = functools.partial(sorted, key=lambda path: (not path.startswith("params/"), path))
         problems = [f"{path} of shape {stored[path]} where the run's state has {wanted[path]}"
-                    for path in params_first(set(stored) & set(wanted)) if stored[path] != wanted[path]]
+                    for path in params_first(set(stored) & set(wanted)) if stored[path] != wanted[path]
+                    and path not in older]
         problems += [f"no {path}" for path in params_first(set(wanted) - set(stored))]
         problems += [f"{path}, which the run's state has not" for path in params_first(set(stored) - set(wanted))]
         if problems:
@@ -195,27 +200,29 @@ class Checkpoints:
                             + ": the model's shapes changed since the run was written (its code, or data they "
                             "follow, such as data.path's inputs); resume with those it was written with, or choose "
                             "a new trainer.run_dir. Nothing was moved aside")
+        return older
 
     def restore(self, step: int, abstract_state: Any) -> Restored:
         """The state (placed in the shardings that `abstract_state` carries), verified against the saved
         fingerprints, with the data position and what data it was trained on."""
         _quiet_abandoned_io()  # first: reads abandoned on an unreadable file report while orbax's call still unwinds
-        self._check_layout(step, abstract_state)
+        older = self._check_layout(step, abstract_state)
+        as_saved = _with_saved_shapes(abstract_state, older)
         try:
-            state, data, integrity = self._restore(step, abstract_state)
+            state, data, integrity = self._restore(step, as_saved)
             written = state
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
-            legacy = _without_model_state(abstract_state)
+            legacy = _without_model_state(as_saved)
             if legacy is None:
                 raise CorruptCheckpoint(_unreadable(err)) from None
             try:
                 written, data, integrity = self._restore(step, legacy)
             except Exception:
                 raise CorruptCheckpoint(_unreadable(err)) from None
-            state = abstract_state.replace(**written, model_state={})
+            state = as_saved.replace(**written, model_state={})
         if integrity:  # the fingerprints follow the tree as it was written
             _verify(written, integrity["fingerprints"])
-        return Restored(state, data, integrity.get("data", {}))
+        return Restored(_in_layout(state, abstract_state, older), data, integrity.get("data", {}))
 
     def restore_params_on(self, step: int, device: jax.Device) -> Any:
         """The params saved at `step` on one device, whatever mesh wrote them (in their layout as saved: a
@@ -327,6 +334,55 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     name alike)."""
     return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
+
+
+OLDER_LAYOUTS = ("qkv/kernel", "qkv/bias")
+"""Parameters (and their optimizer moments) whose layout changed, saved before with their last two dimensions
+merged: the GPT's query, key and value kernel was [width, 3 x width] and is [width, 3, width], so that a split over
+`tensor` takes whole heads of each."""
+
+
+def _saved_merged(path: str, stored: tuple[int, ...], wanted: tuple[int, ...]) -> bool:
+    return path.endswith(OLDER_LAYOUTS) and len(wanted) >= 2 and stored[:-1] == wanted[:-2] \
+        and stored[-1:] == (wanted[-2] * wanted[-1],)
+
+
+def _with_saved_shapes(abstract_state: Any, older: dict[str, tuple[int, ...]]) -> Any:
+    """The abstract state with the leaves saved in an older layout as they were saved (replicated: they are
+    placed in the run's shardings when reshaped)."""
+    if not older:
+        return abstract_state
+
+    def as_saved(path, leaf):
+        shape = older.get(jax.tree_util.keystr(path, simple=True, separator="/"))
+        if shape is None:
+            return leaf
+        return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=jax.sharding.NamedSharding(
+            leaf.sharding.mesh, jax.sharding.PartitionSpec()))
+
+    return jax.tree_util.tree_map_with_path(as_saved, abstract_state)
+
+
+def _in_layout(state: Any, abstract_state: Any, older: dict[str, tuple[int, ...]]) -> Any:
+    """The restored state with the leaves saved in an older layout reshaped into the run's (and its shardings)."""
+    if not older:
+        return state
+
+    def reshaped(path, leaf, wanted):
+        if jax.tree_util.keystr(path, simple=True, separator="/") not in older:
+            return leaf
+        return jax.jit(lambda x: x.reshape(wanted.shape), out_shardings=wanted.sharding)(leaf)
+
+    return jax.tree_util.tree_map_with_path(reshaped, state, abstract_state)
+
+
+def in_current_layout(params: Any, abstract_params: Any) -> Any:
+    """Params read as saved (`restore_params_on`) with those saved in an older layout reshaped into the model's."""
+    def reshaped(path, leaf, wanted):
+        path = jax.tree_util.keystr(path, simple=True, separator="/")
+        return leaf.reshape(wanted.shape) if _saved_merged(path, leaf.shape, wanted.shape) else leaf
+
+    return jax.tree_util.tree_map_with_path(reshaped, params, abstract_params)
 
 
 def _verify(state: Any, saved: dict[str, int]) -> None:

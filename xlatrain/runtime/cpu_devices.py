@@ -1,6 +1,7 @@
 """How many XLA:CPU devices a single-process run makes (mesh.cpu_devices), decided before JAX starts.
 
-`auto` makes what the mesh asks for (mesh.data x mesh.stage), so `xlatrain train mesh.data=8` needs no XLA_FLAGS.
+`auto` makes what the mesh asks for (mesh.data x mesh.stage x mesh.tensor), so `xlatrain train mesh.data=8` needs no
+XLA_FLAGS.
 `per_core` splits the host into one XLA:CPU device per core and trains data-parallel over them: one device's XLA:CPU
 program leaves the cores partly idle (some kernels, such as attention's batched dots, keep to one thread; the 4 x
 256 GPT's step uses 1.8 of 2 cores' time), so on a 2-core AMD EPYC host the GPT's step measured 0.85-1.02x PyTorch
@@ -68,10 +69,12 @@ def plan_cpu_devices(config: Config, cores: int, available_bytes: int | None, re
         return CpuDevicePlan(wanted, "as asked", asked=True)
     if multi_process:
         return CpuDevicePlan(None, "JAX's default: a multi-process run (`xlatrain launch --devices-per-proc K` sets K)")
+    replica = " x ".join(f"mesh.{axis}={size}" for axis, size in (("stage", mesh.stage), ("tensor", mesh.tensor))
+                         if size > 1 or axis == "stage")
     if mesh.data != -1:
-        return CpuDevicePlan(mesh.data * mesh.stage, f"mesh.data={mesh.data} x mesh.stage={mesh.stage}")
-    if mesh.stage > 1:
-        return CpuDevicePlan(mesh.stage, f"one replica of mesh.stage={mesh.stage}")
+        return CpuDevicePlan(mesh.data * mesh.per_replica(), f"mesh.data={mesh.data} x {replica}")
+    if mesh.per_replica() > 1:
+        return CpuDevicePlan(mesh.per_replica(), f"one replica of {replica}")
     if wanted == "auto":
         return CpuDevicePlan(None, "JAX's default (mesh.cpu_devices=per_core makes one per core)")
     if config.batch.global_size is None:

@@ -198,10 +198,11 @@ def resolved_memory(device_kind: str) -> int:
     return _RESOLVED_MEMORY[device_kind]
 
 
-def target_devices(mesh_data: int, mesh_stage: int, asked: int | None) -> int:
-    """How many GPUs to compile for: --devices, else what the mesh names (mesh.data=-1: one data replica)."""
+def target_devices(mesh_data: int, per_replica: int, asked: int | None) -> int:
+    """How many GPUs to compile for: --devices, else what the mesh names (mesh.data=-1: one data replica of
+    `per_replica` devices, mesh.stage x mesh.tensor)."""
     if asked is not None:
         if asked < 1:
             raise UserError(f"--devices {asked}: compile for at least 1 GPU")
         return asked
-    return (1 if mesh_data == -1 else mesh_data) * mesh_stage
+    return (1 if mesh_data == -1 else mesh_data) * per_replica

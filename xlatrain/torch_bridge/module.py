@@ -379,6 +379,6 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
         return initial_values()
 
     parts = None if stack is None else TorchBlockParts(torch_module, stack)
-    return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: "data"}, initial_values=initial_values,
+    return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: ("data",)}, initial_values=initial_values,
                     blocks=parts, torch=torch_module, not_pipelinable=not_stackable,
                     takes_documents=takes_segment_ids(module.forward))

@@ -1,0 +1,216 @@
+"""Tensor and sequence parallelism (mesh.tensor, parallel.sequence_parallel) against one device: loss and every
+gradient leaf, a run that tracks it, resumes on another mesh.tensor, the collectives XLA inserts, and the configs
+that cannot compose refused in one line."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY_GPT, token_batch
+from test_config import cli_error
+
+from xlatrain.config import load_config
+from xlatrain.mesh import check_tensor_groups_inside_processes
+from xlatrain.program import build_program
+from xlatrain.trainer import train
+
+TP_GPT = [*TINY_GPT, "model.width=64", "model.heads=8", "batch.global_size=16", "optimizer.schedule=constant"]
+LLAMA = ["model.name=llama"]
+
+CASES = {  # (data, stage, tensor) x sequence parallel x strategy, pairwise rather than their full product
+    "d1t8": ["mesh.data=1", "mesh.tensor=8"],
+    "d2t4-sp": ["mesh.tensor=4", "parallel.sequence_parallel=true"],
+    "d2t4-fsdp": ["mesh.tensor=4", "parallel.strategy=fsdp"],
+    "d4t2-zero1-sp": ["mesh.tensor=2", "parallel.strategy=zero1", "parallel.sequence_parallel=true"],
+    "d4t2-fsdp-mlp-over-both-accumulated": ["mesh.tensor=2", "parallel.strategy=fsdp", "batch.microbatches=2",
+                                            "parallel.logical_rules.mlp=[tensor,data]"],
+    "llama-d2t4-gqa-kv-kept-whole-sp": [*LLAMA, "model.kv_heads=2", "mesh.tensor=4",
+                                        "parallel.sequence_parallel=true"],
+    "llama-d4t2-kv-split-tied-fsdp": [*LLAMA, "model.kv_heads=4", "mesh.tensor=2", "model.tie_embeddings=true",
+                                      "parallel.strategy=fsdp"],
+}
+
+
+def gradients_and_losses(overrides, devices, steps=3):
+    program = build_program(load_config(None, [*TP_GPT, *overrides]), devices)
+    state, batch = program.create_state(), token_batch(program)
+    grads, sums = jax.device_get(program.gradients(state, batch))
+    losses = []
+    for _ in range(steps):
+        state, metrics = program.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return program, grads, float(sums["loss"]), losses
+
+
+def assert_leaves_close(ours, reference, rtol=1e-5):
+    """Each leaf within rtol, with an atol of 1e-6 of the leaf's scale (its largest magnitude)."""
+    for path, expected in jax.tree_util.tree_leaves_with_path(reference):
+        got = ours
+        for key in path:
+            got = got[key.key]
+        scale = float(np.max(np.abs(expected))) or 1.0
+        np.testing.assert_allclose(got, expected, rtol=rtol, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=() if name in ("d1t8", "d2t4-sp") else pytest.mark.slow)
+                                  for name in CASES])
+def test_tensor_parallel_loss_and_every_gradient_equal_one_device(case, devices):
+    overrides = CASES[case]
+    model = [o for o in overrides if o.startswith("model.")]
+    one, reference, reference_loss, reference_losses = gradients_and_losses([*model, "mesh.data=1"], devices[:1])
+    program, grads, loss, losses = gradients_and_losses(overrides, devices)
+    assert program.mesh.shape["tensor"] == int(re.search(r"t(\d)", case).group(1))
+    np.testing.assert_allclose(loss, reference_loss, rtol=1e-5)
+    assert_leaves_close(grads, reference)
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+    assert reference_losses[-1] < reference_losses[0]
+
+
+def test_heads_mlp_and_vocabulary_are_split_megatron_style(devices):
+    program = build_program(load_config(None, [*TP_GPT, "mesh.tensor=4"]), devices)
+    blocks = program.specs.params["blocks"]
+    assert blocks["qkv"]["kernel"] == jax.sharding.PartitionSpec(None, None, None, "tensor")  # [layers, d, 3, heads]
+    assert blocks["attn_out"]["kernel"][1] == "tensor" and blocks["mlp_in"]["kernel"][2] == "tensor"
+    assert blocks["mlp_out"]["kernel"][1] == "tensor"
+    assert program.specs.params["embed"]["embedding"][0] == "tensor"
+    assert program.specs.params["head"]["kernel"][1] == "tensor"
+    assert all(axis is None for axis in blocks["ln_attn"]["scale"])  # what stays whole: norms, positions, biases out
+    adam = program.specs.opt_state[0].mu["blocks"]["qkv"]["kernel"]
+    assert adam == blocks["qkv"]["kernel"]  # the replicated strategy's moments follow the params over `tensor`
+
+
+def test_no_device_holds_the_whole_logits(devices):
+    """The vocabulary-parallel cross-entropy: each device's logits are [rows, length, vocab / t]."""
+    program = build_program(load_config(None, [*TP_GPT, "mesh.data=1", "mesh.tensor=8"]), devices)
+    hlo = program.train_step.first.compiled.as_text()
+    vocab, length = program.abstract_state.params["head"]["kernel"].shape[-1], 32
+    assert re.search(rf"f32\[\d+,{length},{vocab // 8}\]", hlo)
+    assert not re.search(rf"\[\d+,{length},{vocab}\]", hlo)
+
+
+def test_sequence_parallel_splits_the_activations_between_the_tensor_regions(devices):
+    """Per device, XLA's temporaries (the activations and the step's working buffers) fall by the tensor size
+    beyond a part that stays whole (bench/tensor_memory.py), more with sequence parallelism than without."""
+    def temporaries(tensor, *overrides):
+        program = build_program(load_config(None, [*TP_GPT, "mesh.data=1", f"mesh.tensor={tensor}", *overrides]),
+                                devices[:tensor])
+        return program.train_step.first.compiled.memory_analysis().temp_size_in_bytes
+
+    one, plain = temporaries(1), temporaries(4)
+    sequence_parallel = temporaries(4, "parallel.sequence_parallel=true")
+    assert sequence_parallel < plain < one
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_another_tensor_size_as_if_uninterrupted(tmp_path, devices):
+    """8 devices: t=2 (d=4) for 4 steps, then t=4 (d=2), then t=1 (d=8); the losses are the uninterrupted run's."""
+    common = [*TP_GPT, "trainer.checkpoint_every=4", f"trainer.run_dir={tmp_path / 'elastic'}"]
+    for steps, tensor in ((4, 2), (8, 4), (12, 1)):
+        result = train(load_config(None, [*common, f"mesh.tensor={tensor}", f"trainer.steps={steps}"]),
+                       echo=lambda _: None)
+        assert result.final_step == steps
+    from xlatrain.run.metrics import read_metrics
+
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "elastic" / "metrics.jsonl") if "loss" in r}
+    straight = train(load_config(None, [*TP_GPT, "trainer.steps=12", f"trainer.run_dir={tmp_path / 'straight'}"]),
+                     echo=lambda _: None).losses
+    np.testing.assert_allclose([resumed[s] for s in range(1, 13)], [straight[s] for s in range(1, 13)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.heads=6", "model.width=48", "mesh.tensor=4"],
+     "mesh.tensor=4 splits attention heads over the tensor axis, and model.heads=6 does not divide by 4"),
+    ([*LLAMA, "model.heads=12", "model.width=96", "model.kv_heads=6", "mesh.tensor=4", "model.mlp_hidden=128"],
+     "mesh.tensor=4 splits key/value heads over the tensor axis, and model.kv_heads=6 does not divide by 4"),
+    ([*LLAMA, "model.heads=8", "model.width=64", "model.mlp_hidden=100", "mesh.tensor=8"],
+     "model.mlp_hidden=100 does not divide by 8"),
+    (["mesh.tensor=2", "mesh.stage=2"], "parallel.mode=shard_map (chosen by parallel.mode=auto for a pipeline"),
+    (["mesh.tensor=2", "parallel.mode=shard_map"], "is a per-device program, whose layers are not split"),
+    (["parallel.sequence_parallel=true"], "set mesh.tensor to 2 or more"),
+    (["parallel.logical_rules.heads=stage"], "mesh axes that do not exist"),
+])
+def test_what_tensor_parallelism_cannot_split_is_one_line(overrides, message, capsys):
+    assert message in cli_error(capsys, "config", *TINY_GPT, *overrides)
+
+
+def test_a_torch_module_is_not_split_over_tensor(capsys, tmp_path):
+    np.savez(tmp_path / "arrays.npz", inputs=np.zeros((8, 4), np.float32), targets=np.zeros(8, np.int32))
+    assert "a torch module's parameters name none" in cli_error(
+        capsys, "config", "model.name=torch", "model.target=torch.nn:Linear", "data.source=arrays",
+        f"data.path={tmp_path / 'arrays.npz'}", "mesh.tensor=2")
+
+
+def test_a_vocabulary_the_tensor_size_does_not_divide_names_the_parameter(devices):
+    from xlatrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"mesh.tensor=8 does not divide embed.embedding \(vocab: 260\) \(model"
+                                        r".vocab_multiple rounds"):
+        build_program(load_config(None, [*TP_GPT, "model.vocab=260", "mesh.tensor=8"]), devices)
+    with pytest.raises(UserError, match="mesh.tensor=2 splits no parameter of model.name=mlp"):
+        build_program(load_config(None, ["model.name=mlp", "data.source=digits", "mesh.tensor=2"]), devices)
+
+
+def test_a_tensor_group_stays_inside_one_process():
+    class Device:
+        def __init__(self, process_index):
+            self.process_index = process_index
+
+    check_tensor_groups_inside_processes([Device(p) for p in (0, 0, 1, 1)], 2)
+    from xlatrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"processes hold \[3\] devices each"):
+        check_tensor_groups_inside_processes([Device(p) for p in (0, 0, 0, 1, 1, 1)], 2)
+
+
+def test_gqa_with_fewer_kv_heads_than_the_tensor_size_is_said_in_xlatrain_config(capsys):
+    from xlatrain.cli import main
+
+    assert main(["config", *TINY_GPT, *LLAMA, "model.heads=8", "model.width=64", "model.kv_heads=2",
+                 "mesh.tensor=4", "mesh.cpu_devices=8"]) == 0
+    shown = capsys.readouterr().out
+    assert "tensor_whole:\n  - kv_heads" in shown
+
+
+def test_a_run_saved_before_the_qkv_kernel_was_split_by_projection_resumes_as_if_uninterrupted(tmp_path, devices):
+    """Older versions saved the GPT's qkv kernel as [layers, width, 3 x width] and its bias as [layers, 3 x width]
+    (Adam's moments alike), and a config without mesh.tensor whose logical rules name `data` alone: resumed with
+    the defaults, the run reshapes them and goes on with the losses of a run never stopped."""
+    import yaml
+
+    from xlatrain.run.checkpoints import Checkpoints
+
+    common = [*TINY_GPT, "optimizer.schedule=constant", "trainer.checkpoint_every=2"]
+    straight = train(load_config(None, [*common, "trainer.steps=4", f"trainer.run_dir={tmp_path / 'straight'}"]),
+                     echo=lambda _: None).losses
+    run_dir = tmp_path / "older"
+    config = load_config(None, [*common, "trainer.steps=2", f"trainer.run_dir={run_dir}"])
+    train(config, echo=lambda _: None)
+
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["mesh"]["tensor"], saved["parallel"]["sequence_parallel"]
+    saved["parallel"]["logical_rules"] = {name: "data" for name in saved["parallel"]["logical_rules"]}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    program = build_program(config)
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=3)
+    restored = checkpoints.restore(2, jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), program.abstract_state,
+        program.state_shardings))
+
+    def merged(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        return leaf.reshape(*leaf.shape[:-2], -1) if keys[-2:] in (["qkv", "kernel"], ["qkv", "bias"]) else leaf
+
+    older = jax.tree_util.tree_map_with_path(merged, restored.state)
+    assert older.params["blocks"]["qkv"]["kernel"].shape == (2, 32, 96)
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints" / "2")
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=3)
+    checkpoints.save(2, older, restored.data, restored.trained_on)
+    checkpoints.wait_until_written()
+    checkpoints.close()
+
+    resumed = train(load_config(None, [*common, "trainer.steps=4", f"trainer.run_dir={run_dir}"]), echo=lambda _: None)
+    assert resumed.start_step == 2
+    assert [resumed.losses[s] for s in (3, 4)] == [straight[s] for s in (3, 4)]
