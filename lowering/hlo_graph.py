@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
-from xlatrain.lowering.inspect import XLATRAIN_TARGET
+from xlatrain.lowering.inspect import XLATRAIN_TARGET, replica_groups
 
 REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatter", "reduce-scatter-start",
               "reduce-scatter-done", "xlatrain_all_reduce", "xlatrain_reduce_scatter")
@@ -26,14 +27,14 @@ REDUCTIONS = ("all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatt
 custom-call ones (named by their target, less the platform)."""
 
 SINGLE_DEVICE = "no cross-replica reduction of the gradients (single device: nothing to order)"
+ONE_DATA_REPLICA = "no cross-replica reduction of the gradients (one data replica: nothing to order)"
+"""A model split over `tensor` alone: its devices reduce activations, never gradients across replicas."""
 
 _NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _XLATRAIN_TARGET = re.compile(XLATRAIN_TARGET)
-_LISTED_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
 
 
 @dataclass
@@ -43,8 +44,8 @@ class Instruction:
     operands: list[str]
     called: list[str]
     op_name: str
-    across_devices: bool = True
-    """For a collective: whether a replica group holds more than one device."""
+    groups: list[list[int]] | None = None
+    """For a collective: its replica groups (None: one group of every device)."""
     contains: set[str] = field(default_factory=set)
     """Opcodes and op_names of this instruction and of every computation it calls (fusions, loops)."""
 
@@ -62,9 +63,11 @@ class HloGraph:
         """Instructions computing (part of) something under `jax.named_scope(scope)`."""
         return [i.name for i in self.entry.values() if any(f"/{scope}/" in name for name in i.contains)]
 
-    def reductions(self) -> set[str]:
-        """The cross-device reductions (REDUCTIONS whose groups hold more than one device)."""
-        return {i.name for i in self.entry.values() if i.opcode in REDUCTIONS and i.across_devices}
+    def reductions(self, counted: Callable[[list[list[int]] | None], bool] | None = None) -> set[str]:
+        """The cross-device reductions (REDUCTIONS whose groups hold more than one device); `counted(groups)`:
+        only those it accepts (the reductions over `data`, beside a tensor axis's)."""
+        return {i.name for i in self.entry.values() if i.opcode in REDUCTIONS and _across_devices(i.groups)
+                and (counted is None or counted(i.groups))}
 
     @cached_property
     def users(self) -> dict[str, list[str]]:
@@ -119,7 +122,7 @@ def parse_hlo(text: str) -> HloGraph:
         called = (opcodes(c) for c in instruction.called)
         instruction.contains = {instruction.opcode, instruction.op_name}.union(*called)
         if instruction.opcode.endswith("-done"):  # an async collective's groups are on its start
-            instruction.across_devices = entry[instruction.operands[0]].across_devices
+            instruction.groups = entry[instruction.operands[0]].groups
     return HloGraph(entry, root)
 
 
@@ -136,18 +139,12 @@ def _instruction(name: str, rest: str) -> Instruction:
     opcode = f"xlatrain_{target.group(1)}" if target else opcode
     op_name = _OP_NAME.search(attributes)
     label = op_name.group(1).replace("\\'", "'") if op_name else ""
-    return Instruction(name, opcode, operands, _CALLED.findall(attributes), label, _across_devices(attributes))
+    return Instruction(name, opcode, operands, _CALLED.findall(attributes), label, replica_groups(attributes))
 
 
-def _across_devices(attributes: str) -> bool:
-    """Whether a collective's replica groups (listed, `{{0},{1}}`, or XLA's iota form, `[2,1]<=[2]`) hold more
-    than one device each; an empty list is one group of every device."""
-    listed = _LISTED_GROUPS.search(attributes)
-    if listed:
-        groups = re.findall(r"\{([\d,]*)\}", listed.group(1))
-        return not groups or any("," in group for group in groups)
-    iota = _IOTA_GROUPS.search(attributes)
-    return iota is None or int(iota.group(1)) > 1
+def _across_devices(groups: list[list[int]] | None) -> bool:
+    """Whether a collective's replica groups hold more than one device (None: one group of every device)."""
+    return groups is None or any(len(group) > 1 for group in groups)
 
 
 def _matching(text: str, open_index: int) -> int:
@@ -161,22 +158,24 @@ def _matching(text: str, open_index: int) -> int:
 
 def amp_order_problems(graph: HloGraph, param_outputs: list[int], batch_keys: list[str], *,
                        skips_nonfinite: bool, clips: bool, scales: bool = True, synchronised: bool = True,
-                       ) -> list[str]:
+                       counted: Callable[[list[list[int]] | None], bool] | None = None) -> list[str]:
     """What, if anything, in the compiled train step breaks the AMP order (empty: the order holds).
 
     `param_outputs` are the indices of the updated parameters in the step's output tuple; the step's
     phases are found by their `jax.named_scope` (lowering/step.py). `scales`: whether the step scales the
     loss (a dynamic loss scale); without it, there is no scale to apply before the sync or to undo after.
     `synchronised`: whether the gradients are summed across devices before the update (not in a pipeline
-    over one data replica, where the finite check and the clip must still agree across the stages)."""
+    over one data replica, where the finite check and the clip must still agree across the stages).
+    `counted(groups)`: which reductions count (with a tensor axis, those over `data`: a tensor all-reduce in the
+    forward is no gradient sync)."""
     outputs = [graph.root.operands[i] for i in param_outputs]
     batch = [p for key in batch_keys for p in graph.parameter(f"batch[{key!r}]")]
     scale = graph.parameter("state.loss_scale.scale")
-    reductions = graph.reductions()
+    reductions = graph.reductions(counted)
     if not batch or (scales and not scale) or not outputs:
         return [f"cannot find the batch {batch_keys}, the loss scale or the parameter outputs in the HLO"]
     if not reductions:
-        return [SINGLE_DEVICE]
+        return [ONE_DATA_REPLICA if counted is not None and graph.reductions() else SINGLE_DEVICE]
     # (phase, its instructions, whether it must exist, whether the update must depend on it, how the batch
     # reaches it: only through cross-device reductions, through one at least, or any way)
     phases = [("the parameter update", outputs, True, False, "only through" if synchronised else "any way"),

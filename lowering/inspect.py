@@ -50,18 +50,78 @@ def result_shape(shape_text: str, kind: str, starts_async: bool) -> str:
     return parts[1] if len(parts) > 1 else shape_text
 
 
-def collectives(hlo_text: str) -> list[dict[str, Any]]:
+def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """[{kind, count, bytes}] for each collective kind in the HLO text (XLA's own, then xlatrain's custom
-    calls as `xlatrain <op>`); async pairs counted once; bytes are the results'."""
-    counts: dict[str, int] = defaultdict(int)
-    sizes: dict[str, int] = defaultdict(int)
-    found = [(kind, result_shape(shape, kind, bool(start))) for shape, kind, start in _INSTRUCTION.findall(hlo_text)]
-    found += [(f"xlatrain {op}", shape) for shape, op in _CUSTOM_COLLECTIVE.findall(hlo_text)]
-    for kind, shape in found:
-        counts[kind] += 1
-        sizes[kind] += shape_bytes(shape)
-    order = [k for k in COLLECTIVES if k in counts] + sorted(k for k in counts if k not in COLLECTIVES)
-    return [{"kind": k, "count": counts[k], "bytes": sizes[k]} for k in order]
+    calls as `xlatrain <op>`); async pairs counted once; bytes are the results'. With `mesh_shape` (the mesh's
+    axes and sizes, in order) each kind is counted per set of mesh axes its replica groups span, as `over`
+    ("data", "tensor", "data+tensor"; "all" where the HLO names no groups)."""
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    sizes: dict[tuple[str, str], int] = defaultdict(int)
+    found = []
+    for line in hlo_text.splitlines():
+        for shape, kind, start in _INSTRUCTION.findall(line):
+            found.append((kind, result_shape(shape, kind, bool(start)), _over(line, mesh_shape)))
+        found += [(f"xlatrain {op}", shape, "") for shape, op in _CUSTOM_COLLECTIVE.findall(line)]
+    for kind, shape, over in found:
+        counts[kind, over] += 1
+        sizes[kind, over] += shape_bytes(shape)
+    rank = {kind: i for i, kind in enumerate(COLLECTIVES)}
+    order = sorted(counts, key=lambda key: (rank.get(key[0], len(rank)), key[0], key[1]))
+    return [{"kind": kind, "count": counts[kind, over], "bytes": sizes[kind, over], **({"over": over} if over else {})}
+            for kind, over in order]
+
+
+def _over(line: str, mesh_shape: dict[str, int] | None) -> str:
+    if mesh_shape is None:
+        return ""
+    groups = replica_groups(line)
+    return "all" if groups is None else "+".join(axes_spanned(groups, mesh_shape)) or "none"
+
+
+_LISTED_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                          r"\s*\{([^}]*)\}")
+
+
+def replica_groups(attributes: str) -> list[list[int]] | None:
+    """A collective's replica groups as device ids (positions in the mesh's devices), from any of XLA's forms:
+    listed (`{{0,1},{2,3}}`), iota (`[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`) or over named mesh axes
+    (`mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`, with `device_ids=([4,2]T(1,0))` where the devices are laid out
+    otherwise); None when it names none (one group of every device)."""
+    listed = _LISTED_GROUPS.search(attributes)
+    if listed:
+        groups = [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([\d,]*)\}", listed.group(1))]
+        return groups or None
+    iota = _IOTA_GROUPS.search(attributes)
+    if iota:
+        return _iota(iota.group(3), iota.group(4)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    mesh = _MESH_GROUPS.search(attributes)
+    if mesh:
+        axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+        names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
+        ids = (_iota(mesh.group(2), mesh.group(3)) if mesh.group(2) else np.arange(int(np.prod(sizes)))).reshape(sizes)
+        reduced = [names.index(name) for name in re.findall(r"'([^']+)'", mesh.group(4))]
+        kept = [i for i in range(len(sizes)) if i not in reduced]
+        size = int(np.prod([sizes[i] for i in reduced], dtype=np.int64))
+        return ids.transpose(kept + reduced).reshape(-1, size).tolist()
+    return None
+
+
+def _iota(dims: str, permutation: str | None) -> np.ndarray:
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return (ids.transpose([int(p) for p in permutation.split(",")]) if permutation else ids).reshape(-1)
+
+
+def axes_spanned(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which some replica group holds devices at different coordinates."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    spanned = set()
+    for group in groups:
+        coordinates = np.array(np.unravel_index(group, sizes)).reshape(len(sizes), -1)
+        spanned |= {names[i] for i in range(len(names)) if len(set(coordinates[i].tolist())) > 1}
+    return tuple(name for name in names if name in spanned)
 
 
 def peak_memory_bytes(compiled: Any) -> int:

@@ -217,3 +217,18 @@ def test_the_docs_target_commands_run_as_written():
         result = run_cli(*command[1:], timeout=600)
         assert result.returncode == 0, (command, result.stderr[-3000:])
         assert "compiled only" in result.stdout and ": fits" in result.stdout, result.stdout
+
+
+@needs_cuda_plugin
+def test_a_tensor_parallel_gpt_compiles_for_four_h100s_with_reduce_scatters_under_sequence_parallelism():
+    """XLA:GPU turns the row-parallel outputs' sum into reduce-scatters over `tensor` (XLA:CPU keeps an all-reduce
+    and a slice); the parameters per GPU are a quarter of the whole's, beyond the norms and positions."""
+    shape = ["model.width=64", "model.heads=4", "precision.policy=bf16", "mesh.data=1", "mesh.tensor=4"]
+    plain = lower_for_gpus(*shape)
+    sequence_parallel = lower_for_gpus(*shape, "parallel.sequence_parallel=true")
+    assert plain["target"]["devices"] == 4
+    kinds = {(c["kind"], c["over"]) for c in sequence_parallel["collectives"]}
+    assert ("reduce-scatter", "tensor") in kinds and ("all-gather", "tensor") in kinds
+    assert ("reduce-scatter", "tensor") not in {(c["kind"], c["over"]) for c in plain["collectives"]}
+    assert sequence_parallel["memory"]["temp_bytes"] < plain["memory"]["temp_bytes"]
+    assert plain["amp_order"] == ["no cross-replica reduction of the gradients (one data replica: nothing to order)"]

@@ -214,3 +214,48 @@ def test_a_run_saved_before_the_qkv_kernel_was_split_by_projection_resumes_as_if
     resumed = train(load_config(None, [*common, "trainer.steps=4", f"trainer.run_dir={run_dir}"]), echo=lambda _: None)
     assert resumed.start_step == 2
     assert [resumed.losses[s] for s in (3, 4)] == [straight[s] for s in (3, 4)]
+
+
+def test_lower_splits_memory_per_device_and_names_each_collectives_mesh_axes(devices):
+    """Parameters and optimizer state per device fall to 1/T beyond what stays whole (norms, positions, the biases
+    after the row-parallel matmuls); the gradient sync is the reduction over `data`, the tensor group's are over
+    `tensor`, and only the former counts for the AMP order."""
+    from xlatrain.lowering.hlo_graph import ONE_DATA_REPLICA
+
+    from xlatrain.commands.lower import lower_report
+
+    def report(data, tensor):
+        program = build_program(load_config(None, [*TP_GPT, f"mesh.data={data}", f"mesh.tensor={tensor}"]),
+                                devices[:data * tensor])
+        return program, lower_report(program, program.train_step.first.compiled)
+
+    one, whole = report(1, 1)
+    program, split = report(2, 4)
+    kept = sum(leaf.size * 4 for leaf, spec in zip(jax.tree.leaves(program.abstract_state.params),
+                                                   jax.tree.leaves(program.specs.params, is_leaf=lambda x: isinstance(
+                                                       x, jax.sharding.PartitionSpec)), strict=True)
+               if "tensor" not in spec)
+    total = whole["memory"]["params_bytes"]
+    assert split["memory"]["params_bytes"] == kept + (total - kept) // 4 and kept < 0.05 * total
+    assert split["memory"]["optimizer_bytes"] == 2 * split["memory"]["params_bytes"] + 8  # Adam's mu, nu; a count
+    kinds = {(c["kind"], c["over"]) for c in split["collectives"]}
+    assert ("all-reduce", "data") in kinds and ("all-reduce", "tensor") in kinds
+    assert split["amp_order"] == []
+    _, tensor_only = report(1, 8)
+    assert tensor_only["amp_order"] == [ONE_DATA_REPLICA]  # the forward's tensor all-reduces sync no gradients
+
+
+@pytest.mark.parametrize("attributes, groups, spanned", [
+    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", [[0, 4], [1, 5], [2, 6], [3, 7]], ("data",)),
+    ("replica_groups=[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]], ("tensor",)),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]], ("data",)),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_2'}", [[0, 1, 2, 3], [4, 5, 6, 7]], ("tensor",)),
+    ("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}",
+     [[0, 1, 2, 3], [4, 5, 6, 7]], ("tensor",)),
+    ("replica_groups=[1,8]<=[8]", [list(range(8))], ("data", "tensor")),
+])
+def test_replica_groups_are_read_in_each_of_xlas_forms(attributes, groups, spanned):
+    from xlatrain.lowering.inspect import axes_spanned, replica_groups
+
+    assert replica_groups(attributes + ", use_global_device_ids=true") == groups
+    assert axes_spanned(groups, {"data": 2, "tensor": 4}) == spanned

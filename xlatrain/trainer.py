@@ -123,7 +123,10 @@ def _silent(_: str) -> None:
 def _describe(program: Program, echo: Callable[[str], None]) -> None:
     d = program.derived
     echo(f"xlatrain: {program.config.name} -> {program.config.run_dir()}")
-    echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}, "
+    tensor = program.config.mesh.tensor
+    split = "" if tensor == 1 else f", tensor-parallel {tensor}" + (
+        " (sequence parallel)" if program.config.parallel.sequence_parallel else "")
+    echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}{split}, "
          f"strategy {program.config.parallel.strategy}, params {program.param_count:,}"
          + (f" ({program.model.torch.describe_frozen()})" if program.model.frozen else ""))
     if cpu_devices.applied is not None and jax.devices()[0].platform == "cpu":

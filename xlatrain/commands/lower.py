@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 
@@ -16,7 +17,8 @@ from xlatrain.compat.monitoring import cost_analysis
 from xlatrain.config import Config, load_config
 from xlatrain.errors import UserError, first_line
 from xlatrain.lowering import hlo_graph
-from xlatrain.lowering.inspect import collectives, dump, peak_memory_bytes
+from xlatrain.lowering.inspect import axes_spanned, collectives, dump, peak_memory_bytes
+from xlatrain.mesh import DATA, TENSOR
 from xlatrain.program import Program, build_program
 from xlatrain.runtime.gpu_targets import GpuTarget, resolve_target, target_devices
 
@@ -43,7 +45,8 @@ def lower_report(program: Program, compiled: Any) -> dict[str, Any]:
     report = {"params": program.param_count,
               "flops": _flops_or_none(cost_analysis(compiled)),
               "peak_memory_bytes": peak_memory_bytes(compiled),
-              "collectives": collectives(compiled.as_text()),
+              "memory": memory_split(program, compiled),
+              "collectives": collectives(compiled.as_text(), dict(program.mesh.shape)),
               "device_memory": {"bytes": available, "of": where},
               "model_flops": program.measured.model_flops_per_step,
               "amp_order": amp_order_problems(program) if program.steps_per_sync == 1 else None,
@@ -54,8 +57,26 @@ def lower_report(program: Program, compiled: Any) -> dict[str, Any]:
     return report
 
 
+def memory_split(program: Program, compiled: Any) -> dict[str, int]:
+    """Bytes per device: the parameters and the optimizer state (their sharded shapes), beside XLA's arguments
+    and temporaries (memory analysis: the activations and the step's working buffers)."""
+    shardings = program.state_shardings
+    stats = compiled.memory_analysis()
+    return {"params_bytes": _bytes_per_device(program.abstract_state.params, shardings.params),
+            "optimizer_bytes": _bytes_per_device(program.abstract_state.opt_state, shardings.opt_state),
+            "argument_bytes": int(stats.argument_size_in_bytes) if stats is not None else 0,
+            "temp_bytes": int(stats.temp_size_in_bytes) if stats is not None else 0}
+
+
+def _bytes_per_device(abstract: Any, shardings: Any) -> int:
+    """The largest shard of each leaf (what the most loaded device holds), summed."""
+    return sum(math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True))
+
+
 def amp_order_problems(program: Program) -> list[str]:
-    """The AMP order checked on the compiled (single-step) train program; empty when it holds."""
+    """The AMP order checked on the compiled (single-step) train program; empty when it holds. Beside a tensor
+    axis only the reductions over `data` count as the gradient sync."""
     leaves = jax.tree_util.tree_flatten_with_path(program.abstract_state)[0]
     params = [i for i, (path, _) in enumerate(leaves) if jax.tree_util.keystr(path).startswith(".params")]
     skips = program.policy.dynamic_scale or program.config.trainer.on_nonfinite == "skip"
@@ -63,7 +84,14 @@ def amp_order_problems(program: Program) -> list[str]:
                                         sorted(program.train_batch_shapes()), skips_nonfinite=skips,
                                         clips=program.config.optimizer.clip_norm is not None,
                                         scales=program.policy.dynamic_scale,
-                                        synchronised=program.gradients_synchronised)
+                                        synchronised=program.gradients_synchronised,
+                                        counted=_over_data(program.mesh))
+
+
+def _over_data(mesh: jax.sharding.Mesh) -> Callable[[list[list[int]] | None], bool] | None:
+    if TENSOR not in mesh.shape:
+        return None
+    return lambda groups: groups is None or DATA in axes_spanned(groups, dict(mesh.shape))
 
 
 def pipeline_report(program: Program, compiled: Any) -> dict[str, Any]:
@@ -140,12 +168,22 @@ def format_report(report: dict, devices: int) -> str:
                                        "trip count)" if report["model_flops"] else "not counted (a while loop)"),
               f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)"
               + _fits(report["peak_memory_bytes"], report["device_memory"]),
-              "collectives        " + ("none" if not report["collectives"] else "")]
-    lines += [f"  {c['kind']:<26} x{c['count']:<4} {c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
+              _memory_line(report["memory"]),
+              "collectives        " + ("none" if not report["collectives"] else
+                                       "(in the optimised HLO: a loop's body, e.g. a layer scan's, counted once)")]
+    lines += [f"  {c['kind'] + (' over ' + c['over'] if c.get('over') else ''):<34} x{c['count']:<4} "
+              f"{c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
     if "pipeline" in report:
         lines += _pipeline_lines(report["pipeline"])
     lines.append(_amp_order_line(report))
     return "\n".join(lines)
+
+
+def _memory_line(memory: dict) -> str:
+    mib = {key: value / 2**20 for key, value in memory.items()}
+    return (f"  per device       params {mib['params_bytes']:.2f} MiB, optimizer state {mib['optimizer_bytes']:.2f} "
+            f"MiB (their sharded shapes); XLA: arguments {mib['argument_bytes']:.2f} MiB, temporaries "
+            f"{mib['temp_bytes']:.2f} MiB (activations and working buffers)")
 
 
 def _pipeline_lines(p: dict) -> list[str]:
@@ -168,8 +206,9 @@ def _amp_order_line(report: dict) -> str:
     scaled = ("scaled gradients", "unscale, ") if report["loss_scaled"] else ("gradients (no loss scale)", "")
     if order is None:
         return "AMP order          not checked (trainer.steps_per_sync > 1 compiles the steps into a loop)"
-    if order == [hlo_graph.SINGLE_DEVICE]:
-        return f"AMP order          single device: {scaled[0]} -> {scaled[1]}finite check, clip -> update"
+    if order in ([hlo_graph.SINGLE_DEVICE], [hlo_graph.ONE_DATA_REPLICA]):
+        where = "single device" if order == [hlo_graph.SINGLE_DEVICE] else "one data replica"
+        return f"AMP order          {where}: {scaled[0]} -> {scaled[1]}finite check, clip -> update"
     if order:
         return "AMP order          VIOLATED: " + "; ".join(order)
     if not report["gradients_synchronised"]:
