@@ -259,3 +259,25 @@ def test_replica_groups_are_read_in_each_of_xlas_forms(attributes, groups, spann
 
     assert replica_groups(attributes + ", use_global_device_ids=true") == groups
     assert axes_spanned(groups, {"data": 2, "tensor": 4}) == spanned
+
+
+@pytest.mark.slow
+def test_loss_scaling_and_fused_steps_compose_with_tensor_parallelism(tmp_path, devices):
+    """fp16 with its dynamic loss scale, two steps per call: the tensor-parallel run tracks one device's (their
+    roundings differ in 16 bits) with the same loss scales."""
+    common = [*TP_GPT, "precision.policy=fp16", "trainer.steps=6", "trainer.steps_per_sync=2"]
+
+    def run(name, overrides, on):
+        return train(load_config(None, [*common, *overrides, f"trainer.run_dir={tmp_path / name}"]), devices=on,
+                     echo=lambda _: None)
+
+    one = run("one", ["mesh.data=1"], devices[:1])
+    split = run("split", ["mesh.tensor=4", "parallel.sequence_parallel=true"], devices)
+    steps = range(1, 7)
+    np.testing.assert_allclose([split.losses[s] for s in steps], [one.losses[s] for s in steps], rtol=1e-2)
+    from xlatrain.run.metrics import read_metrics
+
+    def scales(name):
+        return [r["loss_scale"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss_scale" in r]
+
+    assert scales("split") == scales("one") and scales("one")
