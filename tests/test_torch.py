@@ -4,6 +4,7 @@ exact resume, weights in and out, and one clear error for each kind of bad input
 import copy
 import importlib.util
 import os
+import re
 import sys
 import warnings
 
@@ -418,3 +419,47 @@ def test_parity_refuses_what_torch_cannot_match(config, overrides, expected):
                    env={"PYTHONPATH": PYTHONPATH})
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr
+
+
+TENSOR_DIMS = ['model.tensor_dims={"blocks.*.qkv.*": column, "blocks.*.attn_out.weight": row, '
+               '"blocks.*.mlp_in.*": column, "blocks.*.mlp_out.weight": row, "head.*": column}']
+
+
+@pytest.mark.parametrize("strategy", ["replicated", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_a_torch_modules_linears_split_over_tensor_as_model_tensor_dims_says_and_train_as_one_device(strategy,
+                                                                                                   devices):
+    from conftest import token_batch
+    from test_tensor_parallel import assert_leaves_close
+
+    def run(overrides, on):
+        program = build_program(load_config(None, [*TORCH_GPT, *overrides]), on)
+        state, batch = program.create_state(), token_batch(program)
+        grads = jax.device_get(program.gradients(state, batch)[0])
+        losses = []
+        for _ in range(3):
+            state, metrics = program.train_step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return program, grads, losses
+
+    _, reference, reference_losses = run(["mesh.data=1"], devices[:1])
+    program, grads, losses = run(["mesh.tensor=4", f"parallel.strategy={strategy}", *TENSOR_DIMS], devices)
+    blocks = program.specs.params["blocks"]
+    over_tensor = ("tensor", ("tensor", "data"))  # fsdp splits it over data too
+    assert blocks["qkv.weight"][1] in over_tensor and blocks["attn_out.weight"][2] in over_tensor  # [layers, out, in]
+    assert "tensor" not in str(blocks["attn_out.bias"])  # after a row-parallel matmul: whole over `tensor`
+    assert_leaves_close(grads, reference)
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['model.tensor_dims={"blocks.*.fc9.*": column}', "mesh.tensor=2"],
+     "model.tensor_dims['blocks.*.fc9.*'] matches no parameter of 'tiny_gpt:TinyGPT'"),
+    ([*TENSOR_DIMS, "mesh.tensor=2", "mesh.stage=2"], "is a per-device program, whose layers are not split"),
+    ([*TENSOR_DIMS, "mesh.tensor=2", "collectives.impl=custom"], "is a per-device program"),
+    ([*TENSOR_DIMS, "mesh.tensor=8", "model.kwargs.heads=4", "model.kwargs.width=36"],
+     "mesh.tensor=8 does not divide blocks.attn_out.weight (tensor_split: 36)"),
+    (TENSOR_DIMS, "set mesh.tensor to 2 or more, or drop model.tensor_dims"),
+])
+def test_what_a_torch_module_cannot_split_over_tensor_is_one_line(overrides, message, devices):
+    with pytest.raises(UserError, match=re.escape(message)):
+        build_program(load_config(None, [*TORCH_GPT, *overrides]), devices)

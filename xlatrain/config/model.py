@@ -196,6 +196,11 @@ class TorchModelConfig(ModelBase):
     shard_dims: dict[str, int | None] = {}
     """Parameter-name glob -> the dimension zero1/fsdp shard over `data` (null: keep it whole); the first
     matching pattern wins. Unmatched params: their largest dimension that the data axis divides."""
+    tensor_dims: dict[str, Literal["column", "row"]] = {}
+    """With mesh.tensor > 1 (parallel.mode=jit): parameter-name glob -> how it splits over `tensor`, the first
+    matching pattern winning: column (an nn.Linear's output features: its weight's dimension 0 and its bias) or row
+    (its input features: the weight's last dimension; a 1-D parameter, such as the bias after a row-parallel
+    matmul, stays whole). Every pattern must match a parameter; XLA's partitioner inserts the collectives."""
     blocks: str = "blocks"
     """For pipelines: the nn.ModuleList attribute holding the repeated blocks (the module also defines
     before_blocks(inputs) and after_blocks(x))."""

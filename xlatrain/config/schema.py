@@ -104,15 +104,18 @@ class Config(Strict):
     @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> Config:
         tensor = self.mesh.tensor
+        if self.model.name == "torch" and self.model.tensor_dims and tensor == 1:
+            raise ValueError("model.tensor_dims says how a torch module splits over the tensor axis: set mesh.tensor "
+                             "to 2 or more, or drop model.tensor_dims")
         if self.parallel.sequence_parallel and tensor == 1:
             raise ValueError("parallel.sequence_parallel=true splits activations along the sequence over the tensor "
                              "axis: set mesh.tensor to 2 or more, or sequence_parallel=false")
         if tensor == 1:
             return self
-        if self.model.name == "torch":
+        if self.model.name == "torch" and not self.model.tensor_dims:
             raise ValueError(f"mesh.tensor={tensor} splits layers by the logical names of their parameters, and a "
-                             "torch module's parameters name none: set mesh.tensor=1 (data and stage axes split a "
-                             "torch module's training)")
+                             "torch module's parameters name none: say how its linears split in model.tensor_dims "
+                             "(e.g. {'*.fc1.*': column, '*.fc2.weight': row}), or set mesh.tensor=1")
         if self.parallel.mode != "jit":
             chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
             raise ValueError(f"mesh.tensor={tensor} runs in parallel.mode=jit, where XLA's partitioner inserts the "

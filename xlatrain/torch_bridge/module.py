@@ -48,6 +48,8 @@ from xlatrain.torch_bridge.torchax_fixes import (
 SHARDED = "sharded"
 """The logical name of the dimension zero1/fsdp shard in a torch parameter; mapped to `data` unless
 parallel.logical_rules says otherwise."""
+TENSOR_SPLIT = "tensor_split"
+"""The logical name of the dimension model.tensor_dims splits over `tensor` (and zero1/fsdp over `data` too)."""
 
 _JAX_DTYPE = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.int64): np.dtype(np.int32),
               np.dtype(np.uint64): np.dtype(np.uint32), np.dtype(np.complex128): np.dtype(np.complex64)}
@@ -333,6 +335,22 @@ def load_state_dict_file(module: Any, path: Path, field: str) -> None:
     module.load_state_dict(state, strict=True)
 
 
+def tensor_split_names(names: tuple[str | None, ...], name: str, shape: tuple[int, ...],
+                       styles: dict[str, str]) -> tuple[str | None, ...]:
+    """`names` with TENSOR_SPLIT on the dimension the first matching pattern of model.tensor_dims splits over
+    `tensor` (column: dimension 0; row: the last, none of a 1-D parameter). Where that is the dimension zero1/fsdp
+    chose for `data`, TENSOR_SPLIT's rule splits it over both."""
+    style = next((style for pattern, style in styles.items() if fnmatch.fnmatchcase(name, pattern)), None)
+    if style is None or not shape or (style == "row" and len(shape) < 2):
+        return names
+    dim = 0 if style == "column" else len(shape) - 1
+    return tuple(TENSOR_SPLIT if d == dim else n for d, n in enumerate(names))
+
+
+def unmatched_tensor_patterns(styles: dict[str, str], names: list[str]) -> list[str]:
+    return [pattern for pattern in styles if not any(fnmatch.fnmatchcase(name, pattern) for name in names)]
+
+
 def shard_names(name: str, shape: tuple[int, ...], patterns: dict[str, int | None], data_parallel: int,
                 ) -> tuple[str | None, ...]:
     """Logical names of one parameter: SHARDED on the dimension zero1/fsdp split over `data`, None elsewhere.
@@ -365,7 +383,12 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
     stack, not_stackable = block_stacking(module, config.blocks)
     torch_module = TorchModule(module, config.target, stack)
     flat, buffers = torch_module.initial_params(), torch_module.initial_buffers()
-    axes = {name: shard_names(name, value.shape, config.shard_dims, data_parallel) for name, value in flat.items()}
+    unmatched = unmatched_tensor_patterns(config.tensor_dims, list(flat))
+    if unmatched:
+        raise UserError(f"config: model.tensor_dims[{unmatched[0]!r}] matches no parameter of {config.target!r}; its "
+                        f"parameters are {', '.join(list(flat)[:8])}{' ...' if len(flat) > 8 else ''}")
+    axes = {name: tensor_split_names(shard_names(name, value.shape, config.shard_dims, data_parallel), name,
+                                     value.shape, config.tensor_dims) for name, value in flat.items()}
     params = flat
     if stack is not None:
         params, axes = stack.stack(flat), stack.stack_axes(axes)
@@ -379,6 +402,7 @@ def torch_model(config: TorchModelConfig, seed: int, data_parallel: int) -> Mode
         return initial_values()
 
     parts = None if stack is None else TorchBlockParts(torch_module, stack)
-    return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: ("data",)}, initial_values=initial_values,
+    return ModelDef(axes, init, torch_module.run, logical_rules={SHARDED: ("data",), TENSOR_SPLIT: ("tensor", "data")},
+                    initial_values=initial_values,
                     blocks=parts, torch=torch_module, not_pipelinable=not_stackable,
                     takes_documents=takes_segment_ids(module.forward))
