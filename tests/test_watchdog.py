@@ -8,7 +8,7 @@ import pytest
 from xlatrain.config import Config, DistributedConfig, StallTimeouts, flatten
 from xlatrain.runtime import distributed
 from xlatrain.runtime.distributed import StopAgreement, as_primary_has_it, check_processes_agree, disagreements
-from xlatrain.runtime.watchdog import Observer, coordinator_lost, verdict
+from xlatrain.runtime.watchdog import Observer, coordinator_lost, final_line, verdict
 
 CONFIG = DistributedConfig(stall_timeout={"training": 30, "hook": 5}, heartbeat_timeout=10)
 
@@ -38,8 +38,8 @@ def test_a_rank_without_heartbeats_is_named_with_its_step_phase_and_the_last_che
     observer = observer_at(0, r0=published(57, "training", checkpoint=50), r1=published(57, "training", host="b"))
     observer.update({0: published(58, "training", beat=2, checkpoint=50), 1: published(57, "training", host="b")}, 9)
     message = verdict(observer, 2, 10.5, CONFIG)
-    assert message == ("rank 1 (host b) stopped responding at step 57 while training (no heartbeat for 10 s); "
-                       "last checkpoint: step 50")
+    assert message == "rank 1 (host b) stopped responding at step 57 while training (no heartbeat for 10 s)"
+    assert final_line(message, observer.seen).endswith("(no heartbeat for 10 s); last checkpoint: step 50")
 
 
 def test_the_rank_behind_is_blamed_not_the_ones_waiting_for_it():
@@ -49,7 +49,7 @@ def test_the_rank_behind_is_blamed_not_the_ones_waiting_for_it():
     assert verdict(observer, 2, 4.5, CONFIG) is None  # within hook's 5 s
     observer.update(beats | {0: published(59, "training", beat=10), 1: published(57, "hook", beat=10, host="b")}, 6)
     assert verdict(observer, 2, 6, CONFIG) == ("rank 1 (host b) has been in a hook at step 57 for 6 s, longer than "
-                                               "distributed.stall_timeout.hook=5; no checkpoint yet")
+                                               "distributed.stall_timeout.hook=5")
 
 
 def test_a_process_waiting_for_a_slow_compile_elsewhere_is_no_stall():
@@ -66,7 +66,7 @@ def test_every_process_stuck_at_the_same_place_is_said_so():
 
 def test_a_failed_rank_is_reported_with_its_error_and_a_finished_one_never_as_dead():
     observer = observer_at(0, r0=published(3, "training"), r1=published(3, "failed", error="boom"))
-    assert verdict(observer, 2, 1, CONFIG) == "rank 1 (host h) failed at step 3: boom; no checkpoint yet"
+    assert verdict(observer, 2, 1, CONFIG) == "rank 1 (host h) failed at step 3: boom"
     observer = observer_at(0, r0=published(9, "finished"), r1=published(9, "training"))
     observer.update({1: published(10, "training", beat=2)}, 60)
     assert verdict(observer, 2, 60, CONFIG) is None
@@ -85,7 +85,14 @@ def test_a_lost_coordinator_before_anything_was_seen_is_lost_while_starting():
     assert coordinator_lost({}, "gone") == "rank 0 (the coordinator) stopped responding while starting: gone"
     observer = observer_at(0, r0=published(9, "checkpointing", checkpoint=5, host="a"))
     assert coordinator_lost(observer.seen, "gone") == ("rank 0 (the coordinator, host a) stopped responding at step "
-                                                       "9 while checkpointing: gone; last checkpoint: step 5")
+                                                       "9 while checkpointing: gone")
+
+
+def test_the_last_checkpoint_is_the_newest_anyone_published_or_the_judge_found_written_since():
+    observer = observer_at(0, r0=published(27, "training", checkpoint=10), r1=published(27, "training"))
+    assert final_line("boom", observer.seen) == "boom; last checkpoint: step 10"
+    assert final_line("boom", observer.seen, mine=20) == "boom; last checkpoint: step 20"
+    assert final_line("boom", observer_at(0, r0=published(3, "training")).seen) == "boom; no checkpoint yet"
 
 
 def facts(of: Config, **changes) -> dict:

@@ -158,6 +158,7 @@ class _Run:
         self.phases = phases
         self.progress = phases.progress
         self.checkpoints = Checkpoints(self.run_dir / CHECKPOINTS_DIR, self.trainer.keep_checkpoints)
+        self.progress.newest_checkpoint = self.checkpoints.newest_written
         self.data_identity = identity_record(program.measured.data_examples, program.measured.data_digest,
                                              program.dataset.spec.tokenizer)
         self.compile_log = phases.compile_log
@@ -242,7 +243,6 @@ class _Run:
                 metrics_writer.close()
                 self._summarise(step, began)  # also when the run stops on an error: `xlatrain report` shows why
             self.checkpoints.wait_until_written()
-            self._note_written_checkpoint()
         result.final_step = step
         result.stopped_by = self.stop.cause() if result.interrupted else ""
         for line in self.summary.lines(findings_said=True):
@@ -286,7 +286,6 @@ class _Run:
         if self._crossed(self.trainer.log_every, first, step) or last or stopping:
             self._time_interval(step, loop.metrics_writer, loop.clock,
                                 traced=loop.profile.touches(self._interval_first_step, step))
-        self._note_written_checkpoint()
         return state, step, stopping
 
     def _metrics_writer(self, start: int) -> MetricsWriter:
@@ -294,12 +293,6 @@ class _Run:
         hyperparameters = hyperparameters_of(self.config)
         return MetricsWriter(self.run_dir, start, self.trainer.loggers, hyperparameters,
                              open_trackers(self.config, self.run_dir, hyperparameters))
-
-    def _note_written_checkpoint(self) -> None:
-        """What the watchdog names as the last checkpoint: one written whole, never a save still in flight."""
-        written = self.checkpoints.written_step()
-        if written is not None:
-            self.progress.last_checkpoint = written
 
     def _peak_flops(self) -> float | None:
         """One device's peak for MFU; said once at the start, with the step's model FLOPs."""
@@ -375,7 +368,6 @@ class _Run:
         if restored is None:
             return self.program.create_state(), None, 0
         (state, data_state, trained_on), step = restored
-        self.progress.last_checkpoint = step
         self.echo(f"  resuming from checkpoint at step {step} (verified)")
         check_same_tokenizer(self.config.data, trained_on, self.data_identity, step)
         change = data_change(self.config.data, trained_on, self.data_identity)

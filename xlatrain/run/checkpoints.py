@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -123,17 +124,19 @@ class Checkpoints:
                 self._manager.wait_until_finished()
             self._written = step
 
-    def written_step(self) -> int | None:
-        """The newest step this run saved and orbax finished writing whole, without waiting (None: none yet). A
-        save in flight counts once its background write has ended without an error (a failed one is reported by
-        wait_until_written, as the next save or the end of the run calls it)."""
-        if self._in_flight is not None and not self._manager.is_saving_in_progress():
+    def newest_written(self, wait_s: float = 0.0) -> int | None:
+        """The newest checkpoint in the directory written whole (orbax renames a save's temporary directory when it
+        is done), after waiting up to wait_s seconds for the save in flight to appear. It reads only the directory,
+        so any thread may call it while another hangs in orbax's cross-process barriers."""
+        deadline = time.monotonic() + wait_s
+        while True:
             try:
-                self._manager.check_for_errors()
-            except Exception:  # orbax re-raises its write's failure, of any type: reported by wait_until_written
-                return self._written
-            return self._in_flight
-        return self._written
+                steps = ocp.utils.checkpoint_steps(self.directory)
+            except OSError:
+                return None
+            if self._in_flight is None or self._in_flight in steps or time.monotonic() >= deadline:
+                return max(steps, default=None)
+            time.sleep(0.05)
 
     @contextlib.contextmanager
     def _writing(self, step: int) -> Iterator[None]:

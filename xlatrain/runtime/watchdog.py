@@ -7,7 +7,9 @@ heartbeat stopped for `distributed.heartbeat_timeout` is dead; one that stayed a
 longer than that phase's `distributed.stall_timeout` is stuck, but only when no other process is behind it
 (the others are then merely waiting for it in a collective). Either way every process prints one line naming
 the rank, its host, its last step and phase and the last checkpoint, and exits with WATCHDOG_EXIT at once:
-never through XLA's or gloo's own failure paths, which hang for minutes and then dump C++ stacks.
+never through XLA's or gloo's own failure paths, which hang for minutes and then dump C++ stacks. The checkpoint
+named is the newest one on disk written whole once a save in flight had a moment to finish (one whose parts
+were all written before a peer died still is), so it is the one a rerun resumes from.
 
 When process 0 dies, jax's runtime aborts every other process within milliseconds, before any Python code can
 run; `guard_against_runtime_abort` has a native thread print xlatrain's line about rank 0 in its place.
@@ -39,6 +41,9 @@ VERDICT_KEY = KEY_PREFIX + "verdict"
 COORDINATOR_LINGER_S = 4 * BEAT_S
 """How long process 0, which hosts the key-value store, waits before exiting on a failure, so that the others
 read the verdict (or its failure) and exit with xlatrain's line: once it is gone, jax's runtime aborts them."""
+SAVE_SETTLE_S = 4 * BEAT_S
+"""How long the process that judges waits for a save in flight to be written whole before naming the last
+checkpoint (process 0 finishes one whose parts were all written, also when a peer died since)."""
 PHASES = ("starting", "compiling", "training", "hook", "evaluating", "checkpointing", "loading_data")
 """In the order a process passes them within one step (for telling who is behind whom)."""
 DONE = ("finished", "failed")
@@ -55,8 +60,10 @@ class Progress:
 
     step: int = 0
     phase: str = "starting"
-    last_checkpoint: int | None = None
     error: str = ""
+    newest_checkpoint: Callable[[float], int | None] = field(default=lambda wait_s: None)
+    """The newest checkpoint written whole, after waiting up to wait_s seconds for a save in flight to end. Called
+    on the watchdog's thread while the training thread may hang in a collective: it must never block."""
 
     @contextmanager
     def during(self, phase: str) -> Iterator[None]:
@@ -107,9 +114,9 @@ class Observer:
 
 
 def verdict(observer: Observer, processes: int, now: float, config: DistributedConfig) -> str | None:
-    """The one-line failure to stop every process with, or None while every process is alive and moving."""
+    """What failed, to stop every process with (`final_line` adds the last checkpoint), or None while every
+    process is alive and moving."""
     seen = observer.seen
-    checkpoint = _last_checkpoint(seen)
     if observer.unreachable_since is not None and now - observer.unreachable_since > config.heartbeat_timeout:
         return coordinator_lost(seen, f"the key-value store has been unreachable for "
                                       f"{now - observer.unreachable_since:.0f} s")
@@ -117,12 +124,12 @@ def verdict(observer: Observer, processes: int, now: float, config: DistributedC
     running = {rank: s for rank, s in seen.items() if s.phase not in DONE}
     for rank, s in sorted(seen.items()):
         if s.phase == "failed":
-            return f"rank {rank} (host {s.host}) failed at step {s.step}: {s.error}; {checkpoint}"
+            return f"rank {rank} (host {s.host}) failed at step {s.step}: {s.error}"
     for rank, s in sorted(running.items()):
         silent = now - s.beat_changed_at
         if silent > config.heartbeat_timeout:
             return (f"rank {rank} (host {s.host}) stopped responding at step {s.step} while {_words(s.phase)} "
-                    f"(no heartbeat for {silent:.0f} s); {checkpoint}")
+                    f"(no heartbeat for {silent:.0f} s)")
     if missing or not running:
         return None  # a process that has not published yet is still joining: its start is covered by jax
     behind = min(s.order for s in running.values())
@@ -133,7 +140,7 @@ def verdict(observer: Observer, processes: int, now: float, config: DistributedC
             everyone = all(other.order == behind for other in running.values()) and len(running) > 1
             who = "every process" if everyone else f"rank {rank} (host {s.host})"
             return (f"{who} has been {_words(s.phase)} at step {s.step} for {stuck:.0f} s, longer than "
-                    f"distributed.stall_timeout.{s.phase}={limit:g}; {checkpoint}")
+                    f"distributed.stall_timeout.{s.phase}={limit:g}")
     return None
 
 
@@ -143,16 +150,18 @@ def coordinator_lost(seen: dict[int, Seen], why: str) -> str:
     if coordinator is None:
         return f"rank 0 (the coordinator) stopped responding while starting: {why}"
     return (f"rank 0 (the coordinator, host {coordinator.host}) stopped responding at step {coordinator.step} while "
-            f"{_words(coordinator.phase)}: {why}; {_last_checkpoint(seen)}")
+            f"{_words(coordinator.phase)}: {why}")
 
 
 def _words(phase: str) -> str:
     return WORDS.get(phase, phase)
 
 
-def _last_checkpoint(seen: dict[int, Seen]) -> str:
+def final_line(what: str, seen: dict[int, Seen], mine: int | None = None) -> str:
+    """The failure with the newest checkpoint any process published or this one found written since."""
     steps = [s.last_checkpoint for s in seen.values() if s.last_checkpoint is not None]
-    return f"last checkpoint: step {max(steps)}" if steps else "no checkpoint yet"
+    steps += [mine] if mine is not None else []
+    return f"{what}; last checkpoint: step {max(steps)}" if steps else f"{what}; no checkpoint yet"
 
 
 class Watchdog:
@@ -189,14 +198,15 @@ class Watchdog:
         self.beat += 1
         key_value_set(f"{KEY_PREFIX}{self.rank}", json.dumps(self._mine()).encode())
 
-    def _stop_everyone(self, message: str) -> None:
+    def _stop_everyone(self, what: str) -> None:
+        line = final_line(what, self.observer.seen, self.progress.newest_checkpoint(SAVE_SETTLE_S))
         try:
-            key_value_set(VERDICT_KEY, message.encode())
+            key_value_set(VERDICT_KEY, line.encode())
         except Exception:
             pass
         if self.rank == 0:
             time.sleep(COORDINATOR_LINGER_S)
-        self.on_verdict(message)
+        self.on_verdict(line)
 
     def _loop(self) -> None:
         while not self.done.wait(BEAT_S):
@@ -225,7 +235,7 @@ class Watchdog:
     def _mine(self) -> dict:
         p = self.progress
         return {"host": self.host, "beat": self.beat, "step": p.step, "phase": p.phase,
-                "last_checkpoint": p.last_checkpoint, "error": p.error}
+                "last_checkpoint": p.newest_checkpoint(0), "error": p.error}
 
 
 def _exit_with(message: str) -> None:
@@ -256,7 +266,7 @@ def _stderr_guard():
 
 
 def _runtime_abort_line(seen: dict[int, Seen]) -> str:
-    return f"xlatrain: error: {coordinator_lost(seen, 'jax.distributed lost its connection to it')}\n"
+    return f"xlatrain: error: {final_line(coordinator_lost(seen, 'jax.distributed lost its connection to it'), seen)}\n"
 
 
 def guard_against_runtime_abort() -> None:
