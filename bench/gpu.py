@@ -3,8 +3,9 @@ one GPU in bf16: step time, tokens/s and MFU of `xlatrain train`, from the wall 
 the persistent compilation cache and a profiler trace of three steps; then a second start with the same cache,
 timed to its first step. Then the parts of the step whose formulation xlatrain chooses on GPUs, alone.
 
-    python3 -m bench.gpu              # on a machine with a GPU; writes bench/results/gpu.json
-    python3 -m bench.gpu --smoke      # a tiny GPT on whatever device there is: checks the script, writes nothing
+    python3 -m bench.gpu                    # on a machine with a GPU; writes bench/results/gpu.json
+    python3 -m bench.gpu --model llama-1b   # a 1.1B Llama-style model; writes bench/results/gpu_llama.json
+    python3 -m bench.gpu --smoke            # a tiny GPT on whatever device there is: checks the script, writes nothing
 
 The data is the built-in text source (bytes, so only 256 of the vocabulary's ids occur; the embedding and the
 head still have GPT-2's shape and cost). MFU is against the datasheet's dense bf16 peak of the device
@@ -28,6 +29,7 @@ import yaml
 
 from bench.common import time_to_first_step, write_results
 from xlatrain.observe.peaks import peak_per_device
+from xlatrain.observe.trace_kernels import trace_kernel_split
 
 REPO = Path(__file__).resolve().parents[1]
 MFU_GOAL = 0.45
@@ -35,6 +37,13 @@ MFU_GOAL = 0.45
 GPT2_SMALL = ["model.name=gpt", "model.layers=12", "model.width=768", "model.heads=12", "model.vocab=50304",
               "data.source=text", "data.seq_len=1024", "batch.global_size=16", "precision.policy=bf16",
               "trainer.steps=60", "trainer.log_every=10", "trainer.profile_steps=[11,13]"]
+LLAMA_1B = ["model.name=llama", "model.layers=22", "model.width=2048", "model.heads=32", "model.kv_heads=4",
+            "model.mlp_hidden=5632", "model.vocab=32000", "data.source=text", "data.seq_len=1024",
+            "batch.global_size=8", "precision.policy=bf16", "trainer.steps=40", "trainer.log_every=5",
+            "trainer.profile_steps=[11,12]"]
+"""A Llama-style decoder of 1.1B parameters (TinyLlama's shape: grouped-query attention, SwiGLU, RoPE)."""
+SHAPES = {"gpt2-small": (GPT2_SMALL, "gpu"), "llama-1b": (LLAMA_1B, "gpu_llama")}
+"""--model: (the shape, the results file bench/results/NAME.json)."""
 SMOKE = ["model.name=gpt", "model.layers=2", "model.width=64", "model.heads=2", "data.source=text",
          "data.seq_len=64", "data.max_bytes=400000", "batch.global_size=8", "precision.policy=bf16",
          "trainer.steps=24", "trainer.log_every=4", "trainer.profile_steps=[5,6]"]
@@ -70,6 +79,7 @@ def measure(shape: list[str], work: Path, measured_from: int) -> dict:
     step = steady_step_seconds(records, measured_from)
     peak, peak_source = peak_per_device(jax.devices(), "bfloat16")
     traces = sorted((run / "profile").rglob("*.xplane.pb"))
+    first_traced, last_traced = config["trainer"]["profile_steps"]
     return {
         "model_flops_per_step": flops,
         "tokens_per_step": tokens_per_step,
@@ -85,6 +95,7 @@ def measure(shape: list[str], work: Path, measured_from: int) -> dict:
         "loaded_from_cache_at_second_start": second["compile_cache_hits"],
         "profile_trace": str(traces[0].relative_to(run)) if traces else None,
         "profile_trace_bytes": traces[0].stat().st_size if traces else 0,
+        "kernels_from_trace": trace_kernel_split(traces[0], last_traced - first_traced + 1) if traces else None,
     }
 
 
@@ -134,6 +145,9 @@ def parts(smoke: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT on any device; writes no results")
+    parser.add_argument("--model", choices=SHAPES, default="gpt2-small",
+                        help="the shape measured (default: %(default)s)")
+    parser.add_argument("--out", type=Path, metavar="FILE", help="also write the measurement (JSON) to this file")
     parser.add_argument("--work", type=Path, metavar="DIR", help="keep the runs (metrics, profile trace) in this "
                         "new directory instead of a temporary one")
     args = parser.parse_args()
@@ -141,29 +155,37 @@ def main() -> int:
         print(f"bench.gpu: no GPU here (jax's backend is {jax.default_backend()}); run it where there is one, or "
               "with --smoke to check the script", file=sys.stderr)
         return 2
-    shape = SMOKE if args.smoke else GPT2_SMALL
+    shape, results = SHAPES[args.model]
+    shape = SMOKE if args.smoke else shape
     if args.work is not None:
         args.work.mkdir(parents=True)
         result = measure(shape, args.work, MEASURED_FROM_STEP[args.smoke])
     else:
         with tempfile.TemporaryDirectory() as work:
             result = measure(shape, Path(work), MEASURED_FROM_STEP[args.smoke])
-    result["parts_ms"] = parts(args.smoke)
+    result["parts_ms"] = parts(args.smoke) if args.model == "gpt2-small" else {}
     device = jax.devices()[0].device_kind
     mfu = "unknown peak" if result["mfu"] is None else f"MFU {result['mfu']:.1%}"
-    print(f"{device}: {'smoke GPT' if args.smoke else 'GPT-2 small'} bf16 step {result['step_ms']:.1f} ms, "
+    print(f"{device}: {'smoke GPT' if args.smoke else args.model} bf16 step {result['step_ms']:.1f} ms, "
           f"{result['tokens_per_sec']:,.0f} tokens/s, {result['tflops_per_sec_per_device']:.3g} TFLOP/s, {mfu}")
     print(f"time to first step: {result['time_to_first_step_s']['first_start']}s, a second start with the cache "
           f"{result['time_to_first_step_s']['second_start']}s ({result['loaded_from_cache_at_second_start']} "
           f"executables loaded); profile trace {result['profile_trace']} ({result['profile_trace_bytes']:,} bytes)")
+    split = result["kernels_from_trace"]
+    if split and split["by_class"]:
+        print(f"kernels per step in the trace: {split['ms_per_step']:.2f} ms in {split['kernels_per_step']:g}: "
+              + ", ".join(f"{kind} {c['ms']:.2f} ms ({c['kernels']:g})" for kind, c in split["by_class"].items()))
     for part, timings in result["parts_ms"].items():
         print(f"{part}: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in timings.items()))
     print(json.dumps(result))
     if not args.smoke:
         met = result["mfu"] is not None and result["mfu"] >= MFU_GOAL
         result["mfu_goal"] = {"goal": MFU_GOAL, "met": met}
-        path = write_results("gpu", "python3 -m bench.gpu", result)
+        path = write_results(results, f"python3 -m bench.gpu --model {args.model}", {"model": shape, **result})
         print(f"MFU goal {MFU_GOAL:.0%} {'met' if met else 'missed'}; wrote {path}")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"device": device, "smoke": args.smoke, "model": shape, **result}, indent=2)
+                            + "\n")
     return 0
 
 

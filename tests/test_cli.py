@@ -72,9 +72,9 @@ def test_a_start_writes_tensorboard_events_without_importing_torch(tmp_path):
 def test_lower_json_is_one_object():
     result = run_cli("lower", "--json", "examples/configs/digits_mlp.yaml")
     assert result.returncode == 0, result.stderr
-    assert set(json.loads(result.stdout)) == {"params", "flops", "peak_memory_bytes", "memory", "device_memory",
-                                             "collectives", "model_flops", "amp_order", "loss_scaled",
-                                             "gradients_synchronised"}
+    assert set(json.loads(result.stdout)) == {"params", "flops", "bytes_accessed", "kernels", "peak_memory_bytes",
+                                             "memory", "device_memory", "collectives", "model_flops", "amp_order",
+                                             "loss_scaled", "gradients_synchronised"}
 
 
 def test_overrides_may_stand_between_a_commands_options():

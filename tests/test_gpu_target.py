@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import REPO, TINY_GPT, run_cli
 
-from xlatrain.compat.backends import installed_cuda_plugin
+from xlatrain.compat.backends import cudnn_missing, installed_cuda_plugin
 from xlatrain.errors import UserError
 from xlatrain.models.attention import causal_attention
 from xlatrain.observe.peaks import known_peak
@@ -155,10 +155,23 @@ def test_the_gpt_compiles_for_an_h100_and_its_memory_is_xlas(tmp_path):
     report = lower_for_gpus("precision.policy=bf16", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert not list(tmp_path.rglob("*")), "a compile-only executable went into the persistent cache"
     assert report["target"] == {"asked": "h100", "device_kind": "NVIDIA H100 80GB HBM3", "devices": 1,
-                                "memory_bytes": GPU_TARGETS["h100"].memory_bytes}
-    assert report["flops"] is None and report["model_flops"] > 0
+                                "memory_bytes": GPU_TARGETS["h100"].memory_bytes, "cudnn_missing": cudnn_missing()}
+    assert report["flops"] > 0 and report["bytes_accessed"] > 0  # XLA's analysis of the H100 module, on the CPU
+    assert report["kernels"]["matmul_flops"] == report["model_flops"]  # the unrolled layers' dots, all counted
+    assert ("attention" in report["kernels"]["by_class"]) == (cudnn_missing() is None)
     assert 0 < report["peak_memory_bytes"] < GPU_TARGETS["h100"].memory_bytes
     assert report["amp_order"] == ["no cross-replica reduction of the gradients (single device: nothing to order)"]
+
+
+@needs_cuda_plugin
+def test_on_a_gpu_unrolled_layers_launch_fewer_kernels_than_the_scan_and_move_fewer_bytes():
+    """model.scan_layers=auto unrolls on GPUs: the scan copies each layer's saved activations out of their stack."""
+    unrolled, scanned = (lower_for_gpus("model.layers=4", "precision.policy=bf16", *scan)
+                         for scan in ([], ["model.scan_layers=true"]))
+    assert "scan slices" not in unrolled["kernels"]["by_class"] and scanned["kernels"]["by_class"]["scan slices"]
+    assert unrolled["kernels"]["kernels"] < scanned["kernels"]["kernels"]
+    assert unrolled["kernels"]["bytes"] < scanned["kernels"]["bytes"]
+    assert unrolled["kernels"]["matmul_flops"] == scanned["kernels"]["matmul_flops"] == unrolled["model_flops"]
 
 
 @needs_cuda_plugin

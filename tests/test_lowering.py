@@ -5,6 +5,7 @@ import json
 import pytest
 from conftest import DIGITS_MLP, TINY_GPT, run_cli
 from xlatrain.lowering.inspect import collectives, shape_bytes
+from xlatrain.lowering.kernels import kernel_split
 
 from xlatrain.cli import main
 
@@ -20,8 +21,9 @@ def kinds(report):
 
 def test_data_parallel_step_all_reduces_gradients(capsys, devices):
     report = lower_json(capsys, *DIGITS_MLP)
-    assert set(report) == {"params", "flops", "peak_memory_bytes", "memory", "device_memory", "collectives",
-                           "model_flops", "amp_order", "loss_scaled", "gradients_synchronised"}
+    assert set(report) == {"params", "flops", "bytes_accessed", "kernels", "peak_memory_bytes", "memory",
+                           "device_memory", "collectives", "model_flops", "amp_order", "loss_scaled",
+                           "gradients_synchronised"}
     assert report["device_memory"]["bytes"] > report["peak_memory_bytes"]
     assert report["device_memory"]["of"].startswith("a CPU device's share of the host's")
     assert report["amp_order"] == []
@@ -90,3 +92,72 @@ def test_collective_parsing(text, expected):
 
 def test_shape_bytes():
     assert shape_bytes("(f32[2,3]{1,0}, s8[5]{0}, pred[])") == 24 + 5 + 1
+
+
+LOOPED_HLO = """HloModule m
+
+%fused_update (p0: f32[12,4,8], p1: f32[1,4,8], p2: s32[]) -> f32[12,4,8] {
+  %p0 = f32[12,4,8]{2,1,0} parameter(0)
+  %p1 = f32[1,4,8]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  ROOT %dus = f32[12,4,8]{2,1,0} dynamic-update-slice(%p0, %p1, %p2, %c, %c)
+}
+
+%fused_slice (q0: f32[12,4,8], q1: s32[]) -> f32[1,4,8] {
+  %q0 = f32[12,4,8]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,4,8]{2,1,0} dynamic-slice(%q0, %q1, %z, %z), dynamic_slice_sizes={1,4,8}
+  ROOT %copy = f32[1,4,8]{2,1,0} copy(%ds)
+}
+
+%fused_dot (r0: bf16[4,8], r1: bf16[8,16]) -> bf16[4,16] {
+  %r0 = bf16[4,8]{1,0} parameter(0)
+  %r1 = bf16[8,16]{1,0} parameter(1)
+  ROOT %dot = bf16[4,16]{1,0} dot(%r0, %r1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (b: (s32[], f32[12,4,8])) -> (s32[], f32[12,4,8]) {
+  %b = (s32[], f32[12,4,8]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %stack = f32[12,4,8]{2,1,0} get-tuple-element(%b), index=1
+  %slice = f32[1,4,8]{2,1,0} fusion(%stack, %i), kind=kLoop, calls=%fused_slice
+  %updated = f32[12,4,8]{2,1,0} fusion(%stack, %slice, %i), kind=kLoop, calls=%fused_update
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[12,4,8]{2,1,0}) tuple(%next, %updated)
+}
+
+%cond (c: (s32[], f32[12,4,8])) -> pred[] {
+  %c = (s32[], f32[12,4,8]{2,1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[12,4,8], x: bf16[4,8], w: bf16[8,16]) -> bf16[4,16] {
+  %a = f32[12,4,8]{2,1,0} parameter(0)
+  %x = bf16[4,8]{1,0} parameter(1)
+  %w = bf16[8,16]{1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[12,4,8]{2,1,0}) tuple(%zero, %a)
+  %loop = (s32[], f32[12,4,8]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config=TRIPS
+  ROOT %mm = bf16[4,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+}
+""".replace("TRIPS", '{"known_trip_count":{"n":"12"}}')
+
+
+def test_kernels_count_a_loops_trips_slices_by_their_slice_and_matmul_flops():
+    split = kernel_split(LOOPED_HLO)
+    row = 4 * 8 * 4  # one layer's slice; the index is 4 bytes
+    assert split["by_class"] == {"matmul": {"kernels": 1, "bytes": 2 * (4 * 8 + 8 * 16 + 4 * 16)},
+                                 "scan slices": {"kernels": 24, "bytes": 12 * ((row + 4 + row) + 2 * (row + 4))},
+                                 "elementwise": {"kernels": 12, "bytes": 12 * 3 * 4}}
+    assert split["kernels"] == 37 and split["matmul_flops"] == 2 * 4 * 16 * 8
+
+
+def test_the_kernels_matmul_flops_are_the_models(capsys):
+    """Counted two ways, on a device program's dots and on the jaxpr (all devices): the unrolled GPT's agree."""
+    report = lower_json(capsys, *TINY_GPT, "model.scan_layers=false")
+    assert 8 * report["kernels"]["matmul_flops"] == report["model_flops"]  # per device, and over the 8
+    assert report["kernels"]["kernels"] == sum(c["kernels"] for c in report["kernels"]["by_class"].values())
+    assert report["bytes_accessed"] > 0

@@ -33,8 +33,9 @@ def gpt(*overrides):
 
 
 @pytest.mark.parametrize("layers, platform, scans", [(4, "cpu", False), (16, "cpu", False), (17, "cpu", True),
-                                                     (4, "gpu", True), (4, "tpu", True)])
-def test_scan_layers_auto_unrolls_shallow_stacks_on_cpu_only(layers, platform, scans):
+                                                     (12, "gpu", False), (48, "gpu", False), (49, "gpu", True),
+                                                     (4, "tpu", True)])
+def test_scan_layers_auto_unrolls_shallow_stacks_on_cpus_and_gpus(layers, platform, scans):
     assert load_config(None, [f"model.layers={layers}"]).model.scans_layers(platform) is scans
     assert load_config(None, [f"model.layers={layers}", "model.scan_layers=false"]).model.scans_layers("gpu") is False
 

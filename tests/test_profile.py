@@ -133,3 +133,37 @@ def test_a_window_long_enough_to_fill_host_memory_is_warned_about(tmp_path, caps
     assert ("host memory until the last one" in err) == warned
     if warned:
         assert f"traces {steps[1]:,} steps" in err and "e.g. [1, 3]" in err
+
+
+GPU_TRACE = """
+planes {
+  id: 1
+  name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 6000000000 }
+    events { metadata_id: 2 offset_ps: 7000000000 duration_ps: 2000000000 }
+    events { metadata_id: 3 offset_ps: 9000000000 duration_ps: 1000000000 }
+    events { metadata_id: 4 offset_ps: 10000000000 duration_ps: 500000000 }
+    events { metadata_id: 1 offset_ps: 11000000000 duration_ps: 6000000000 } }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 1000 events { metadata_id: 1 offset_ps: 0 duration_ps: 6000000000 } }
+  event_metadata { key: 1 value { id: 1 name: "gemm_fusion_dot_48" } }
+  event_metadata { key: 2 value { id: 2 name: "cudnn_generated_fort_native_sdpa_sm90_flash_fprop" } }
+  event_metadata { key: 3 value { id: 3 name: "loop_dynamic_update_slice_fusion_3" } }
+  event_metadata { key: 4 value { id: 4 name: "input_add_reduce_fusion_1" } }
+}
+planes { id: 2 name: "/host:CPU" lines { id: 1 name: "python3" events { metadata_id: 1 duration_ps: 99000000000 } }
+  event_metadata { key: 1 value { id: 1 name: "gemm_on_the_host" } } }
+"""
+
+
+def test_a_gpu_traces_kernels_are_split_by_what_they_do_per_step():
+    """Only the GPU's streams count: the XLA Ops line repeats their kernels, and the host's events are no kernels."""
+    from jax.profiler import ProfileData
+
+    from xlatrain.observe.trace_kernels import split_of
+
+    split = split_of(ProfileData.from_text_proto(GPU_TRACE), steps=2)
+    assert split == {"ms_per_step": 7.75, "kernels_per_step": 2.5,
+                     "by_class": {"matmul": {"ms": 6.0, "kernels": 1.0}, "attention": {"ms": 1.0, "kernels": 0.5},
+                                  "scan slices": {"ms": 0.5, "kernels": 0.5},
+                                  "reduction": {"ms": 0.25, "kernels": 0.5}}}

@@ -23,6 +23,7 @@ from xlatrain.compat.monitoring import cost_analysis
 from xlatrain.models.blocks import BLOCKS, BlockParts
 from xlatrain.pipeline.partition import ModelCosts, PieceCost
 from xlatrain.precision import Policy, cast_floats
+from xlatrain.runtime.platform import compiling_for
 
 
 def measure_block_costs(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct],
@@ -46,7 +47,8 @@ def measure_block_costs(parts: BlockParts, abstract_params: dict, micro: dict[st
     x = jax.eval_shape(before, whole, micro["inputs"])
     pieces = [(before, (whole, micro["inputs"]), _total(before)), (block, (one_block, x, key), _total(block)),
               (after, (whole, x, micro), after)]
-    before_cost, block_cost, after_cost = (_piece(*piece, split_backward) for piece in pieces)
+    with compiling_for(jax.default_backend()):  # the host's devices compile them, also under `lower --target`
+        before_cost, block_cost, after_cost = [_piece(*piece, split_backward) for piece in pieces]
     return ModelCosts(before=before_cost, block=block_cost, after=after_cost,
                       blocks=parts.layers, boundary_bytes=_bytes(x))
 

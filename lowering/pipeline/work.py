@@ -34,6 +34,7 @@ from xlatrain.models.blocks import BLOCKS, BlockParts, split_blocks
 from xlatrain.models.interface import documents_of
 from xlatrain.pipeline.schedule import Schedule
 from xlatrain.precision import Policy, cast_floats
+from xlatrain.runtime.platform import compiling_for
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,14 @@ class PipelineWork:
 
 def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
                   policy: Policy, schedule: Schedule, partition: tuple[int, ...], remat: str) -> PipelineWork:
-    """`micro`: one pipeline microbatch's abstract batch; `partition`: blocks per chunk, in model order."""
+    """`micro`: one pipeline microbatch's abstract batch; `partition`: blocks per chunk, in model order. Traced
+    and compiled for the host's devices, also under `lower --target`."""
+    with compiling_for(jax.default_backend()):
+        return _pipeline_work(parts, abstract_params, micro, loss, policy, schedule, partition, remat)
+
+
+def _pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
+                   policy: Policy, schedule: Schedule, partition: tuple[int, ...], remat: str) -> PipelineWork:
     unrolled = copy.copy(parts)
     unrolled.scan = False
     _, cr, x = abstract_chunk(unrolled, abstract_params, micro, policy, 1)

@@ -12,12 +12,13 @@ from typing import Any, Callable, Iterator
 
 import jax
 
-from xlatrain.compat.backends import compile_only_gpus
+from xlatrain.compat.backends import compile_only_gpus, cudnn_missing
 from xlatrain.compat.monitoring import cost_analysis
 from xlatrain.config import Config, load_config
 from xlatrain.errors import UserError, first_line
 from xlatrain.lowering import hlo_graph
 from xlatrain.lowering.inspect import axes_spanned, collectives, dump, peak_memory_bytes
+from xlatrain.lowering.kernels import kernel_split
 from xlatrain.mesh import DATA, TENSOR
 from xlatrain.program import Program, build_program
 from xlatrain.runtime.gpu_targets import GpuTarget, resolve_target, target_devices
@@ -32,7 +33,7 @@ def lower(config: Config, target: GpuTarget | None = None, devices: list | None 
         report = lower_report(program, step.compiled)
     if target is not None:
         report["target"] = {"asked": target.label, "device_kind": target.device_kind, "devices": len(devices),
-                            "memory_bytes": target.memory_bytes}
+                            "memory_bytes": target.memory_bytes, "cudnn_missing": cudnn_missing()}
     if dump_to:
         for path in dump(step.lowered, step.compiled, dump_to, "train_step"):
             print(f"wrote {path}", file=sys.stderr)
@@ -42,8 +43,11 @@ def lower(config: Config, target: GpuTarget | None = None, devices: list | None 
 def lower_report(program: Program, compiled: Any) -> dict[str, Any]:
     """What `xlatrain lower --json` prints of a compiled (first) train step."""
     available, where = program.device_memory
+    analysis = cost_analysis(compiled)
     report = {"params": program.param_count,
-              "flops": _flops_or_none(cost_analysis(compiled)),
+              "flops": _flops_or_none(analysis),
+              "bytes_accessed": analysis.get("bytes accessed"),
+              "kernels": kernel_split(compiled.as_text()),
               "peak_memory_bytes": peak_memory_bytes(compiled),
               "memory": memory_split(program, compiled),
               "collectives": collectives(compiled.as_text(), dict(program.mesh.shape)),
@@ -160,15 +164,16 @@ def format_report(report: dict, devices: int) -> str:
     lines = [f"target             {target['devices']} x {target['device_kind']} (--target {target['asked']}), "
              "compiled only: nothing ran"] if target else []
     lines += [f"params             {report['params']:,}",
-              "FLOPs per step     " + (f"{report['flops']:.4g} (XLA cost analysis, per device program: a loop's "
-                                       "body counted once)" if report["flops"] is not None
-                                       else "not given (XLA has no cost analysis of a compile-only GPU)"),
+              "FLOPs per step     " + (f"{report['flops']:.4g}, {report['bytes_accessed'] / 1e9:.4g} GB accessed (XLA "
+                                       "cost analysis, per device program: a loop's body counted once)"
+                                       if report["flops"] is not None else "not given (XLA gave no cost analysis)"),
               "model FLOPs        " + (f"{report['model_flops']:.4g} per step, all devices (matmuls of the forward "
                                        "and backward over the global batch, counted on the jaxpr with every loop's "
                                        "trip count)" if report["model_flops"] else "not counted (a while loop)"),
               f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)"
               + _fits(report["peak_memory_bytes"], report["device_memory"]),
               _memory_line(report["memory"]),
+              _kernels_line(report["kernels"], target),
               "collectives        " + ("none" if not report["collectives"] else
                                        "(in the optimised HLO: a loop's body, e.g. a layer scan's, counted once)")]
     lines += [f"  {c['kind'] + (' over ' + c['over'] if c.get('over') else ''):<34} x{c['count']:<4} "
@@ -177,6 +182,16 @@ def format_report(report: dict, devices: int) -> str:
         lines += _pipeline_lines(report["pipeline"])
     lines.append(_amp_order_line(report))
     return "\n".join(lines)
+
+
+def _kernels_line(kernels: dict, target: dict | None) -> str:
+    split = ", ".join(f"{kind} {c['kernels']} ({c['bytes'] / 1e9:.3g} GB)" for kind, c in kernels["by_class"].items())
+    line = (f"kernels            {kernels['kernels']} per step (a loop's body once per trip), moving "
+            f"{kernels['bytes'] / 1e9:.4g} GB, matmuls {kernels['matmul_flops']:.4g} FLOPs: {split}")
+    if target and target["cudnn_missing"] and "attention" not in kernels["by_class"]:
+        line += (f"\n  attention        XLA's, not cuDNN's fused kernel, which a GPU run with cuDNN uses "
+                 f"({target['cudnn_missing']}: pip install nvidia-cudnn-cu13 beside the CUDA plugin)")
+    return line
 
 
 def _memory_line(memory: dict) -> str:

@@ -74,3 +74,14 @@ def jaxlib_version() -> str:
     import jaxlib
 
     return jaxlib.__version__
+
+
+def cudnn_missing() -> str | None:
+    """Why jax cannot use cuDNN here (its fused attention falls back to XLA's), or None where it can."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+        check_cudnn_version()
+    except Exception as err:  # RuntimeError("cuDNN not found."), or an older or newer jax without it
+        return str(err).strip().rstrip(".") or type(err).__name__
+    return None

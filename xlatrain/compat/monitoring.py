@@ -47,8 +47,21 @@ def backend_compile_listener(callback: Callable[[str, float], None], on_cache_hi
 
 
 def cost_analysis(compiled: Any) -> dict[str, float]:
-    """Compiled.cost_analysis() is a dict in new jax and a one-element list of dicts in older ones."""
+    """Compiled.cost_analysis() is a dict in new jax and a one-element list of dicts in older ones. A GPU
+    compiled for on a host without one has none: XLA's analysis of its optimised module is then run on the
+    host's CPU client (jaxlib's hlo_module_cost_analysis, which takes any module)."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0] if analysis else {}
-    return dict(analysis or {})
+    return dict(analysis or {}) or _module_cost_analysis(compiled)
+
+
+def _module_cost_analysis(compiled: Any) -> dict[str, float]:
+    try:
+        from jax._src.lib import _jax
+
+        modules = compiled.runtime_executable().hlo_modules()
+        analysis = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, modules[0])
+    except Exception:  # an older or newer jaxlib without these, or a host without a CPU backend
+        return {}
+    return {key: float(value) for key, value in analysis.items() if "{" not in key}

@@ -1,0 +1,242 @@
+"""The kernels an optimised GPU module launches per step, by what they do, with the bytes they move and the matmul
+FLOPs they compute: where a step's time goes that is not matmul or attention, read from the HLO alone (a GPU
+compiled for on a host without one runs nothing, and XLA gives no cost analysis of it).
+
+A kernel is a top-level instruction of the entry computation or of a loop's body that is not bookkeeping
+(parameters, tuples, bitcasts); a loop's body counts once per trip of its known trip count. Its bytes are what
+it reads and writes in memory: its operands and result, except that an in-place update of a slice (a layer
+scan's saved activations) moves only the slice, and a slice reads only what it returns.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from xlatrain.lowering.inspect import COLLECTIVES, shape_bytes
+
+from xlatrain.observe.trace_kernels import KERNEL_CLASSES
+
+NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+               "replica-id", "opt-barrier", "add-dependency", "copy-done", "send-done", "recv-done",
+               "all-reduce-done", "all-gather-done", "collective-permute-done", "reduce-scatter-done",
+               "all-to-all-done", "async-done", "async-update"}
+"""Bookkeeping, or the second half of an asynchronous pair (the start is the kernel)."""
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+_BODY = re.compile(r"\bbody=%([\w.\-]+)")
+_BRANCHES = re.compile(r"(?:branch_computations=\{|true_computation=|false_computation=|to_apply=)([^}]*?)(?:[,}]|$)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DIMS = re.compile(r"\[([\d,]*)\]")
+
+
+@dataclass
+class Line:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    text: str
+    root: bool
+
+
+@dataclass
+class Kernel:
+    name: str
+    kind: str
+    trips: int
+    bytes: int
+    flops: int
+
+
+@dataclass
+class KernelSplit:
+    """Per class: kernels launched, bytes moved and matmul FLOPs per step."""
+
+    kernels: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kernel: Kernel) -> None:
+        self.kernels[kernel.kind] += kernel.trips
+        self.bytes[kernel.kind] += kernel.trips * kernel.bytes
+        self.flops[kernel.kind] += kernel.trips * kernel.flops
+
+    def as_record(self) -> dict:
+        return {"kernels": sum(self.kernels.values()), "bytes": sum(self.bytes.values()),
+                "matmul_flops": sum(self.flops.values()),
+                "by_class": {kind: {"kernels": self.kernels[kind], "bytes": self.bytes[kind]}
+                             for kind in KERNEL_CLASSES if self.kernels[kind]}}
+
+
+def kernel_split(hlo_text: str) -> dict:
+    """{kernels, bytes, matmul_flops, by_class: {class: {kernels, bytes}}} per step of an optimised module."""
+    computations, entry = parse_computations(hlo_text)
+    split = KernelSplit()
+    for kernel in kernels(computations, entry):
+        split.add(kernel)
+    return split.as_record()
+
+
+def kernels(computations: dict[str, list[Line]], name: str, trips: int = 1) -> list[Kernel]:
+    """The kernels of computation `name`, run `trips` times, and of the loops and branches it runs."""
+    found = []
+    lines = computations[name]
+    shapes = {line.name: line.shape for line in lines}
+    for line in lines:
+        if line.opcode == "while":
+            body = _BODY.search(line.text)
+            count = _TRIPS.search(line.text)
+            if body:
+                found += kernels(computations, body.group(1), trips * (int(count.group(1)) if count else 1))
+            continue
+        if line.opcode in ("conditional", "call"):
+            for called in _called(line.text):
+                if called in computations:
+                    found += kernels(computations, called, trips)
+            continue
+        if line.opcode in NOT_KERNELS:
+            continue
+        inner = _fused(computations, line)
+        ran = inner or [line]
+        seen = {**shapes, **{i.name: i.shape for i in ran}}
+        found.append(Kernel(line.name, _kind(line, inner), trips, _bytes(line, shapes, inner),
+                            sum(_dot_flops(i, seen) for i in ran if i.opcode == "dot")))
+    return found
+
+
+def parse_computations(hlo_text: str) -> tuple[dict[str, list[Line]], str]:
+    """{computation name: its instructions}, and the entry computation's name."""
+    computations: dict[str, list[Line]] = {}
+    entry, current = "", None
+    for text in hlo_text.splitlines():
+        header = _COMPUTATION.match(text)
+        if header:
+            current = computations.setdefault(header.group(2), [])
+            entry = header.group(2) if header.group(1) else entry
+            continue
+        definition = _DEFINITION.match(text)
+        if definition and current is not None:
+            shape, rest = _split_shape(text[definition.end():])
+            opcode, _, arguments = rest.partition("(")
+            current.append(Line(definition.group(1), shape, opcode.strip(), _OPERAND.findall(_balanced(arguments)),
+                                text, text.lstrip().startswith("ROOT")))
+    return computations, entry
+
+
+def _split_shape(text: str) -> tuple[str, str]:
+    """(the shape, the rest) of `shape opcode(...)`, the shape a tuple of shapes or one array."""
+    if not text.startswith("("):
+        shape, _, rest = text.partition(" ")
+        return shape, rest
+    depth = 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return text[:index + 1], text[index + 1:].lstrip()
+    return text, ""
+
+
+def _balanced(arguments: str) -> str:
+    """The operand list of `opcode(` ... `)`, without the attributes after it."""
+    depth = 1
+    for index, char in enumerate(arguments):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return arguments[:index]
+    return arguments
+
+
+def _called(text: str) -> list[str]:
+    names = []
+    for group in _BRANCHES.findall(text):
+        names += _OPERAND.findall(group)
+    return names
+
+
+def _fused(computations: dict[str, list[Line]], line: Line) -> list[Line] | None:
+    """The instructions a fusion runs, with those of the computations they call in turn (None: not a fusion)."""
+    if line.opcode != "fusion":
+        return None
+    inner, pending = [], _CALLS.findall(line.text)
+    while pending:
+        for called in computations.get(pending.pop(), []):
+            inner.append(called)
+            pending += _CALLS.findall(called.text) if called.opcode == "fusion" else []
+    return inner
+
+
+def _root(line: Line, inner: list[Line] | None) -> Line:
+    """What a fusion computes, past the copies and bitcasts that only place its result."""
+    if not inner:
+        return line
+    by_name = {i.name: i for i in inner}
+    root = next((i for i in inner if i.root), line)
+    while root.opcode in ("copy", "bitcast", "reshape") and root.operands and root.operands[0] in by_name:
+        root = by_name[root.operands[0]]
+    return root
+
+
+def _kind(line: Line, inner: list[Line] | None) -> str:
+    opcodes = {i.opcode for i in inner} if inner is not None else {line.opcode}
+    targets = {target for i in inner or [line] for target in _TARGET.findall(i.text)}
+    root = _root(line, inner)
+    if any("fmha" in target or "flash" in target for target in targets):
+        return "attention"
+    if "dot" in opcodes or "convolution" in opcodes or any("gemm" in t or "matmul" in t for t in targets):
+        return "matmul"
+    if line.opcode in COLLECTIVES or line.opcode.removesuffix("-start") in COLLECTIVES or any(
+            t.startswith("xlatrain_") for t in targets):
+        return "collective"
+    if root.opcode in ("dynamic-update-slice", "dynamic-slice"):
+        return "scan slices"
+    if "reduce" in opcodes or "reduce-window" in opcodes:
+        return "reduction"
+    if opcodes <= {"copy", "transpose", "bitcast", "parameter", "reshape", "broadcast"} and opcodes & {"copy",
+                                                                                                     "transpose"}:
+        return "copy or transpose"
+    if line.opcode in ("custom-call", "sort", "scatter", "gather", "rng-bit-generator"):
+        return "other"
+    return "elementwise"
+
+
+def _bytes(line: Line, shapes: dict[str, str], inner: list[Line] | None) -> int:
+    """What the kernel reads and writes; an in-place slice update moves its update, a slice what it returns."""
+    root = _root(line, inner)
+    operands = [shape_bytes(shapes.get(name, "")) for name in line.operands]
+    if inner:
+        operands = [_read(index, size, inner) for index, size in enumerate(operands)]
+    written = shape_bytes(line.shape)
+    if root.opcode == "dynamic-update-slice" and operands and operands[0] == written:
+        return 2 * sum(operands[1:])
+    return sum(operands) + written
+
+
+def _read(index: int, size: int, inner: list[Line]) -> int:
+    """The bytes a fusion reads of its operand `index`: the slices of it, where it only slices it."""
+    parameter = next((i.name for i in inner if i.opcode == "parameter" and f"parameter({index})" in i.text), None)
+    users = [i for i in inner if parameter in i.operands]
+    if users and all(u.opcode == "dynamic-slice" and u.operands[0] == parameter for u in users):
+        return sum(shape_bytes(u.shape) for u in users)
+    return size
+
+
+def _dot_flops(dot: Line, shapes: dict[str, str]) -> int:
+    """2 x the result's elements x the contracted elements of the left operand."""
+    result = _dims(dot.shape)
+    lhs = _dims(shapes.get(dot.operands[0], "")) if dot.operands else []
+    contracting = _CONTRACTING.search(dot.text)
+    contracted = [lhs[int(d)] for d in contracting.group(1).split(",") if d] if contracting and lhs else []
+    return 2 * int(np.prod(result, dtype=np.int64)) * int(np.prod(contracted, dtype=np.int64))
+
+
+def _dims(shape: str) -> list[int]:
+    found = _DIMS.search(shape)
+    return [int(d) for d in found.group(1).split(",") if d] if found else []
