@@ -44,7 +44,7 @@ CPU_UNROLLED_LAYERS = 16
 GPU_UNROLLED_LAYERS = 48
 """Unrolled, GPT-2 small's step compiled for an H100 launches 0.42x the kernels and moves 0.51x the bytes of the
 scanned one (the scan copies each layer's saved activations out of their stack), in 0.58x the memory; at 48 blocks
-0.38x, 0.45x and 0.53x, compiled in 48 s against 13 s (bench/results/gpu_kernels.json)."""
+0.38x, 0.45x and 0.53x, compiled in 40-45 s against 10-13 s (bench/results/gpu_kernels.json)."""
 HUGGING_FACE_PREFIX = "hf:"
 """model.init_from=hf:DIR: a local Hugging Face checkpoint directory (config.json and *.safetensors)."""
 
