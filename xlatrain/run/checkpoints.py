@@ -92,7 +92,6 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._in_flight: int | None = None
-        self._written: int | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -122,7 +121,6 @@ class Checkpoints:
         if step is not None:
             with self._writing(step):
                 self._manager.wait_until_finished()
-            self._written = step
 
     def newest_written(self, wait_s: float = 0.0) -> int | None:
         """The newest checkpoint in the directory written whole (orbax renames a save's temporary directory when it
