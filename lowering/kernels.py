@@ -1,6 +1,8 @@
 """The kernels an optimised GPU module launches per step, by what they do, with the bytes they move and the matmul
 FLOPs they compute: where a step's time goes that is not matmul or attention, read from the HLO alone (a GPU
-compiled for on a host without one runs nothing, and XLA gives no cost analysis of it).
+compiled for on a host without one runs nothing, and XLA gives no cost analysis of it). The classes are those a
+GPU trace's kernels are split into (xlatrain/observe/trace_kernels.py): matmul, attention, scan slices, copy or
+transpose, reduction, elementwise, collective, other.
 
 A kernel is a top-level instruction of the entry computation or of a loop's body that is not bookkeeping
 (parameters, tuples, bitcasts); a loop's body counts once per trip of its known trip count. Its bytes are what
@@ -16,8 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from xlatrain.lowering.inspect import COLLECTIVES, shape_bytes
-
-from xlatrain.observe.trace_kernels import KERNEL_CLASSES
 
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
                "replica-id", "opt-barrier", "add-dependency", "copy-done", "send-done", "recv-done",
@@ -70,10 +70,11 @@ class KernelSplit:
         self.flops[kernel.kind] += kernel.trips * kernel.flops
 
     def as_record(self) -> dict:
+        """The classes that launch kernels, the most bytes first."""
         return {"kernels": sum(self.kernels.values()), "bytes": sum(self.bytes.values()),
                 "matmul_flops": sum(self.flops.values()),
                 "by_class": {kind: {"kernels": self.kernels[kind], "bytes": self.bytes[kind]}
-                             for kind in KERNEL_CLASSES if self.kernels[kind]}}
+                             for kind in sorted(self.kernels, key=self.bytes.__getitem__, reverse=True)}}
 
 
 def kernel_split(hlo_text: str) -> dict:

@@ -2,7 +2,8 @@
 
 A jax profiler trace (`*.xplane.pb`, `trainer.profile_steps`) holds one plane per GPU, and in it one line per
 CUDA stream with an event per kernel, named for XLA's fusion or the library's kernel. The classes are those of
-`xlatrain lower`'s kernel split (lowering/kernels.py), told apart here by the kernel's name.
+`xlatrain lower`'s kernel split (lowering/kernels.py, which tells them apart by the HLO), told apart here by the
+kernel's name.
 """
 
 from __future__ import annotations

@@ -302,8 +302,9 @@ def watching(config: DistributedConfig, host: str) -> Iterator[Progress]:
         progress.phase = "finished"  # every process got the signal: each ends its start-up by itself
         raise
     except jax.errors.JaxRuntimeError:
-        # A collective whose peer died fails here, with the runtime's words: the watchdog names the peer.
-        watchdog.thread.join(timeout=config.heartbeat_timeout + 4 * BEAT_S)
+        # A collective whose peer died fails here, with the runtime's words: the watchdog names the peer, once the
+        # judge has waited for a save in flight and process 0 has lingered (exiting first would abort the runtime).
+        watchdog.thread.join(timeout=config.heartbeat_timeout + 4 * BEAT_S + SAVE_SETTLE_S + COORDINATOR_LINGER_S)
         progress.phase, progress.error = "failed", "a runtime error (see its log)"
         raise
     except BaseException as err:
