@@ -30,8 +30,10 @@ SINGLE_DEVICE = "no cross-replica reduction of the gradients (single device: not
 ONE_DATA_REPLICA = "no cross-replica reduction of the gradients (one data replica: nothing to order)"
 """A model split over `tensor` alone: its devices reduce activations, never gradients across replicas."""
 
-_NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
+"""An instruction's line up to its shape: (ROOT, its name)."""
+COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+"""A computation's first line: (ENTRY, its name)."""
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _XLATRAIN_TARGET = re.compile(XLATRAIN_TARGET)
@@ -93,12 +95,12 @@ def parse_hlo(text: str) -> HloGraph:
     computations: dict[str, dict[str, Instruction]] = {}
     entry_name, current = None, None
     for line in text.splitlines():
-        header = _COMPUTATION.match(line)
+        header = COMPUTATION.match(line)
         if header:
             current = computations.setdefault(header.group(2), {})
             entry_name = header.group(2) if header.group(1) else entry_name
             continue
-        named = _NAME.match(line)
+        named = INSTRUCTION.match(line)
         if named and current is not None:
             instruction = _instruction(named.group(2), line[named.end():])
             current[instruction.name] = instruction
@@ -126,15 +128,18 @@ def parse_hlo(text: str) -> HloGraph:
     return HloGraph(entry, root)
 
 
-def _instruction(name: str, rest: str) -> Instruction:
-    """`rest` is `<shape> <opcode>(<operands>), attributes...`; tuple shapes hold parentheses too."""
+def instruction_parts(rest: str) -> tuple[str, str, list[str], str]:
+    """(shape, opcode, operand names, attributes) of `rest`, an instruction's line after `INSTRUCTION`:
+    `<shape> <opcode>(<operands>), attributes...`; tuple shapes hold parentheses too."""
     position = _matching(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
-    rest = rest[position:].lstrip()
+    shape, rest = rest[:position], rest[position:].lstrip()
     open_paren = rest.index("(")
-    opcode = rest[:open_paren].strip()
     close = _matching(rest, open_paren)
-    operands = re.findall(r"%([\w.\-]+)", rest[open_paren:close])
-    attributes = rest[close:]
+    return shape, rest[:open_paren].strip(), re.findall(r"%([\w.\-]+)", rest[open_paren:close]), rest[close:]
+
+
+def _instruction(name: str, rest: str) -> Instruction:
+    _, opcode, operands, attributes = instruction_parts(rest)
     target = _XLATRAIN_TARGET.search(attributes) if opcode == "custom-call" else None
     opcode = f"xlatrain_{target.group(1)}" if target else opcode
     op_name = _OP_NAME.search(attributes)

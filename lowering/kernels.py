@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+from xlatrain.lowering.hlo_graph import COMPUTATION, INSTRUCTION, instruction_parts
 from xlatrain.lowering.inspect import COLLECTIVES, shape_bytes
 
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
@@ -25,8 +26,6 @@ NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "all-to-all-done", "async-done", "async-update"}
 """Bookkeeping, or the second half of an asynchronous pair (the start is the kernel)."""
 
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%([\w.\-]+)")
@@ -118,41 +117,16 @@ def parse_computations(hlo_text: str) -> tuple[dict[str, list[Line]], str]:
     computations: dict[str, list[Line]] = {}
     entry, current = "", None
     for text in hlo_text.splitlines():
-        header = _COMPUTATION.match(text)
+        header = COMPUTATION.match(text)
         if header:
             current = computations.setdefault(header.group(2), [])
             entry = header.group(2) if header.group(1) else entry
             continue
-        definition = _DEFINITION.match(text)
-        if definition and current is not None:
-            shape, rest = _split_shape(text[definition.end():])
-            opcode, _, arguments = rest.partition("(")
-            current.append(Line(definition.group(1), shape, opcode.strip(), _OPERAND.findall(_balanced(arguments)),
-                                text, text.lstrip().startswith("ROOT")))
+        named = INSTRUCTION.match(text)
+        if named and current is not None:
+            shape, opcode, operands, _ = instruction_parts(text[named.end():])
+            current.append(Line(named.group(2), shape, opcode, operands, text, named.group(1) is not None))
     return computations, entry
-
-
-def _split_shape(text: str) -> tuple[str, str]:
-    """(the shape, the rest) of `shape opcode(...)`, the shape a tuple of shapes or one array."""
-    if not text.startswith("("):
-        shape, _, rest = text.partition(" ")
-        return shape, rest
-    depth = 0
-    for index, char in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth == 0:
-            return text[:index + 1], text[index + 1:].lstrip()
-    return text, ""
-
-
-def _balanced(arguments: str) -> str:
-    """The operand list of `opcode(` ... `)`, without the attributes after it."""
-    depth = 1
-    for index, char in enumerate(arguments):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth == 0:
-            return arguments[:index]
-    return arguments
 
 
 def _called(text: str) -> list[str]:

@@ -12,17 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from test_collectives import assert_matches, in_float32, per_device
 from xlatrain.custom_calls.ops import all_gather, all_reduce, broadcast, ppermute, reduce_scatter
-
-from xlatrain.compat.mapping import shard_map
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="needs a GPU: run with XLATRAIN_TEST_GPU=1 on a machine with one")
 
 DTYPES = ["float32", "bfloat16", "float16", "int32"]
-TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
-"""16-bit floats are reduced in float32 and rounded once (as on CPU), so the reference is lax's in float32."""
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +28,6 @@ def mesh():
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
     nccl.setup_communicators(mesh)
     return mesh
-
-
-def per_device(fn, mesh):
-    return jax.jit(shard_map(fn, mesh, P("d"), P("d")))
 
 
 def cases(n: int) -> dict:
@@ -62,21 +54,6 @@ def sample(dtype: str, rows: int, seed: int = 0) -> jax.Array:
     return jnp.asarray(data.round() if dtype == "int32" else data).astype(dtype)
 
 
-def in_float32(reference, dtype: str):
-    if dtype not in ("bfloat16", "float16"):
-        return reference
-    return lambda x: reference(x.astype(jnp.float32)).astype(dtype)
-
-
-def assert_same(got, want, dtype: str) -> None:
-    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
-    assert got.shape == want.shape
-    if dtype == "int32":
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", NAMES)
 def test_every_op_equals_xlas_collective(name, dtype, mesh):
@@ -87,7 +64,8 @@ def test_every_op_equals_xlas_collective(name, dtype, mesh):
     x = sample(dtype, 2 * n * n)  # rows that reduce_scatter splits over n, for every device's block
     program = per_device(ours, mesh)
     assert "xlatrain_cuda_" in program.lower(x).compile().as_text()
-    assert_same(program(x), per_device(in_float32(reference, dtype), mesh)(x), dtype)
+    # 16-bit floats are reduced in float32 and rounded once (as on CPU), so the reference is lax's in float32
+    assert_matches(program(x), per_device(in_float32(reference, dtype), mesh)(x), dtype)
 
 
 @pytest.mark.parametrize("name", DIFFERENTIABLE)

@@ -43,14 +43,14 @@ def lower(config: Config, target: GpuTarget | None = None, devices: list | None 
 def lower_report(program: Program, compiled: Any) -> dict[str, Any]:
     """What `xlatrain lower --json` prints of a compiled (first) train step."""
     available, where = program.device_memory
-    analysis = cost_analysis(compiled)
+    analysis, hlo_text = cost_analysis(compiled), compiled.as_text()
     report = {"params": program.param_count,
               "flops": _flops_or_none(analysis),
               "bytes_accessed": analysis.get("bytes accessed"),
-              "kernels": kernel_split(compiled.as_text()),
+              "kernels": kernel_split(hlo_text),
               "peak_memory_bytes": peak_memory_bytes(compiled),
               "memory": memory_split(program, compiled),
-              "collectives": collectives(compiled.as_text(), dict(program.mesh.shape)),
+              "collectives": collectives(hlo_text, dict(program.mesh.shape)),
               "device_memory": {"bytes": available, "of": where},
               "model_flops": program.measured.model_flops_per_step,
               "amp_order": amp_order_problems(program) if program.steps_per_sync == 1 else None,
