@@ -18,7 +18,8 @@ from xlatrain.lowering.grad_sync import (
     PartitionedReplicas,
     explicit_replicas,
 )
-from xlatrain.lowering.step import make_eval_step
+from xlatrain.lowering.step import SplitTrees, make_eval_step
+from xlatrain.lowering.tensor_link import partial_gradients, split_over_tensor, summed_over_tensor, tensor_group
 
 from xlatrain.compat.mapping import pmap_over_rows, shard_map
 from xlatrain.config import Config, Derived
@@ -44,6 +45,7 @@ from xlatrain.sharding import (
     tensor_undivided,
 )
 from xlatrain.state import TrainState, state_specs
+from xlatrain.tensor_group import inside_tensor_group
 
 Replicas = PartitionedReplicas | ExplicitReplicas
 
@@ -95,8 +97,19 @@ class DataParallel:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
     def param_split_specs(self, params: Any) -> Any:
-        """Per abstract param, its PartitionSpec when split over `data` (zero1's optimizer state, fsdp's params)."""
-        return param_specs(params, self.model.logical_axes, rules_over(self._rules(), (DATA,)), self.mesh)
+        """Per abstract param, its PartitionSpec when split over `data` (zero1's optimizer state, fsdp's params),
+        and over `tensor` where the rules say so."""
+        return param_specs(params, self.model.logical_axes, rules_over(self._rules(), (TENSOR, DATA)), self.mesh)
+
+    def tensor_specs(self, params: Any) -> Any:
+        """Per abstract param, its PartitionSpec over `tensor` alone."""
+        return param_specs(params, self.model.logical_axes, rules_over(self._rules(), (TENSOR,)), self.mesh)
+
+    @property
+    def tensor_inside(self) -> bool:
+        """Whether a tensor group meets inside the per-device program, through collectives written out
+        (xlatrain/tensor_group.py), rather than through XLA's partitioner."""
+        return self.config.parallel.mode != "jit" and tensor_size(self.mesh) > 1
 
     def choose_remat(self, memory: DeviceMemory, most_bytes_with_residuals: Callable[[], int]) -> RematChoice | None:
         """How a pipeline's backward gets its residuals; nothing to choose without one."""
@@ -108,10 +121,15 @@ class DataParallel:
         if self.config.parallel.mode == "jit":
             return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree))
         c, strategy = self.config.collectives, self.config.parallel.strategy
+        complete = None
+        if self.tensor_inside:
+            complete = summed_over_tensor(self._tensor_group(), partial_gradients(
+                self.tensor_specs(params), self.model.logical_axes, self.derived.tensor_whole or (),
+                self.config.parallel.sequence_parallel))
         return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s,
                                  self._split_dims(params) if strategy in ("zero1", "fsdp") else None,
                                  across_processes=c.impl == "custom" and self._data_axis_processes() > 1,
-                                 params_split=strategy == "fsdp")
+                                 params_split=strategy == "fsdp", complete=complete)
 
     def per_device(self, step: Any, specs: TrainState, out_specs: Any = None, steps: int | None = None,
                    batch_spec: P | None = None) -> Any:
@@ -119,7 +137,7 @@ class DataParallel:
         mode = self.config.parallel.mode
         batch_spec = batch_spec or train_batch_sharding(self.mesh, steps or self.config.trainer.steps_per_sync).spec
         if mode == "shard_map":
-            return shard_map(step, self.mesh, in_specs=(specs, batch_spec),
+            return shard_map(self._in_tensor_group(step), self.mesh, in_specs=(specs, batch_spec),
                              out_specs=(specs, P()) if out_specs is None else out_specs)
         if mode == "pmap":
             return pmap_over_rows(step, DATA, list(self.mesh.devices.ravel()), rows_axis=len(batch_spec) - 1)
@@ -131,8 +149,9 @@ class DataParallel:
         return self._gather_whole(params) if self.config.parallel.strategy == "fsdp" else _as_they_are
 
     def gradient_parts(self, remat: str, params: Any) -> dict[str, Any]:
-        """What make_train_step needs beside the model's own gradients: nothing without a pipeline."""
-        return {}
+        """What make_train_step needs beside the model's own gradients: without a pipeline, the norms of trees
+        split over a tensor group inside the per-device program."""
+        return {"trees": self._split_trees(params)} if self.tensor_inside else {}
 
     def eval_step(self, specs: TrainState, params: Any) -> Callable[[TrainState, dict], dict]:
         """One global program over the whole eval batch."""
@@ -145,13 +164,30 @@ class DataParallel:
         if tensor_size(self.mesh) == 1:
             return step
         layout = ActivationLayout.of(self.mesh, self._rules(), self.config.parallel.sequence_parallel)
+        return _traced_within(lambda: activations_laid_out(layout), step)
 
-        @functools.wraps(step)
-        def laid_out(*args):
-            with activations_laid_out(layout):
-                return step(*args)
+    def _in_tensor_group(self, step: Callable) -> Callable:
+        """A per-device step whose models' regions meet through the tensor group while it is traced."""
+        if not self.tensor_inside:
+            return step
+        group = self._tensor_group()
+        return _traced_within(lambda: inside_tensor_group(group), step)
 
-        return laid_out
+    def _tensor_group(self):
+        c = self.config.collectives
+        return tensor_group(tensor_size(self.mesh), self.config.parallel.sequence_parallel, c.impl, c.timeout_s)
+
+    def _split_trees(self, params: Any, leading: Any = None, sums: dict | None = None,
+                     gather: Callable[[Any], Any] | None = None) -> SplitTrees:
+        """Norms of param-shaped trees whose leaves split over a tensor group inside the per-device program are
+        summed over it; `leading`: per leaf the mesh axes it is split over besides (a pipeline's blocks over
+        `stage`), summed by `sums`."""
+        over = jax.tree.map(lambda spec: (TENSOR,) if self.tensor_inside and split_over_tensor(spec) else (),
+                            self.tensor_specs(params), is_leaf=_is_spec)
+        if leading is not None:
+            over = jax.tree.map(lambda first, rest: first + rest, leading, over, is_leaf=lambda x: isinstance(x, tuple))
+        sums = {**(sums or {}), **({TENSOR: self._tensor_group().all_reduce} if self.tensor_inside else {})}
+        return SplitTrees(over, sums, gather or _as_they_are)
 
     def _gather_whole(self, params: Any) -> Callable[[Any], Any]:
         """In one global program the partitioner gathers what a sharding constraint asks for: each param whole
@@ -162,7 +198,7 @@ class DataParallel:
     def _split_dims(self, params: Any) -> Any:
         """Per param, the dimension its optimizer state (and with FSDP the param) is split along over `data`
         (None: not split)."""
-        return jax.tree.map(lambda spec: spec.index(DATA) if DATA in spec else None, self.param_split_specs(params),
+        return jax.tree.map(lambda spec: _dim_over(spec, DATA), self.param_split_specs(params),
                             is_leaf=lambda x: isinstance(x, P))
 
     def _data_axis_processes(self) -> int:
@@ -199,6 +235,23 @@ def check_tensor_split(config: Config, abstract_params: Any, logical_axes: Any, 
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
+
+
+def _dim_over(spec: P, axis: str) -> int | None:
+    """The dimension `spec` splits over `axis` (alone or with other axes), or None."""
+    return next((dim for dim, axes in enumerate(spec) if axis in (axes if isinstance(axes, tuple) else (axes,))),
+                None)
+
+
+def _traced_within(context: Callable[[], Any], step: Callable) -> Callable:
+    """`step`, traced inside `context()`."""
+
+    @functools.wraps(step)
+    def within(*args):
+        with context():
+            return step(*args)
+
+    return within
 
 
 def _as_they_are(params: Any) -> Any:

@@ -70,6 +70,9 @@ class ExplicitReplicas:
     buckets_by_all_reduce: bool = False
     """Sum each bucket with one all-reduce instead of reduce-scatter + all-gather (the two-level custom
     all-reduce across processes, which reduces inside each process first anyway)."""
+    complete: Callable[[Tree], Tree] | None = None
+    """Sums the gradients that each device of a tensor group holds a part of over the group, before the
+    replicas meet (lowering/tensor_link.py)."""
 
     def split(self, batch: dict) -> dict:
         return jax.tree.map(lambda x: x[None], batch)
@@ -92,6 +95,8 @@ class ExplicitReplicas:
 
     def sum_gradients(self, grads_R: Tree, dtype: jnp.dtype) -> Tree:
         grads = jax.tree.map(lambda g: g[0], grads_R)
+        if self.complete is not None:
+            grads = self.complete(grads)
         if self.participants == 1:
             # A pipeline over one data replica: nothing to sum, so no flat copy of the gradients and no rounding
             # to the communication dtype (XLA:CPU would keep the one-device collectives, and their copies).
@@ -155,7 +160,7 @@ def update(tx: optax.GradientTransformation, grads: Tree, opt_state: Tree, param
 
 def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str, timeout_s: float,
                       shard_dims: Tree | None = None, across_processes: bool = False,
-                      params_split: bool = False) -> ExplicitReplicas:
+                      params_split: bool = False, complete: Callable[[Tree], Tree] | None = None) -> ExplicitReplicas:
     if impl == "custom":
         from xlatrain import custom_calls as ops
 
@@ -164,11 +169,12 @@ def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str
             reduce_scatter=lambda x, a: ops.reduce_scatter(x, a, timeout_s=timeout_s),
             all_gather=lambda x, a: ops.all_gather(x, a, tiled=True, timeout_s=timeout_s),
             all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s), shard_dims=shard_dims,
-            params_split=params_split, buckets_by_all_reduce=across_processes)
+            params_split=params_split, buckets_by_all_reduce=across_processes, complete=complete)
     return ExplicitReplicas(axis, participants, bucket_bytes,
                             reduce_scatter=lambda x, a: jax.lax.psum_scatter(x, a, tiled=True),
                             all_gather=lambda x, a: jax.lax.all_gather(x, a, tiled=True),
-                            all_reduce=jax.lax.psum, shard_dims=shard_dims, params_split=params_split)
+                            all_reduce=jax.lax.psum, shard_dims=shard_dims, params_split=params_split,
+                            complete=complete)
 
 
 def bucket_bounds(total: int, itemsize: int, bucket_bytes: int, participants: int) -> list[tuple[int, int]]:

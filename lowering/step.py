@@ -14,7 +14,8 @@ of DESIGN.md in the order the code reads:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas
 from xlatrain.models.interface import Documents, documents_of
 from xlatrain.precision import Policy, cast_floats, next_loss_scale
 from xlatrain.state import ModelDef, TrainState
+from xlatrain.tensor_group import current_group, group_maximum, group_total, part_offset
 
 Metrics = dict[str, jax.Array]
 Tree = Any
@@ -45,7 +47,7 @@ def loss_sums(outputs: jax.Array, batch: dict, loss: str) -> Metrics:
         return {"loss": jnp.sum(err * weights.reshape(err.shape)), "weight": jnp.sum(weights)}
     label_logits = logit_of_label(outputs, targets)
     per_position = cross_entropy_with_integer_labels(outputs, targets, label_logits).astype(jnp.float32)
-    correct = (label_logits >= jnp.max(outputs, axis=-1)).astype(jnp.float32)
+    correct = (label_logits >= group_maximum(jnp.max(outputs, axis=-1))).astype(jnp.float32)
     return {"loss": jnp.sum(per_position * weights), "weight": jnp.sum(weights),
             "accuracy": jnp.sum(correct * weights)}
 
@@ -55,17 +57,26 @@ def cross_entropy_with_integer_labels(logits: jax.Array, labels: jax.Array,
     """optax's softmax_cross_entropy_with_integer_labels over the last axis, the same values, with the label's
     logit from `logit_of_label` (given, or taken here): vocabulary-parallel, and no scatter in its gradient."""
     label_logits = logit_of_label(logits, labels) if label_logits is None else label_logits
-    return jax.nn.logsumexp(logits, axis=-1) - label_logits
+    return vocabulary_logsumexp(logits) - label_logits
+
+
+def vocabulary_logsumexp(logits: jax.Array) -> jax.Array:
+    """logsumexp over the last axis; inside a tensor group (xlatrain/tensor_group.py) over every device's part of
+    the vocabulary, jax.nn.logsumexp's terms summed across them."""
+    if current_group() is None:
+        return jax.nn.logsumexp(logits, axis=-1)
+    largest = group_maximum(jnp.max(logits, axis=-1))
+    return jnp.log(group_total(jnp.sum(jnp.exp(logits - largest[..., None]), axis=-1))) + largest
 
 
 def logit_of_label(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Each position's logit of its label, picked by comparison with the vocabulary's indices and a sum over it,
-    not a gather: with the vocabulary split over `tensor` each device sums its part and the partitioner adds
-    the parts (a gather would assemble every device's logits), and the gradient is a select: no scatter, which
-    XLA would constant-fold into an array built into the step. A position is correct when no logit exceeds its
-    label's."""
-    vocabulary = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
-    return jnp.sum(jnp.where(vocabulary == labels[..., None], logits, 0), axis=-1)
+    not a gather: with the vocabulary split over `tensor` each device sums its part and the partitioner (or, in a
+    per-device program, the tensor group) adds the parts (a gather would assemble every device's logits), and the
+    gradient is a select: no scatter, which XLA would constant-fold into an array built into the step. A position
+    is correct when no logit exceeds its label's."""
+    vocabulary = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1) + part_offset(logits.shape[-1])
+    return group_total(jnp.sum(jnp.where(vocabulary == labels[..., None], logits, 0), axis=-1))
 
 
 def means(sums: Metrics) -> Metrics:
@@ -96,6 +107,35 @@ class WholeTrees:
 
     param_norm = norm
     """The params are whole too."""
+
+
+@dataclass(frozen=True)
+class SplitTrees:
+    """Parameter-shaped trees whose leaves a per-device program holds in parts over some mesh axes (a pipeline's
+    blocks over `stage`, tensor-parallel leaves over `tensor`): a norm sums each leaf's squares over the axes it
+    is split over. With FSDP the params are also split over `data`: `gather` assembles this device's share."""
+
+    split_over: Tree
+    """Per leaf, the mesh axes it is split over (a tuple, empty when every device holds it whole)."""
+    sums: Mapping[str, Callable[[jax.Array], jax.Array]]
+    """Per mesh axis, the sum over it."""
+    gather: Callable[[Tree], Tree] = lambda params: params
+
+    def param_norm(self, params: Tree) -> jax.Array:
+        return self.norm(self.gather(params))
+
+    def norm(self, tree: Tree) -> jax.Array:
+        axes_of = jax.tree.leaves(self.split_over, is_leaf=lambda x: isinstance(x, tuple))
+        groups: dict[tuple[str, ...], list[jax.Array]] = {}
+        for leaf, axes in zip(jax.tree.leaves(tree), axes_of, strict=True):
+            groups.setdefault(axes, []).append(leaf)
+        total = jnp.zeros((), jnp.float32)
+        for axes, leaves in sorted(groups.items(), key=lambda item: -len(item[0])):
+            squares = optax.tree.norm(leaves, squared=True)
+            for axis in axes:
+                squares = self.sums[axis](squares)
+            total = total + squares
+        return jnp.sqrt(total)
 
 
 def loss_scale(state: TrainState, policy: Policy) -> jax.Array:

@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import REPO
 
 FLOORS = [
-    ["errors", "sizes", "phases", "sharding", "callbacks"],
+    ["errors", "sizes", "phases", "sharding", "tensor_group", "callbacks"],
     ["compat", "config"],
     ["runtime", "mesh", "precision", "boundaries", "custom_calls"],
     ["data", "run"],

@@ -484,11 +484,13 @@ TENSOR_GPT = [*TINY_GPT, "model.width=64", "model.heads=4", "batch.global_size=1
 
 
 @pytest.mark.slow
-def test_a_tensor_group_inside_each_of_two_processes_equals_one_process(tmp_path, devices):
-    """2 processes x 4 devices: the tensor axis (4) inside each process, data (2) across them; the losses are one
-    process's with one device's data replica and no tensor split."""
-    succeed(start(tmp_path / "two", free_port(), ["trainer.steps=4", "mesh.tensor=4",
-                                                   "parallel.sequence_parallel=true"], base=TENSOR_GPT))
+@pytest.mark.parametrize("split", [["mesh.tensor=4", "parallel.sequence_parallel=true"],
+                                   ["mesh.stage=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]],
+                         ids=["jit-tensor4", "pipeline-stage2-tensor2"])
+def test_a_tensor_group_inside_each_of_two_processes_equals_one_process(split, tmp_path, devices):
+    """2 processes x 4 devices: the tensor axis inside each process, the others across them (in one global
+    program, and in a pipeline's per-device program); the losses are one process's with no tensor split."""
+    succeed(start(tmp_path / "two", free_port(), ["trainer.steps=4", *split], base=TENSOR_GPT))
     reference = train(load_config(None, [*TENSOR_GPT, "trainer.steps=4", f"trainer.run_dir={tmp_path / 'one'}"]),
                       echo=lambda _: None).losses
     assert_same_losses(losses_of(tmp_path / "two"), reference, steps=range(1, 5))

@@ -19,7 +19,7 @@ from conftest import REPO, TINY_GPT, run_cli, token_batch, xla_flags
 from jax.sharding import PartitionSpec as P
 from xlatrain.lowering.inspect import collectives, peak_memory_bytes
 from xlatrain.lowering.pipeline.gradients import run_when
-from xlatrain.lowering.pipeline.stage_link import StagedTrees
+from xlatrain.lowering.step import SplitTrees
 
 from xlatrain.cli import main
 from xlatrain.commands.lower import amp_order_problems, pipeline_report
@@ -166,7 +166,7 @@ def test_every_schedule_keeps_the_amp_order(schedule, remat, devices):
 
 def test_one_data_replica_keeps_the_amp_order_and_the_check_catches_stages_deciding_alone(devices, monkeypatch):
     """A pipeline over one data replica: each stage updates from its own gradients, whose sum of squares the
-    stages add up (StagedTrees.norm) before the finite check and the clip; no gradient goes through a
+    stages add up (SplitTrees.norm) before the finite check and the clip; no gradient goes through a
     collective over the one-device `data` axis. Negative control: stages that take the norm of their own
     gradients only would each decide on their own whether to skip the step and how far to clip."""
     overrides = ["mesh.stage=2", "mesh.data=1", "model.layers=4", "precision.policy=fp16",
@@ -175,7 +175,7 @@ def test_one_data_replica_keeps_the_amp_order_and_the_check_catches_stages_decid
     hlo = program.train_step.first.compiled.as_text()
     assert not re.search(r"/sync/(reduce_scatter|all_gather)", hlo)
     assert amp_order_problems(program) == []
-    monkeypatch.setattr(StagedTrees, "norm", lambda self, tree: optax.tree.norm(tree))
+    monkeypatch.setattr(SplitTrees, "norm", lambda self, tree: optax.tree.norm(tree))
     problems = amp_order_problems(program_for(overrides, devices[:2]))
     assert problems == ["the finite check depends on the batch without passing a cross-replica reduction"]
 

@@ -30,12 +30,37 @@ CASES = {  # (data, stage, tensor) x sequence parallel x strategy, pairwise rath
     "llama-d4t2-kv-split-tied-fsdp": [*LLAMA, "model.kv_heads=4", "mesh.tensor=2", "model.tie_embeddings=true",
                                       "parallel.strategy=fsdp"],
 }
+SHARD_MAP = ["parallel.mode=shard_map"]
+PER_DEVICE_CASES = {  # the tensor group inside a per-device program: its collectives written out
+    "shard_map-d4t2": [*SHARD_MAP, "mesh.tensor=2"],
+    "shard_map-d2t4-sp-custom": [*SHARD_MAP, "mesh.tensor=4", "parallel.sequence_parallel=true",
+                                 "collectives.impl=custom"],
+    "shard_map-llama-d2t4-gqa-kv-kept-whole-sp-zero1": [*LLAMA, "model.kv_heads=2", *SHARD_MAP, "mesh.tensor=4",
+                                                        "parallel.sequence_parallel=true", "parallel.strategy=zero1"],
+    "1f1b-d2s2t2": ["mesh.stage=2", "mesh.tensor=2"],
+    "zb1p-d1s4t2-sp": ["mesh.data=1", "mesh.stage=4", "mesh.tensor=2", "model.layers=4",
+                       "parallel.pipeline.schedule=zb1p", "parallel.pipeline.microbatches=4",
+                       "parallel.sequence_parallel=true"],
+    "interleaved-d2s2t2-sp-custom-zero1": ["mesh.stage=2", "mesh.tensor=2", "model.layers=4",
+                                           "parallel.pipeline.schedule=interleaved",
+                                           "parallel.pipeline.virtual_stages=2", "parallel.sequence_parallel=true",
+                                           "collectives.impl=custom", "parallel.strategy=zero1"],
+    "llama-gpipe-d2s2t2-remat-full-fsdp-tied": [*LLAMA, "model.kv_heads=2", "model.tie_embeddings=true",
+                                                "mesh.stage=2", "mesh.tensor=2", "parallel.pipeline.schedule=gpipe",
+                                                "parallel.pipeline.remat=full", "parallel.strategy=fsdp"],
+    "llama-zbv-d1s4t2-gqa-kv-kept-whole": [*LLAMA, "model.kv_heads=1", "mesh.data=1", "mesh.stage=4", "mesh.tensor=2",
+                                           "model.layers=8", "parallel.pipeline.schedule=zbv",
+                                           "parallel.pipeline.microbatches=4"],
+}
 
 
 def gradients_and_losses(overrides, devices, steps=3):
+    """The first batch's gradients (in the model's own layout) and loss sum, and the losses of `steps` steps."""
     program = build_program(load_config(None, [*TP_GPT, *overrides]), devices)
     state, batch = program.create_state(), token_batch(program)
     grads, sums = jax.device_get(program.gradients(state, batch))
+    if program.pipeline is not None:
+        grads = jax.device_get(program.pipeline.layout.layer_params(grads))
     losses = []
     for _ in range(steps):
         state, metrics = program.train_step(state, batch)
@@ -53,14 +78,18 @@ def assert_leaves_close(ours, reference, rtol=1e-5):
         np.testing.assert_allclose(got, expected, rtol=rtol, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("case", [pytest.param(name, marks=() if name in ("d1t8", "d2t4-sp") else pytest.mark.slow)
-                                  for name in CASES])
+QUICK = ("d1t8", "d2t4-sp", "shard_map-d2t4-sp-custom", "1f1b-d2s2t2")
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)
+                                  for name in {**CASES, **PER_DEVICE_CASES}])
 def test_tensor_parallel_loss_and_every_gradient_equal_one_device(case, devices):
-    overrides = CASES[case]
+    overrides = {**CASES, **PER_DEVICE_CASES}[case]
     model = [o for o in overrides if o.startswith("model.")]
     one, reference, reference_loss, reference_losses = gradients_and_losses([*model, "mesh.data=1"], devices[:1])
     program, grads, loss, losses = gradients_and_losses(overrides, devices)
-    assert program.mesh.shape["tensor"] == int(re.search(r"t(\d)", case).group(1))
+    (stages, tensor), = re.findall(r"(?:s(\d))?t(\d)", case)
+    assert (program.mesh.shape.get("stage", 1), program.mesh.shape["tensor"]) == (int(stages or 1), int(tensor))
     np.testing.assert_allclose(loss, reference_loss, rtol=1e-5)
     assert_leaves_close(grads, reference)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
@@ -103,18 +132,22 @@ def test_sequence_parallel_splits_the_activations_between_the_tensor_regions(dev
 
 
 @pytest.mark.slow
-def test_a_run_resumes_on_another_tensor_size_as_if_uninterrupted(tmp_path, devices):
-    """8 devices: t=2 (d=4) for 4 steps, then t=4 (d=2), then t=1 (d=8); the losses are the uninterrupted run's."""
-    common = [*TP_GPT, "trainer.checkpoint_every=4", f"trainer.run_dir={tmp_path / 'elastic'}"]
+@pytest.mark.parametrize("program", [[], ["mesh.stage=2", "parallel.sequence_parallel=true"]],
+                         ids=["jit", "pipeline"])
+def test_a_run_resumes_on_another_tensor_size_as_if_uninterrupted(program, tmp_path, devices):
+    """8 devices: t=2 for 4 steps, then t=4, then t=1 (mesh.data takes what is left; sequence parallelism on
+    while t > 1); the losses are the uninterrupted run's."""
+    common = [*TP_GPT, *program, "trainer.checkpoint_every=4", f"trainer.run_dir={tmp_path / 'elastic'}"]
     for steps, tensor in ((4, 2), (8, 4), (12, 1)):
-        result = train(load_config(None, [*common, f"mesh.tensor={tensor}", f"trainer.steps={steps}"]),
+        result = train(load_config(None, [*common, f"mesh.tensor={tensor}", f"trainer.steps={steps}",
+                                          *(["parallel.sequence_parallel=false"] if tensor == 1 else [])]),
                        echo=lambda _: None)
         assert result.final_step == steps
     from xlatrain.run.metrics import read_metrics
 
     resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "elastic" / "metrics.jsonl") if "loss" in r}
-    straight = train(load_config(None, [*TP_GPT, "trainer.steps=12", f"trainer.run_dir={tmp_path / 'straight'}"]),
-                     echo=lambda _: None).losses
+    straight = train(load_config(None, [*TP_GPT, *[o for o in program if "sequence" not in o], "trainer.steps=12",
+                                        f"trainer.run_dir={tmp_path / 'straight'}"]), echo=lambda _: None).losses
     np.testing.assert_allclose([resumed[s] for s in range(1, 13)], [straight[s] for s in range(1, 13)], rtol=1e-6)
 
 
@@ -125,13 +158,26 @@ def test_a_run_resumes_on_another_tensor_size_as_if_uninterrupted(tmp_path, devi
      "mesh.tensor=4 splits key/value heads over the tensor axis, and model.kv_heads=6 does not divide by 4"),
     ([*LLAMA, "model.heads=8", "model.width=64", "model.mlp_hidden=100", "mesh.tensor=8"],
      "model.mlp_hidden=100 does not divide by 8"),
-    (["mesh.tensor=2", "mesh.stage=2"], "parallel.mode=shard_map (chosen by parallel.mode=auto for a pipeline"),
-    (["mesh.tensor=2", "parallel.mode=shard_map"], "is a per-device program, whose layers are not split"),
+    (["mesh.tensor=2", "parallel.mode=pmap"], "parallel.mode=pmap maps the step over `data` alone"),
+    (["mesh.tensor=2", "mesh.stage=2", "optimizer.name=adafactor"],
+     "with parallel.mode=shard_map (chosen by parallel.mode=auto for a pipeline"),
+    (["mesh.tensor=2", "parallel.mode=shard_map", "optimizer.name=adafactor"], "adafactor's factored moments read"),
+    (["mesh.tensor=2", "parallel.mode=shard_map", "parallel.logical_rules.mlp=data"],
+     "parallel.logical_rules.mlp leaves `tensor` out, and a per-device program"),
+    (["mesh.tensor=2", "parallel.mode=shard_map", "parallel.logical_rules.embed=tensor"],
+     "parallel.logical_rules.embed maps to `tensor`, which a per-device program"),
+    ([*LLAMA, "model.heads=12", "model.width=96", "model.kv_heads=4", "model.mlp_hidden=192", "mesh.tensor=6",
+      "parallel.mode=shard_map"], "that needs mesh.tensor to be a multiple of 4"),
     (["parallel.sequence_parallel=true"], "set mesh.tensor to 2 or more"),
     (["parallel.logical_rules.heads=stage"], "mesh axes that do not exist"),
 ])
 def test_what_tensor_parallelism_cannot_split_is_one_line(overrides, message, capsys):
     assert message in cli_error(capsys, "config", *TINY_GPT, *overrides)
+
+
+def test_a_per_device_program_splits_only_the_built_in_decoders(capsys):
+    assert "model.name=mlp does not; use mesh.stage=1" in cli_error(
+        capsys, "config", "model.name=mlp", "data.source=digits", "mesh.tensor=2", "parallel.mode=shard_map")
 
 
 def test_a_torch_module_is_not_split_over_tensor(capsys, tmp_path):

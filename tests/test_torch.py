@@ -454,8 +454,9 @@ def test_a_torch_modules_linears_split_over_tensor_as_model_tensor_dims_says_and
 @pytest.mark.parametrize("overrides, message", [
     (['model.tensor_dims={"blocks.*.fc9.*": column}', "mesh.tensor=2"],
      "model.tensor_dims['blocks.*.fc9.*'] matches no parameter of 'tiny_gpt:TinyGPT'"),
-    ([*TENSOR_DIMS, "mesh.tensor=2", "mesh.stage=2"], "is a per-device program, whose layers are not split"),
-    ([*TENSOR_DIMS, "mesh.tensor=2", "collectives.impl=custom"], "is a per-device program"),
+    ([*TENSOR_DIMS, "mesh.tensor=2", "mesh.stage=2"], "runs a torch module as one whole forward, which has no place"),
+    ([*TENSOR_DIMS, "mesh.tensor=2", "collectives.impl=custom"], "(model.tensor_dims splits its linears in "
+                                                                 "parallel.mode=jit, where XLA inserts them)"),
     ([*TENSOR_DIMS, "mesh.tensor=8", "model.kwargs.heads=4", "model.kwargs.width=36"],
      "mesh.tensor=8 does not divide blocks.attn_out.weight (tensor_split: 36)"),
     (TENSOR_DIMS, "set mesh.tensor to 2 or more, or drop model.tensor_dims"),

@@ -54,7 +54,7 @@ from xlatrain.lowering.step import (
     make_gradient_step,
     make_train_step,
 )
-from xlatrain.mesh import build_mesh, eval_batch_sharding, train_batch_sharding
+from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, train_batch_sharding
 from xlatrain.models import flax_model, model_factory
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.models.interface import PARTLY_FROZEN, ModelDef, documents_of
@@ -222,7 +222,11 @@ class Program:
         def fn(state: TrainState, batch: dict) -> tuple[Any, dict]:
             return gradient_step(state, batch)[:2]
 
-        per_device = self.parallel.per_device(fn, self.specs, out_specs=(self.specs.params, P()), steps=1)
+        # Synchronised gradients are whole over `data` (FSDP splits only the update), as the params are laid out
+        # over `stage` and `tensor`.
+        whole_over_data = jax.tree.map(lambda spec: P(*(_less(axes, DATA) for axes in spec)), self.specs.params,
+                                       is_leaf=lambda x: isinstance(x, P))
+        per_device = self.parallel.per_device(fn, self.specs, out_specs=(whole_over_data, P()), steps=1)
         return jax.jit(per_device).lower(state, batch).compile()
 
     @property
@@ -385,3 +389,8 @@ def _refuse_partly_frozen(config: Config, derived: Derived, model: ModelDef) -> 
                         f"blocks and not in others, and optimizer.weight_decay={config.optimizer.weight_decay} would "
                         "decay the frozen ones: freeze it in every block or none, or set optimizer.weight_decay=0")
 
+
+def _less(axes: str | tuple[str, ...] | None, axis: str) -> str | tuple[str, ...] | None:
+    """A PartitionSpec entry without `axis`."""
+    kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a is not None and a != axis)
+    return None if not kept else kept[0] if len(kept) == 1 else kept

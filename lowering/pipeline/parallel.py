@@ -10,18 +10,19 @@ from typing import Any, Callable
 import jax
 import optax
 from jax.sharding import PartitionSpec as P
-from xlatrain.lowering.data_parallel import DataParallel
+from xlatrain.lowering.data_parallel import DataParallel, check_tensor_split
 from xlatrain.lowering.pipeline.block_costs import measure_block_costs
 from xlatrain.lowering.pipeline.evaluation import make_pipeline_eval
 from xlatrain.lowering.pipeline.gradients import make_pipeline_gradients
-from xlatrain.lowering.pipeline.stage_link import StagedTrees, StageLink, stage_link
+from xlatrain.lowering.pipeline.stage_link import StageLink, stage_link
 from xlatrain.lowering.pipeline.work import pipeline_work, residual_bytes
 from xlatrain.lowering.step import eval_metrics
 
 from xlatrain.config import Config, Derived
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
-from xlatrain.mesh import eval_batch_sharding
+from xlatrain.mesh import STAGE, eval_batch_sharding
+from xlatrain.models.blocks import BLOCKS
 from xlatrain.models.interface import ModelDef
 from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
 from xlatrain.pipeline.remat import RematChoice, choose_remat, configured
@@ -66,10 +67,18 @@ class PipelineParallel(DataParallel):
         """The stage layout's specs (blocks over `stage`), split over `data` too for zero1 (the optimizer state)
         and fsdp (the params as well)."""
         strategy = self.config.parallel.strategy
-        return state_specs(init, self.model, tx, strategy, self._rules(), self.mesh,
-                           fixed_param_specs=self.param_split_specs if strategy == "fsdp"
-                           else self.plan.layout.param_specs,
-                           fixed_optimizer_specs=self.param_split_specs if strategy in ("zero1", "fsdp") else None)
+        abstract, specs = state_specs(
+            init, self.model, tx, strategy, self._rules(), self.mesh,
+            fixed_param_specs=self.param_split_specs if strategy == "fsdp" else self._stage_specs,
+            fixed_optimizer_specs=self.param_split_specs if strategy in ("zero1", "fsdp") else None)
+        check_tensor_split(self.config, self.plan.layout.model_shapes(abstract.params), self.model.logical_axes,
+                           self._rules(), self.mesh)
+        return abstract, specs
+
+    def tensor_specs(self, params: Any) -> Any:
+        """The stage layout's specs over `tensor` alone: the blocks' as the model's, behind [virtual stages, 1]."""
+        return jax.tree.map(lambda spec: P(*(None if axis == STAGE else axis for axis in spec)),
+                            self._stage_specs(params), is_leaf=lambda x: isinstance(x, P))
 
     def param_count(self, params: Any) -> int:
         """The model's parameters, less the padding blocks of uneven chunks."""
@@ -78,7 +87,16 @@ class PipelineParallel(DataParallel):
     def param_split_specs(self, params: Any) -> Any:
         """StageLayout.split_specs: by whole layers for adafactor, whose update reads each layer's whole matrices."""
         return self.plan.layout.split_specs(params, data=self.derived.data_parallel,
-                                            whole_layers=self.config.optimizer.name == "adafactor")
+                                            whole_layers=self.config.optimizer.name == "adafactor",
+                                            within=self._model_tensor_specs(params))
+
+    def _stage_specs(self, params: Any) -> Any:
+        """Blocks over `stage`, and what the rules split over `tensor`."""
+        return self.plan.layout.param_specs(params, within=self._model_tensor_specs(params))
+
+    def _model_tensor_specs(self, params: Any) -> Any:
+        """The specs over `tensor` of the stage layout's params, in the model's layout."""
+        return super().tensor_specs(self.plan.layout.model_shapes(params))
 
     def choose_remat(self, memory: DeviceMemory, most_bytes_with_residuals: Callable[[], int]) -> RematChoice:
         """parallel.pipeline.remat; `auto` measures the step compiled with remat: none against the budget."""
@@ -96,7 +114,8 @@ class PipelineParallel(DataParallel):
         return {"gradients": make_pipeline_gradients(self.model.blocks, plan.layout, plan.slots,
                                                      self.derived.pipeline_microbatches, self.config.model.loss,
                                                      self.policy, link, remat),
-                "trees": StagedTrees(link, self.gather_params(params))}
+                "trees": self._split_trees(params, leading=self._stage_split(params), sums={STAGE: link.sum},
+                                           gather=self.gather_params(params))}
 
     def eval_step(self, specs: TrainState, params: Any) -> Callable[[TrainState, dict], dict]:
         """Each replica's rows through the stages, forward only; the replicas' sums added."""
@@ -113,6 +132,11 @@ class PipelineParallel(DataParallel):
     def _gather_whole(self, params: Any) -> Callable[[Any], Any]:
         """In the per-device program the gather is written out: an all-gather over `data`."""
         return self.replicas(params).gather
+
+    @staticmethod
+    def _stage_split(params: dict) -> dict:
+        """Per leaf, whether the stages hold parts of it: the blocks."""
+        return {**jax.tree.map(lambda _: (), params), BLOCKS: jax.tree.map(lambda _: (STAGE,), params[BLOCKS])}
 
     def _link(self) -> StageLink:
         c = self.config.collectives

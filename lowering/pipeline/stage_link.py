@@ -9,10 +9,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from xlatrain.mesh import STAGE
-from xlatrain.models.blocks import split_blocks
 from xlatrain.pipeline.slots import SlotProgram
 
 Tree = Any
@@ -37,23 +35,6 @@ def stage_link(stages: int, impl: str, timeout_s: float) -> StageLink:
         return StageLink(stages, lambda x, perm: ops.ppermute(x, STAGE, perm, timeout_s=timeout_s),
                          lambda x: ops.all_reduce(x, STAGE, timeout_s=timeout_s))
     return StageLink(stages, lambda x, perm: jax.lax.ppermute(x, STAGE, perm), lambda x: jax.lax.psum(x, STAGE))
-
-
-@dataclass(frozen=True)
-class StagedTrees:
-    """Parameter-shaped trees whose blocks are split over the stages (the rest is the same on every
-    stage): a norm adds the stages' parts. With FSDP the params are also split over `data`:
-    `gather` assembles a stage's whole share first."""
-
-    link: StageLink
-    gather: Callable[[Tree], Tree] = lambda params: params
-
-    def param_norm(self, params: dict) -> jax.Array:
-        return self.norm(self.gather(params))
-
-    def norm(self, tree: dict) -> jax.Array:
-        blocks, rest = split_blocks(tree)
-        return jnp.sqrt(self.link.sum(optax.tree.norm(blocks, squared=True)) + optax.tree.norm(rest, squared=True))
 
 
 def next_stage_pairs(slots: SlotProgram, stages: int) -> tuple[tuple[int, int], ...]:

@@ -19,7 +19,7 @@ from xlatrain.errors import UserError, first_line
 from xlatrain.lowering import hlo_graph
 from xlatrain.lowering.inspect import axes_spanned, collectives, dump, peak_memory_bytes
 from xlatrain.lowering.kernels import kernel_split
-from xlatrain.mesh import DATA, TENSOR
+from xlatrain.mesh import TENSOR
 from xlatrain.program import Program, build_program
 from xlatrain.runtime.gpu_targets import GpuTarget, resolve_target, target_devices
 
@@ -80,7 +80,7 @@ def _bytes_per_device(abstract: Any, shardings: Any) -> int:
 
 def amp_order_problems(program: Program) -> list[str]:
     """The AMP order checked on the compiled (single-step) train program; empty when it holds. Beside a tensor
-    axis only the reductions over `data` count as the gradient sync."""
+    axis a reduction inside a tensor group alone does not count as the gradient sync."""
     leaves = jax.tree_util.tree_flatten_with_path(program.abstract_state)[0]
     params = [i for i, (path, _) in enumerate(leaves) if jax.tree_util.keystr(path).startswith(".params")]
     skips = program.policy.dynamic_scale or program.config.trainer.on_nonfinite == "skip"
@@ -89,13 +89,15 @@ def amp_order_problems(program: Program) -> list[str]:
                                         clips=program.config.optimizer.clip_norm is not None,
                                         scales=program.policy.dynamic_scale,
                                         synchronised=program.gradients_synchronised,
-                                        counted=_over_data(program.mesh))
+                                        counted=_beyond_tensor(program.mesh))
 
 
-def _over_data(mesh: jax.sharding.Mesh) -> Callable[[list[list[int]] | None], bool] | None:
-    if TENSOR not in mesh.shape:
+def _beyond_tensor(mesh: jax.sharding.Mesh) -> Callable[[list[list[int]] | None], bool] | None:
+    """The reductions that count as the sync: not those inside a tensor group alone. A pipeline's over `stage`
+    count as without a tensor axis (XLA combines some with the gradient norm's into one all-reduce)."""
+    if mesh.shape.get(TENSOR, 1) == 1:
         return None
-    return lambda groups: groups is None or DATA in axes_spanned(groups, dict(mesh.shape))
+    return lambda groups: groups is None or set(axes_spanned(groups, dict(mesh.shape))) != {TENSOR}
 
 
 def pipeline_report(program: Program, compiled: Any) -> dict[str, Any]:

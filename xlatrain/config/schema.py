@@ -117,14 +117,49 @@ class Config(Strict):
                              "torch module's parameters name none: say how its linears split in model.tensor_dims "
                              "(e.g. {'*.fc1.*': column, '*.fc2.weight': row}), or set mesh.tensor=1")
         if self.parallel.mode != "jit":
-            chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
-            raise ValueError(f"mesh.tensor={tensor} runs in parallel.mode=jit, where XLA's partitioner inserts the "
-                             f"tensor-parallel collectives; parallel.mode={self.parallel.mode}{chosen} is a per-device "
-                             "program, whose layers are not split over `tensor`: use mesh.stage=1, "
-                             "collectives.impl=xla and parallel.mode=auto or jit, or set mesh.tensor=1")
+            self._tensor_group_fits_a_per_device_program(tensor)
         if isinstance(self.model, DECODERS):
             self._decoder_splits_by_whole_heads(tensor)
         return self
+
+    def _tensor_group_fits_a_per_device_program(self, tensor: int) -> None:
+        """Inside a per-device program the built-in decoders' regions call the tensor group's collectives
+        (xlatrain/tensor_group.py), Megatron's layout: heads, kv heads, the MLP and the vocabulary split."""
+        mode = self.parallel.mode
+        chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
+        instead = "use mesh.stage=1, collectives.impl=xla and parallel.mode=jit, or set mesh.tensor=1"
+        if mode == "pmap":
+            raise ValueError(f"mesh.tensor={tensor}: parallel.mode=pmap maps the step over `data` alone; use "
+                             "parallel.mode=shard_map (the tensor group's collectives written out) or jit")
+        if not isinstance(self.model, DECODERS):
+            why = ("runs a torch module as one whole forward, which has no place for the tensor group's "
+                   "collectives (model.tensor_dims splits its linears in parallel.mode=jit, where XLA inserts them)"
+                   if self.model.name == "torch" else
+                   f"splits the layers of the built-in decoders (model.name=gpt or llama), whose attention, MLP, "
+                   f"embedding and head call the tensor group's collectives; model.name={self.model.name} does not")
+            raise ValueError(f"mesh.tensor={tensor} with parallel.mode={mode}{chosen}: a per-device program {why}; "
+                             f"{instead}")
+        if self.optimizer.name == "adafactor":
+            raise ValueError(f"mesh.tensor={tensor} with parallel.mode={mode}{chosen}: each device updates its part "
+                             "of a split matrix on its own, and adafactor's factored moments read the whole matrix: "
+                             "use optimizer.name=adamw, sgd or lion, or parallel.mode=jit")
+        rules = self.parallel.logical_rules
+        for name in ("heads", "kv_heads", "mlp", "vocab"):
+            if TENSOR not in rules.get(name, ()):
+                raise ValueError(f"parallel.logical_rules.{name} leaves `tensor` out, and a per-device program "
+                                 f"(parallel.mode={mode}{chosen}) splits the decoders Megatron's way, {name} over "
+                                 f"`tensor`: put `tensor` back in it, or use parallel.mode=jit")
+        other = sorted(name for name, axes in rules.items()
+                       if TENSOR in axes and name not in ("heads", "kv_heads", "mlp", "vocab"))
+        if other:
+            raise ValueError(f"parallel.logical_rules.{other[0]} maps to `tensor`, which a per-device program "
+                             f"(parallel.mode={mode}{chosen}) splits only heads, kv_heads, mlp and vocab over: take "
+                             "`tensor` out of it, or use parallel.mode=jit")
+        kv_heads = self.model.kv_head_count() if isinstance(self.model, LlamaConfig) else self.model.heads
+        if kv_heads < tensor and tensor % kv_heads:
+            raise ValueError(f"mesh.tensor={tensor} has more devices than model.kv_heads={kv_heads}, so each keeps the "
+                             f"key/value heads whole and uses the one its query heads read; in a per-device program "
+                             f"(parallel.mode={mode}{chosen}) that needs mesh.tensor to be a multiple of {kv_heads}")
 
     def _decoder_splits_by_whole_heads(self, tensor: int) -> None:
         """Each device of a tensor group holds whole attention heads and an equal part of the MLP."""

@@ -13,10 +13,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype
 
 from xlatrain.models.blocks import BLOCKS, BlockStack
 from xlatrain.models.interface import Documents
+from xlatrain.models.linear import dense_dot_general
 from xlatrain.sharding import BATCH, LENGTH, constrain
+from xlatrain.tensor_group import enter_region, leave_region
 
 
 class KVCache(NamedTuple):
@@ -46,7 +49,7 @@ class Decoder(BlockStack):
         return residual_stream(self.embed_at(tokens_BxL, positions))
 
     def after_blocks(self, x_BxLxD):
-        x_BxLxD = self.final_norm(x_BxLxD)
+        x_BxLxD = enter_region(self.final_norm(x_BxLxD))
         logits_BxLxV = self.embed.attend(x_BxLxD) if self.head is None else self.head(x_BxLxD)
         return constrain(logits_BxLxV, BATCH, None, "vocab")
 
@@ -74,6 +77,16 @@ def residual_stream(x_BxLxD: jax.Array) -> jax.Array:
     """The activations between the tensor-parallel regions: whole on each device of a tensor group, or split
     along the sequence with sequence parallelism (xlatrain.sharding.constrain)."""
     return constrain(x_BxLxD, BATCH, LENGTH, None)
+
+
+def row_parallel(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+    """`layer(x)` for a layer whose input features are split over a tensor group (attention's output projection,
+    the MLP's last layer): each device's product summed over the group (xlatrain/tensor_group.py) before the
+    bias, which is added once."""
+    x, kernel, bias = promote_dtype((x, layer.kernel[...], None if layer.bias is None else layer.bias[...]),
+                                    dtype=layer.dtype)
+    y = leave_region(dense_dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision))
+    return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
 
 
 def by_heads(x_BxLxHxK: jax.Array, heads: str = "heads") -> jax.Array:

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xlatrain.tensor_group import current_group, leave_region, part_offset
+
 
 def scatter_rows(grads_NxD: jax.Array, ids_N: jax.Array, rows: int) -> jax.Array:
     """[rows, D] float32: the sum of the gradients of each id, added in the order they come."""
@@ -53,10 +55,16 @@ lookup.defvjp(_lookup_forward, _lookup_backward)
 
 
 class TokenEmbed(nnx.Embed):
-    """nnx.Embed, with `lookup`'s gradient."""
+    """nnx.Embed, with `lookup`'s gradient. Inside a tensor group each device holds a part of the vocabulary,
+    looks up the ids in it (zero for the others) and the parts are summed (xlatrain/tensor_group.py)."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError("token ids must be integers")
         table = self.embedding[...]
-        return lookup(table, inputs, self.dtype or table.dtype)
+        if current_group() is None:
+            return lookup(table, inputs, self.dtype or table.dtype)
+        local = inputs - part_offset(table.shape[0])
+        held = (local >= 0) & (local < table.shape[0])
+        rows = lookup(table, jnp.where(held, local, 0), self.dtype or table.dtype)
+        return leave_region(jnp.where(held[..., None], rows, jnp.zeros((), rows.dtype)))

@@ -11,11 +11,12 @@ from flax import nnx
 from xlatrain.models.attention import cached_attention, causal_attention
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import stack_blocks
-from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_stream
+from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_stream, row_parallel
 from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import GroupedLinear, linear
 from xlatrain.sharding import BATCH, constrain
+from xlatrain.tensor_group import dropped, enter_region, sequence_part
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def layer_norm(shape: GPTShape, rngs: nnx.Rngs) -> nnx.LayerNorm:
 class Block(nnx.Module):
     def __init__(self, shape: GPTShape, *, rngs: nnx.Rngs):
         d = shape.width
-        self.heads = shape.heads
+        self.head_width = d // shape.heads
         self.ln_attn = layer_norm(shape, rngs)
         self.qkv = GroupedLinear(d, 3, d, kernel_metadata=axes("embed", None, "heads"),
                                  bias_metadata=axes(None, "heads"), rngs=rngs)
@@ -67,18 +68,21 @@ class Block(nnx.Module):
         return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
 
     def _qkv(self, x_BxLxD):
-        batch, length, width = x_BxLxD.shape
-        qkv_BxLx3xHxK = self.qkv(self.ln_attn(x_BxLxD)).reshape(batch, length, 3, self.heads, width // self.heads)
+        """Heads are -1: a device of a tensor group holds some of them (xlatrain/tensor_group.py)."""
+        normed_BxLxD = enter_region(self.ln_attn(x_BxLxD))
+        batch, length, _ = normed_BxLxD.shape
+        qkv_BxLx3xHxK = self.qkv(normed_BxLxD).reshape(batch, length, 3, -1, self.head_width)
         return tuple(by_heads(qkv_BxLx3xHxK[:, :, i]) for i in range(3))
 
     def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
-        x_BxLxD = residual_stream(x_BxLxD + self._drop(self.attn_out(attended_BxLxHxK.reshape(x_BxLxD.shape)),
-                                                       keys[0]))
-        hidden_BxLxF = constrain(jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD))), BATCH, None, "mlp")
-        return residual_stream(x_BxLxD + self._drop(self.mlp_out(hidden_BxLxF), keys[1]))
+        batch, length = attended_BxLxHxK.shape[:2]
+        attended_BxLxD = row_parallel(self.attn_out, attended_BxLxHxK.reshape(batch, length, -1))
+        x_BxLxD = residual_stream(x_BxLxD + self._drop(attended_BxLxD, keys[0]))
+        hidden_BxLxF = constrain(jax.nn.gelu(self.mlp_in(enter_region(self.ln_mlp(x_BxLxD)))), BATCH, None, "mlp")
+        return residual_stream(x_BxLxD + self._drop(row_parallel(self.mlp_out, hidden_BxLxF), keys[1]))
 
     def _drop(self, x, key):
-        return self.dropout(x, deterministic=key is None, rngs=key)
+        return dropped(x, self.dropout.rate, key)
 
 
 class GPT(Decoder):
@@ -98,7 +102,7 @@ class GPT(Decoder):
             bias_metadata=axes("vocab"), rngs=rngs)
 
     def embed_at(self, tokens_BxL, positions_BxL):
-        return self.embed(tokens_BxL) + self.position(positions_BxL)
+        return self.embed(tokens_BxL) + self.position(sequence_part(positions_BxL))
 
     def final_norm(self, x_BxLxD):
         return self.ln_final(x_BxLxD)

@@ -13,12 +13,13 @@ from flax import nnx
 from xlatrain.models.attention import cached_attention, causal_attention
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import stack_blocks
-from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_stream
+from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_stream, row_parallel
 from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import linear
 from xlatrain.models.rope import inverse_frequencies, rotate
 from xlatrain.sharding import BATCH, constrain
+from xlatrain.tensor_group import dropped, enter_region, kv_heads_for_local_queries
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,7 @@ class LlamaBlock(nnx.Module):
         self.dropout = nnx.Dropout(shape.dropout)
 
     def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None):
-        positions = jnp.arange(x_BxLxD.shape[1]) if documents is None else documents.positions
-        q, k, v = self._qkv(x_BxLxD, positions)
+        q, k, v = self._qkv(x_BxLxD, None if documents is None else documents.positions)
         attended_BxLxHxK = by_heads(causal_attention(q, k, v, None if documents is None else documents.segment_ids))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
 
@@ -78,26 +78,29 @@ class LlamaBlock(nnx.Module):
         return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
 
     def _qkv(self, x_BxLxD, positions):
-        batch, length, _ = x_BxLxD.shape
-        normed = self.attn_norm(x_BxLxD)
-        q_BxLxHxK = self.q(normed).reshape(batch, length, self.heads, self.head_dim)
-        k_BxLxGxK, v_BxLxGxK = (proj(normed).reshape(batch, length, self.kv_heads, self.head_dim)
-                                for proj in (self.k, self.v))
+        """Heads are -1: a device of a tensor group holds some of them (xlatrain/tensor_group.py). Positions: those
+        of the whole sequence (None: 0, 1, ...), which sequence parallelism gathers before attention."""
+        normed = enter_region(self.attn_norm(x_BxLxD))
+        batch, length, _ = normed.shape
+        positions = jnp.arange(length) if positions is None else positions
+        q_BxLxHxK = self.q(normed).reshape(batch, length, -1, self.head_dim)
+        k_BxLxGxK, v_BxLxGxK = (kv_heads_for_local_queries(proj(normed).reshape(batch, length, -1, self.head_dim),
+                                                           self.kv_heads) for proj in (self.k, self.v))
         head_dim, theta, scaling = self.rope
         frequencies = inverse_frequencies(head_dim, theta, None if scaling is None else dict(scaling))
         q_BxLxHxK, k_BxLxGxK = rotate(q_BxLxHxK, positions, frequencies), rotate(k_BxLxGxK, positions, frequencies)
         return by_heads(q_BxLxHxK), by_heads(k_BxLxGxK, "kv_heads"), by_heads(v_BxLxGxK, "kv_heads")
 
     def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
-        batch, length, _ = x_BxLxD.shape
-        attended = self.attn_out(attended_BxLxHxK.reshape(batch, length, self.heads * self.head_dim))
+        batch, length = attended_BxLxHxK.shape[:2]
+        attended = row_parallel(self.attn_out, attended_BxLxHxK.reshape(batch, length, -1))
         x_BxLxD = residual_stream(x_BxLxD + self._drop(attended, keys[0]))
-        normed = self.mlp_norm(x_BxLxD)
+        normed = enter_region(self.mlp_norm(x_BxLxD))
         hidden_BxLxF = constrain(jax.nn.silu(self.gate(normed)) * self.up(normed), BATCH, None, "mlp")
-        return residual_stream(x_BxLxD + self._drop(self.down(hidden_BxLxF), keys[1]))
+        return residual_stream(x_BxLxD + self._drop(row_parallel(self.down, hidden_BxLxF), keys[1]))
 
     def _drop(self, x, key):
-        return self.dropout(x, deterministic=key is None, rngs=key)
+        return dropped(x, self.dropout.rate, key)
 
 
 class Llama(Decoder):

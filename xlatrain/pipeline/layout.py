@@ -91,30 +91,43 @@ class StageLayout:
     def layer_params(self, params: dict) -> dict:
         return {**params, BLOCKS: jax.tree.map(self.to_layers, params[BLOCKS])}
 
-    def param_specs(self, abstract_params: dict) -> dict:
-        """Blocks split over the stage axis, everything else replicated."""
-        specs = jax.tree.map(lambda _: P(), abstract_params)
-        return {**specs, BLOCKS: jax.tree.map(lambda _: P(None, STAGE), abstract_params[BLOCKS])}
+    def model_shapes(self, abstract_params: dict) -> dict:
+        """Abstract params of the stage layout in the model's own layout (blocks [L, ...])."""
+        return {**abstract_params, BLOCKS: jax.tree.map(
+            lambda b: jax.ShapeDtypeStruct((self.layers, *b.shape[3:]), b.dtype), abstract_params[BLOCKS])}
 
-    def split_specs(self, abstract_params: dict, data: int, whole_layers: bool = False) -> dict:
+    def param_specs(self, abstract_params: dict, within: dict | None = None) -> dict:
+        """Blocks split over the stage axis, everything else replicated; `within`: the model layout's specs of
+        what else is split (over `tensor`), the blocks' [L, ...] behind [virtual stages, stages]."""
+        if within is None:
+            within = jax.tree.map(lambda _: P(), abstract_params)
+        return {**within, BLOCKS: jax.tree.map(lambda spec: P(None, STAGE, *spec), within[BLOCKS],
+                                               is_leaf=lambda x: isinstance(x, P))}
+
+    def split_specs(self, abstract_params: dict, data: int, whole_layers: bool = False,
+                    within: dict | None = None) -> dict:
         """`param_specs`, each leaf also split over `data` along its first dimension that `data` divides (past
-        the blocks' [virtual stages, stages]): how ZeRO-1 stores the optimizer state, and FSDP the params too.
-        A leaf that no dimension fits stays whole. `whole_layers`: split the blocks along their layer axis
-        (`width`) only and keep the rest whole, so that each layer's matrices stay whole on one replica (what
-        an optimizer that reads a whole matrix, adafactor, needs)."""
+        the blocks' [virtual stages, stages], and not one already split over `tensor`): how ZeRO-1 stores the
+        optimizer state, and FSDP the params too. A leaf that no dimension fits stays whole. `whole_layers`:
+        split the blocks along their layer axis (`width`) only and keep the rest whole, so that each layer's
+        matrices stay whole on one replica (what an optimizer that reads a whole matrix, adafactor, needs)."""
 
-        def candidates(path: tuple, spec: P, leaf: jax.ShapeDtypeStruct) -> range:
+        def candidates(path: tuple, leaf: jax.ShapeDtypeStruct) -> range:
             if not whole_layers:
-                return range(len(spec), leaf.ndim)
+                return range(2 if in_blocks(path) else 0, leaf.ndim)
             return range(2, 3) if in_blocks(path) else range(0)  # the blocks' `width` axis, or nothing
 
         def split(path: tuple, spec: P, leaf: jax.ShapeDtypeStruct) -> P:
-            for dim in candidates(path, spec, leaf):
-                if leaf.shape[dim] % data == 0:
-                    return P(*spec, *([None] * (dim - len(spec))), DATA)
+            entries = [*spec, *([None] * (leaf.ndim - len(spec)))]
+            for dim in candidates(path, leaf):
+                if entries[dim] is None and leaf.shape[dim] % data == 0:
+                    entries[dim] = DATA
+                    while entries and entries[-1] is None:
+                        entries.pop()
+                    return P(*entries)
             return spec
 
-        return jax.tree_util.tree_map_with_path(split, self.param_specs(abstract_params), abstract_params,
+        return jax.tree_util.tree_map_with_path(split, self.param_specs(abstract_params, within), abstract_params,
                                                 is_leaf=lambda x: isinstance(x, P))
 
     def real_size(self, abstract_params: dict) -> int:
