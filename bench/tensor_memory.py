@@ -1,9 +1,11 @@
 """What one device holds as the layers split over mesh.tensor: the parameters and the optimizer state (their
 sharded shapes) and XLA's temporaries (memory analysis: the activations and the step's working buffers) of the
 GPT's train step, one data replica on T devices against the same replica on one device, with and without
-sequence parallelism; and how far each falls short of 1/T: the part that stays whole on every device, fitted
-from T=2 and T=4 (bytes = whole + split / T) and checked at T=8. Memory, not speed: XLA:CPU devices share the
-cores. The collectives per mesh axis are the train step's optimised HLO's.
+sequence parallelism, in one global program (parallel.mode=jit, XLA's partitioner) and in the per-device program
+(parallel.mode=shard_map, the tensor group's collectives written out); and how far each falls short of 1/T: the
+part that stays whole on every device, fitted from T=2 and T=4 (bytes = whole + split / T) and checked at T=8.
+Memory, not speed: XLA:CPU devices share the cores. The collectives per mesh axis are the train step's optimised
+HLO's.
 
     python3 -m bench.tensor_memory    # writes bench/results/tensor_memory.json
 """
@@ -29,8 +31,12 @@ TENSOR_SIZES = (1, 2, 4, 8)
 KEYS = ("params_bytes", "optimizer_bytes", "temp_bytes")
 
 
-def measured(tensor: int, sequence_parallel: bool) -> dict:
-    config = load_config(None, [*MODEL, f"mesh.tensor={tensor}", f"parallel.sequence_parallel={sequence_parallel}"])
+MODES = ("jit", "shard_map")
+
+
+def measured(tensor: int, sequence_parallel: bool, mode: str = "jit") -> dict:
+    config = load_config(None, [*MODEL, f"mesh.tensor={tensor}", f"parallel.sequence_parallel={sequence_parallel}",
+                                f"parallel.mode={mode}"])
     program = build_program(config, jax.devices()[:tensor])
     compiled = program.train_step.first.compiled
     return {**memory_split(program, compiled), "collectives": collectives(compiled.as_text(), dict(program.mesh.shape))}
@@ -42,26 +48,30 @@ def whole_and_split(at2: int, at4: int) -> tuple[float, float]:
     return at2 - split / 2, split
 
 
+def row_name(mode: str, tensor: int, sequence_parallel: bool) -> str:
+    """t4-sp for parallel.mode=jit (as the results have always named them), shard_map-t4-sp for the other."""
+    return f"{'' if mode == 'jit' else mode + '-'}t{tensor}{'-sp' if sequence_parallel else ''}"
+
+
 def main() -> None:
-    rows = {}
-    for sequence_parallel in (False, True):
-        for tensor in TENSOR_SIZES:
-            if tensor == 1 and sequence_parallel:
-                continue
-            rows[f"t{tensor}{'-sp' if sequence_parallel else ''}"] = measured(tensor, sequence_parallel)
-            print(f"t{tensor}{' sp' if sequence_parallel else ''}: " + ", ".join(
-                f"{key} {rows[list(rows)[-1]][key] / 2**20:.2f} MiB" for key in KEYS), flush=True)
+    rows = {"t1": measured(1, False)}
+    for mode in MODES:
+        for sequence_parallel in (False, True):
+            for tensor in TENSOR_SIZES[1:]:
+                name = row_name(mode, tensor, sequence_parallel)
+                rows[name] = measured(tensor, sequence_parallel, mode)
+                print(f"{name}: " + ", ".join(f"{key} {rows[name][key] / 2**20:.2f} MiB" for key in KEYS), flush=True)
     one = rows["t1"]
     summary = {}
-    for suffix in ("", "-sp"):
+    for mode, suffix in ((mode, suffix) for mode in MODES for suffix in ("", "-sp")):
         for key in KEYS:
-            at = {t: rows[f"t{t}{suffix}" if t > 1 else "t1"][key] for t in TENSOR_SIZES}
+            at = {t: rows[row_name(mode, t, suffix == "-sp") if t > 1 else "t1"][key] for t in TENSOR_SIZES}
             whole, split = whole_and_split(at[2], at[4])
-            summary[f"{key}{suffix}"] = {
+            summary[f"{'' if mode == 'jit' else mode + '-'}{key}{suffix}"] = {
                 "ratio_to_one_device": {t: at[t] / one[key] for t in TENSOR_SIZES},
                 "whole_bytes": whole, "whole_share_of_one_device": whole / one[key],
                 "t8_predicted_by_whole_plus_split_over_t": whole + split / 8, "t8_measured": at[8]}
-            print(f"{key}{suffix}: ratio " + ", ".join(f"t{t} {at[t] / one[key]:.3f}" for t in TENSOR_SIZES)
+            print(f"{mode} {key}{suffix}: ratio " + ", ".join(f"t{t} {at[t] / one[key]:.3f}" for t in TENSOR_SIZES)
                   + f"; whole {whole / 2**20:.2f} MiB ({whole / one[key]:.1%} of one device's), t8 predicted "
                   f"{(whole + split / 8) / 2**20:.2f} vs measured {at[8] / 2**20:.2f} MiB")
     path = write_results("tensor_memory", "python3 -m bench.tensor_memory", {"model": MODEL, "rows": rows,

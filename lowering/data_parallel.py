@@ -45,7 +45,7 @@ from xlatrain.sharding import (
     tensor_undivided,
 )
 from xlatrain.state import TrainState, state_specs
-from xlatrain.tensor_group import inside_tensor_group
+from xlatrain.tensor_group import TensorGroup, inside_tensor_group
 
 Replicas = PartitionedReplicas | ExplicitReplicas
 
@@ -173,7 +173,7 @@ class DataParallel:
         group = self._tensor_group()
         return _traced_within(lambda: inside_tensor_group(group), step)
 
-    def _tensor_group(self):
+    def _tensor_group(self) -> TensorGroup:
         c = self.config.collectives
         return tensor_group(tensor_size(self.mesh), self.config.parallel.sequence_parallel, c.impl, c.timeout_s)
 
@@ -192,7 +192,7 @@ class DataParallel:
     def _gather_whole(self, params: Any) -> Callable[[Any], Any]:
         """In one global program the partitioner gathers what a sharding constraint asks for: each param whole
         over `data`, still split over `tensor` where the rules say so."""
-        compute_specs = param_specs(params, self.model.logical_axes, rules_over(self._rules(), (TENSOR,)), self.mesh)
+        compute_specs = self.tensor_specs(params)
         return lambda tree: jax.lax.with_sharding_constraint(tree, named(self.mesh, compute_specs))
 
     def _split_dims(self, params: Any) -> Any:

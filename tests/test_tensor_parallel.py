@@ -32,7 +32,7 @@ CASES = {  # (data, stage, tensor) x sequence parallel x strategy, pairwise rath
 }
 SHARD_MAP = ["parallel.mode=shard_map"]
 PER_DEVICE_CASES = {  # the tensor group inside a per-device program: its collectives written out
-    "shard_map-d4t2": [*SHARD_MAP, "mesh.tensor=2"],
+    "shard_map-d4t2-accumulated": [*SHARD_MAP, "mesh.tensor=2", "batch.microbatches=2"],
     "shard_map-d2t4-sp-custom": [*SHARD_MAP, "mesh.tensor=4", "parallel.sequence_parallel=true",
                                  "collectives.impl=custom"],
     "shard_map-llama-d2t4-gqa-kv-kept-whole-sp-zero1": [*LLAMA, "model.kv_heads=2", *SHARD_MAP, "mesh.tensor=4",
@@ -307,8 +307,27 @@ def test_replica_groups_are_read_in_each_of_xlas_forms(attributes, groups, spann
     assert axes_spanned(groups, {"data": 2, "tensor": 4}) == spanned
 
 
+SPLIT_PROGRAMS = pytest.mark.parametrize("splitting", [
+    ["mesh.tensor=4", "parallel.sequence_parallel=true"],
+    ["mesh.stage=2", "mesh.tensor=2", "parallel.sequence_parallel=true", "collectives.impl=custom"]],
+    ids=["jit-d2t4-sp", "pipeline-d2s2t2-sp-custom"])
+
+
+@pytest.mark.parametrize("split", [[*SHARD_MAP, "mesh.tensor=4", "parallel.sequence_parallel=true"],
+                                   pytest.param(["mesh.stage=2", "mesh.tensor=2"], marks=pytest.mark.slow)],
+                         ids=["shard_map-d2t4-sp", "pipeline-d2s2t2"])
+def test_the_amp_order_holds_with_a_tensor_group_inside_a_per_device_program(split, devices):
+    """fp16 with its dynamic loss scale: the gradient sync over `data` (and a pipeline's sums over `stage`) carry
+    the order; the tensor group's own reductions do not count for it."""
+    from xlatrain.commands.lower import amp_order_problems
+
+    program = build_program(load_config(None, [*TP_GPT, *split, "precision.policy=fp16"]), devices)
+    assert program.mesh.shape["tensor"] > 1 and amp_order_problems(program) == []
+
+
 @pytest.mark.slow
-def test_loss_scaling_and_fused_steps_compose_with_tensor_parallelism(tmp_path, devices):
+@SPLIT_PROGRAMS
+def test_loss_scaling_and_fused_steps_compose_with_tensor_parallelism(splitting, tmp_path, devices):
     """fp16 with its dynamic loss scale, two steps per call: the tensor-parallel run tracks one device's (their
     roundings differ in 16 bits) with the same loss scales."""
     common = [*TP_GPT, "precision.policy=fp16", "trainer.steps=6", "trainer.steps_per_sync=2"]
@@ -318,7 +337,7 @@ def test_loss_scaling_and_fused_steps_compose_with_tensor_parallelism(tmp_path, 
                      echo=lambda _: None)
 
     one = run("one", ["mesh.data=1"], devices[:1])
-    split = run("split", ["mesh.tensor=4", "parallel.sequence_parallel=true"], devices)
+    split = run("split", splitting, devices)
     steps = range(1, 7)
     np.testing.assert_allclose([split.losses[s] for s in steps], [one.losses[s] for s in steps], rtol=1e-2)
     from xlatrain.run.metrics import read_metrics
@@ -330,15 +349,16 @@ def test_loss_scaling_and_fused_steps_compose_with_tensor_parallelism(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_thirty_step_tensor_and_sequence_parallel_run_tracks_one_device(tmp_path, devices):
-    """data 2 x tensor 4 with sequence parallelism against one device: 30 steps of `xlatrain train` (measured: at
-    most 9.2e-7 apart, relatively)."""
+@SPLIT_PROGRAMS
+def test_a_thirty_step_tensor_and_sequence_parallel_run_tracks_one_device(splitting, tmp_path, devices):
+    """data 2 x tensor 4 with sequence parallelism, or a pipeline's data 2 x stage 2 x tensor 2, against one
+    device: 30 steps of `xlatrain train` (measured: at most 9.2e-7 apart, relatively, for the first)."""
     def losses(name, overrides, on):
         result = train(load_config(None, [*TP_GPT, "trainer.steps=30", f"trainer.run_dir={tmp_path / name}",
                                           *overrides]), devices=on, echo=lambda _: None)
         return [result.losses[s] for s in range(1, 31)]
 
     one = losses("one", ["mesh.data=1"], devices[:1])
-    split = losses("split", ["mesh.tensor=4", "parallel.sequence_parallel=true"], devices)
+    split = losses("split", splitting, devices)
     assert one[-1] < one[0] - 2
     np.testing.assert_allclose(split, one, rtol=1e-5)

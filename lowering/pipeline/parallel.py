@@ -64,8 +64,8 @@ class PipelineParallel(DataParallel):
 
     def state_specs(self, init: Callable[[], TrainState], tx: optax.GradientTransformation,
                     ) -> tuple[TrainState, TrainState]:
-        """The stage layout's specs (blocks over `stage`), split over `data` too for zero1 (the optimizer state)
-        and fsdp (the params as well)."""
+        """The stage layout's specs (blocks over `stage`, and over `tensor` what the rules split), split over
+        `data` too for zero1 (the optimizer state) and fsdp (the params as well)."""
         strategy = self.config.parallel.strategy
         abstract, specs = state_specs(
             init, self.model, tx, strategy, self._rules(), self.mesh,
@@ -135,7 +135,7 @@ class PipelineParallel(DataParallel):
 
     @staticmethod
     def _stage_split(params: dict) -> dict:
-        """Per leaf, whether the stages hold parts of it: the blocks."""
+        """Per leaf, the mesh axes the stages split it over: `stage` for the blocks, none for the rest."""
         return {**jax.tree.map(lambda _: (), params), BLOCKS: jax.tree.map(lambda _: (STAGE,), params[BLOCKS])}
 
     def _link(self) -> StageLink:

@@ -101,8 +101,9 @@ class StageLayout:
         what else is split (over `tensor`), the blocks' [L, ...] behind [virtual stages, stages]."""
         if within is None:
             within = jax.tree.map(lambda _: P(), abstract_params)
-        return {**within, BLOCKS: jax.tree.map(lambda spec: P(None, STAGE, *spec), within[BLOCKS],
-                                               is_leaf=lambda x: isinstance(x, P))}
+        specs = {**within, BLOCKS: jax.tree.map(lambda spec: P(None, STAGE, *spec), within[BLOCKS],
+                                                is_leaf=lambda x: isinstance(x, P))}
+        return jax.tree.map(lambda spec: _trimmed([*spec]), specs, is_leaf=lambda x: isinstance(x, P))
 
     def split_specs(self, abstract_params: dict, data: int, whole_layers: bool = False,
                     within: dict | None = None) -> dict:
@@ -122,9 +123,7 @@ class StageLayout:
             for dim in candidates(path, leaf):
                 if entries[dim] is None and leaf.shape[dim] % data == 0:
                     entries[dim] = DATA
-                    while entries and entries[-1] is None:
-                        entries.pop()
-                    return P(*entries)
+                    return _trimmed(entries)
             return spec
 
         return jax.tree_util.tree_map_with_path(split, self.param_specs(abstract_params, within), abstract_params,
@@ -143,3 +142,10 @@ class StageLayout:
         return f"blocks per chunk {list(self.partition)} ({text})" + (
             f"; {padding} padding block slot(s) so every stage holds {self.virtual_stages * self.width}"
             if padding else "")
+
+
+def _trimmed(entries: list) -> P:
+    """A PartitionSpec without trailing Nones (which mean the same): P(None, STAGE), not P(None, STAGE, None)."""
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
