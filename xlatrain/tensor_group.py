@@ -136,36 +136,16 @@ def kv_heads_for_local_queries(x_BxLxGxK: jax.Array, kv_heads: int) -> jax.Array
     return jax.lax.dynamic_slice_in_dim(x_BxLxGxK, group.index() * kv_heads // group.size, 1, axis=2)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _copy_in(group: TensorGroup, x: jax.Array) -> jax.Array:
-    return x
+def _operator(forward: Callable[[TensorGroup, jax.Array], jax.Array],
+              backward: Callable[[TensorGroup, jax.Array], jax.Array]) -> Callable:
+    """(group, x) -> forward(group, x), whose gradient is backward(group, cotangent)."""
 
+    @partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def operator(group: TensorGroup, x: jax.Array) -> jax.Array:
+        return forward(group, x)
 
-def _copy_in_forward(group, x):
-    return x, None
-
-
-def _copy_in_backward(group, _, ct):
-    return (group.all_reduce(ct),)
-
-
-_copy_in.defvjp(_copy_in_forward, _copy_in_backward)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sum_out(group: TensorGroup, x: jax.Array) -> jax.Array:
-    return group.all_reduce(x)
-
-
-def _sum_out_forward(group, x):
-    return group.all_reduce(x), None
-
-
-def _sum_out_backward(group, _, ct):
-    return (ct,)
-
-
-_sum_out.defvjp(_sum_out_forward, _sum_out_backward)
+    operator.defvjp(lambda group, x: (forward(group, x), None), lambda group, _, ct: (backward(group, ct),))
+    return operator
 
 
 def _along_sequence(collective: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
@@ -173,33 +153,9 @@ def _along_sequence(collective: Callable[[jax.Array], jax.Array], x: jax.Array) 
     return jnp.moveaxis(collective(jnp.moveaxis(x, SEQUENCE_AXIS, 0)), 0, SEQUENCE_AXIS)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gather_sequence(group: TensorGroup, x: jax.Array) -> jax.Array:
-    return _along_sequence(group.all_gather, x)
-
-
-def _gather_sequence_forward(group, x):
-    return _along_sequence(group.all_gather, x), None
-
-
-def _gather_sequence_backward(group, _, ct):
-    return (_along_sequence(group.reduce_scatter, ct),)
-
-
-_gather_sequence.defvjp(_gather_sequence_forward, _gather_sequence_backward)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scatter_sequence(group: TensorGroup, x: jax.Array) -> jax.Array:
-    return _along_sequence(group.reduce_scatter, x)
-
-
-def _scatter_sequence_forward(group, x):
-    return _along_sequence(group.reduce_scatter, x), None
-
-
-def _scatter_sequence_backward(group, _, ct):
-    return (_along_sequence(group.all_gather, ct),)
-
-
-_scatter_sequence.defvjp(_scatter_sequence_forward, _scatter_sequence_backward)
+_copy_in = _operator(lambda group, x: x, lambda group, ct: group.all_reduce(ct))
+_sum_out = _operator(lambda group, x: group.all_reduce(x), lambda group, ct: ct)
+_gather_sequence = _operator(lambda group, x: _along_sequence(group.all_gather, x),
+                             lambda group, ct: _along_sequence(group.reduce_scatter, ct))
+_scatter_sequence = _operator(lambda group, x: _along_sequence(group.reduce_scatter, x),
+                              lambda group, ct: _along_sequence(group.all_gather, ct))
