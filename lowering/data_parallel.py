@@ -39,6 +39,7 @@ from xlatrain.runtime.device_memory import DeviceMemory
 from xlatrain.sharding import (
     ActivationLayout,
     activations_laid_out,
+    dim_over,
     named,
     param_specs,
     rules_over,
@@ -198,7 +199,7 @@ class DataParallel:
     def _split_dims(self, params: Any) -> Any:
         """Per param, the dimension its optimizer state (and with FSDP the param) is split along over `data`
         (None: not split)."""
-        return jax.tree.map(lambda spec: _dim_over(spec, DATA), self.param_split_specs(params),
+        return jax.tree.map(lambda spec: dim_over(spec, DATA), self.param_split_specs(params),
                             is_leaf=lambda x: isinstance(x, P))
 
     def _data_axis_processes(self) -> int:
@@ -226,8 +227,7 @@ def check_tensor_split(config: Config, abstract_params: Any, logical_axes: Any, 
                         "parallel.logical_rules split over the tensor axis: choose a mesh.tensor that divides it, or "
                         "take `tensor` out of that logical name's rule")
     specs = param_specs(abstract_params, logical_axes, rules_over(rules, (TENSOR,)), mesh)
-    if not any(TENSOR in (axes if isinstance(axes, tuple) else (axes,))
-               for spec in jax.tree.leaves(specs, is_leaf=_is_spec) for axes in spec):
+    if not any(split_over_tensor(spec) for spec in jax.tree.leaves(specs, is_leaf=_is_spec)):
         raise UserError(f"config: mesh.tensor={tensor} splits no parameter of {config.model.named()}: its logical "
                         "names map to no `tensor` axis in parallel.logical_rules (a built-in decoder's heads, mlp and "
                         "vocab do); map some there, or set mesh.tensor=1")
@@ -235,12 +235,6 @@ def check_tensor_split(config: Config, abstract_params: Any, logical_axes: Any, 
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
-
-
-def _dim_over(spec: P, axis: str) -> int | None:
-    """The dimension `spec` splits over `axis` (alone or with other axes), or None."""
-    return next((dim for dim, axes in enumerate(spec) if axis in (axes if isinstance(axes, tuple) else (axes,))),
-                None)
 
 
 def _traced_within(context: Callable[[], Any], step: Callable) -> Callable:

@@ -10,6 +10,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from xlatrain.mesh import TENSOR
+from xlatrain.sharding import dim_over
 from xlatrain.tensor_group import TensorGroup
 
 Tree = Any
@@ -33,7 +34,7 @@ def tensor_group(size: int, sequence_parallel: bool, impl: str, timeout_s: float
 
 
 def split_over_tensor(spec: P) -> bool:
-    return any(TENSOR in (axes if isinstance(axes, tuple) else (axes,)) for axes in spec)
+    return dim_over(spec, TENSOR) is not None
 
 
 def partial_gradients(specs: Tree, logical_axes: Tree, whole_names: tuple[str, ...], sequence_parallel: bool,

@@ -72,7 +72,7 @@ from xlatrain.runtime.device_memory import (
 )
 from xlatrain.runtime.distributed import everyones, is_primary
 from xlatrain.runtime.platform import compiling_for
-from xlatrain.sharding import named
+from xlatrain.sharding import named, without_axis
 from xlatrain.state import (
     TrainState,
     create_state,
@@ -224,7 +224,7 @@ class Program:
 
         # Synchronised gradients are whole over `data` (FSDP splits only the update), as the params are laid out
         # over `stage` and `tensor`.
-        whole_over_data = jax.tree.map(lambda spec: P(*(_less(axes, DATA) for axes in spec)), self.specs.params,
+        whole_over_data = jax.tree.map(lambda spec: without_axis(spec, DATA), self.specs.params,
                                        is_leaf=lambda x: isinstance(x, P))
         per_device = self.parallel.per_device(fn, self.specs, out_specs=(whole_over_data, P()), steps=1)
         return jax.jit(per_device).lower(state, batch).compile()
@@ -388,9 +388,3 @@ def _refuse_partly_frozen(config: Config, derived: Derived, model: ModelDef) -> 
         raise UserError(f"config: {config.model.named()} freezes (requires_grad=False) {partly[0]} in some of its "
                         f"blocks and not in others, and optimizer.weight_decay={config.optimizer.weight_decay} would "
                         "decay the frozen ones: freeze it in every block or none, or set optimizer.weight_decay=0")
-
-
-def _less(axes: str | tuple[str, ...] | None, axis: str) -> str | tuple[str, ...] | None:
-    """A PartitionSpec entry without `axis`."""
-    kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a is not None and a != axis)
-    return None if not kept else kept[0] if len(kept) == 1 else kept

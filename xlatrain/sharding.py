@@ -34,6 +34,25 @@ def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...], rules: R
     return P(*spec)
 
 
+def entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry splits its dimension over: none, one, or several together."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def dim_over(spec: P, axis: str) -> int | None:
+    """The dimension `spec` splits over `axis` (alone or with other axes), or None."""
+    return next((dim for dim, entry in enumerate(spec) if axis in entry_axes(entry)), None)
+
+
+def without_axis(spec: P, axis: str) -> P:
+    """`spec` with `axis` taken out of every entry (what stays split over the other axes)."""
+    def less(entry):
+        kept = tuple(a for a in entry_axes(entry) if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*map(less, spec))
+
+
 def rules_over(rules: Rules, axes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """The rules less the mesh axes not in `axes` (the replicated strategy splits only over `tensor`)."""
     return {name: tuple(axis for axis in mapped if axis in axes) for name, mapped in rules.items()}

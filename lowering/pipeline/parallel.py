@@ -29,6 +29,7 @@ from xlatrain.pipeline.remat import RematChoice, choose_remat, configured
 from xlatrain.precision import Policy
 from xlatrain.runtime.device_memory import DeviceMemory
 from xlatrain.runtime.distributed import as_primary_has_it
+from xlatrain.sharding import without_axis
 from xlatrain.state import TrainState, init_variables, state_specs
 
 
@@ -77,8 +78,8 @@ class PipelineParallel(DataParallel):
 
     def tensor_specs(self, params: Any) -> Any:
         """The stage layout's specs over `tensor` alone: the blocks' as the model's, behind [virtual stages, 1]."""
-        return jax.tree.map(lambda spec: P(*(None if axis == STAGE else axis for axis in spec)),
-                            self._stage_specs(params), is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(lambda spec: without_axis(spec, STAGE), self._stage_specs(params),
+                            is_leaf=lambda x: isinstance(x, P))
 
     def param_count(self, params: Any) -> int:
         """The model's parameters, less the padding blocks of uneven chunks."""
