@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from xlatrain.callbacks import Callback
 from xlatrain.config import Config, load_config
+from xlatrain.errors import UserError
 from xlatrain.program import apply_cpu_devices
 from xlatrain.runtime.signals import (
     STOPPED_BEFORE_FIRST_STEP,
@@ -38,12 +39,12 @@ class Trainer:
     yet). `echo`: where the run's lines go (print; None: nowhere)."""
 
     def __init__(self, config: Config | dict | str | Path | None = None, overrides: Sequence[str] = (), *,
-                 callbacks: Sequence[Callback] = (), signals: SignalHandling = "raise", devices: list | None = None,
-                 echo: Callable[[str], None] | None = print):
+                 callbacks: Callback | Sequence[Callback] = (), signals: SignalHandling = "raise",
+                 devices: list | None = None, echo: Callable[[str], None] | None = print):
         if isinstance(config, Config) and overrides:
             config = config.model_dump(mode="json")  # loaded again with the overrides, as a mapping
         self.config = config if isinstance(config, Config) else load_config(config, overrides)
-        self.callbacks = list(callbacks)
+        self.callbacks = callbacks_given(callbacks)
         self.signals = signals
         self.devices = devices
         self.echo = echo or (lambda _: None)
@@ -59,6 +60,23 @@ class Trainer:
                 return train_loop(self.config, devices=self.devices, echo=self.echo, callbacks=self.callbacks)
             except StoppedBeforeFirstStep as stop:
                 raise KeyboardInterrupt(f"{stop}: {STOPPED_BEFORE_FIRST_STEP}") from None
+
+
+def callbacks_given(callbacks: object) -> list[Callback]:
+    """`callbacks` as a list: one Callback, or a list or tuple of them; anything else is refused here, before the
+    run starts, rather than at the first event the loop would give it."""
+    if isinstance(callbacks, Callback):
+        return [callbacks]
+    if not isinstance(callbacks, (list, tuple)):
+        raise UserError(f"Trainer(callbacks=...) takes a Callback or a list of them, not {type(callbacks).__name__}")
+    for index, callback in enumerate(callbacks):
+        if not isinstance(callback, Callback):
+            shown = callback.__name__ if isinstance(callback, type) else type(callback).__name__
+            hint = " (a class: pass an instance of it)" if isinstance(callback, type) else ""
+            raise UserError(f"Trainer(callbacks=...)[{index}] is {shown}{hint}, not a Callback: subclass "
+                            "xlatrain.Callback and define the events it needs (on_step, on_eval, on_checkpoint, "
+                            "on_end)")
+    return list(callbacks)
 
 
 def train(config: Config | dict | str | Path | None = None, overrides: Sequence[str] = (), **options) -> TrainResult:

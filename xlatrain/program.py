@@ -62,6 +62,7 @@ from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
 from xlatrain.precision import Policy, resolve_policy
+from xlatrain.run.directory import SHARD_SCANS_FILE
 from xlatrain.runtime import cpu_devices
 from xlatrain.runtime.compile_cache import use_compile_cache
 from xlatrain.runtime.device_memory import (
@@ -289,7 +290,7 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
     mesh = build_mesh(config, devices)
     if config.collectives.impl == "custom":
         prepare_custom_collectives(mesh)
-    dataset = open_dataset(config.data, config.model.loss, config.run_dir())
+    dataset = open_dataset(config.data, config.model.loss, config.run_dir(), config.run_dir() / SHARD_SCANS_FILE)
     examples, digest = data_identity(dataset)
     check_every_process_reads_the_same(config.data, identity_record(examples, digest))
     policy = resolve_policy(config.precision, config.collectives.dtype)

@@ -19,11 +19,12 @@ from tqdm import tqdm
 from xlatrain.boundaries import Boundary, Hook, StepClosures, call_hook
 from xlatrain.callbacks import Callback
 from xlatrain.compat.transfers import allow_transfers, forbid_implicit_transfers
-from xlatrain.config import Config
+from xlatrain.config import DECODERS, Config
 from xlatrain.data.identity import check_same_tokenizer, data_change, identity_record
 from xlatrain.data.loader import DeviceLoader, device_eval_batches, device_train_loader
-from xlatrain.errors import NonFiniteLoss, first_line, warn
+from xlatrain.errors import NonFiniteLoss, UserError, first_line, warn
 from xlatrain.lowering.compile import FIRST_COMPILATION, CompileLog
+from xlatrain.models.attention import fused_attention_missing
 from xlatrain.observe.bottlenecks import BottleneckRules, Finding, Interval, Knobs
 from xlatrain.observe.peaks import peak_per_device
 from xlatrain.observe.profiling import ProfileWindow
@@ -61,11 +62,13 @@ from xlatrain.run.metrics import (
     METRICS_FILE,
     DiscardedMetrics,
     MetricsWriter,
+    Tracker,
     last_logged,
 )
 from xlatrain.runtime import cpu_devices
 from xlatrain.runtime.distributed import (
     StopAgreement,
+    as_primary_has_it,
     check_processes_agree,
     host_name,
     is_primary,
@@ -129,6 +132,10 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
     echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}{split}, "
          f"strategy {program.config.parallel.strategy}, params {program.param_count:,}"
          + (f" ({program.model.torch.describe_frozen()})" if program.model.frozen else ""))
+    missing = (fused_attention_missing(jax.devices()[0].platform, program.policy.compute)
+               if isinstance(program.config.model, DECODERS) else None)
+    if missing and is_primary():
+        warn(missing)
     if cpu_devices.applied is not None and jax.devices()[0].platform == "cpu":
         echo(f"  CPU devices: {cpu_devices.applied.describe()}")
     echo(f"  precision {program.config.precision.policy}: {program.policy.describe()}")
@@ -191,11 +198,22 @@ class _Run:
         return result
 
     def _execute(self) -> TrainResult:
-        with self.phases.entered(COMPILING_STEPS):
-            self.program.check_steps_fit()  # before config.yaml is written: a refused start leaves no run behind
-        with self.phases.entered(CREATING_STATE):
-            state, data_state, start = self._initial_state()
-        save_run_config(self.config, self.program.saved_derived(), self.hold)
+        # Before config.yaml is written, so that a refused start leaves no run behind: the trackers first (a server
+        # that cannot be reached is said within seconds, not after a compilation), then the steps' memory.
+        finished = (self.checkpoints.latest_step() or 0) >= self.trainer.steps
+        trackers = [] if finished else self._open_trackers()
+        try:
+            with self.phases.entered(COMPILING_STEPS):
+                self.program.check_steps_fit()
+            with self.phases.entered(CREATING_STATE):
+                state, data_state, start = self._initial_state()
+            save_run_config(self.config, self.program.saved_derived(), self.hold)
+            return self._train(state, data_state, start, trackers)
+        finally:
+            for tracker in trackers:
+                tracker.close()
+
+    def _train(self, state: Any, data_state: dict, start: int, trackers: list[Tracker]) -> TrainResult:
         self.run_dir_identity = directory_identity(self.run_dir)
         result = TrainResult(self.run_dir, start, start, compile_log=self.compile_log, summary=self.summary)
         result.metrics, result.eval_metrics = last_logged(self.run_dir / METRICS_FILE, start)  # where a resume begins
@@ -204,7 +222,8 @@ class _Run:
             self.echo(f"  already at step {start} of trainer.steps={self.trainer.steps}; nothing to do")
             return result
         loader = self._loader(data_state)
-        metrics_writer = self._metrics_writer(start) if is_primary() else DiscardedMetrics()
+        metrics_writer = (MetricsWriter(self.run_dir, start, self.trainer.loggers, hyperparameters_of(self.config),
+                                        trackers) if is_primary() else DiscardedMetrics())
         evaluation = self._eval_batches()
         with self.phases.entered(COMPILING_STEPS):
             train_step, eval_step = self.program.train_step, self.program.eval_step
@@ -288,11 +307,20 @@ class _Run:
                                 traced=loop.profile.touches(self._interval_first_step, step))
         return state, step, stopping
 
-    def _metrics_writer(self, start: int) -> MetricsWriter:
-        """metrics.jsonl, TensorBoard and the trackers of trainer.loggers (process 0's)."""
-        hyperparameters = hyperparameters_of(self.config)
-        return MetricsWriter(self.run_dir, start, self.trainer.loggers, hyperparameters,
-                             open_trackers(self.config, self.run_dir, hyperparameters))
+    def _open_trackers(self) -> list[Tracker]:
+        """The trackers of trainer.loggers (process 0's), opened before the run exists in its directory, so that one
+        that refuses (a server that cannot be reached, a bad project) leaves the directory as it was; every process
+        stops alike."""
+        trackers, refusal = [], ""
+        if is_primary():
+            try:
+                trackers = open_trackers(self.config, self.run_dir, hyperparameters_of(self.config))
+            except UserError as err:
+                refusal = str(err)
+        refusal = as_primary_has_it("trackers", refusal)
+        if refusal:
+            raise UserError(refusal)
+        return trackers
 
     def _peak_flops(self) -> float | None:
         """One device's peak for MFU; said once at the start, with the step's model FLOPs."""

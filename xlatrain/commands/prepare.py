@@ -10,6 +10,7 @@ nothing; a directory left by an interrupted run is cleared of its own partial sh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import queue
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from xlatrain.config.data import BPE_VOCAB, stays_inside
 from xlatrain.data.shards import (
     FORMAT,
     MANIFEST,
@@ -100,7 +102,8 @@ class ShardWriter:
         replace_file(self.directory / name, lambda partial: tokens.tofile(partial))
         replace_file(self.directory / index_name(name),
                      lambda partial: np.save(partial.open("wb"), np.asarray(self._bounds, np.int64)))
-        self.shards.append({"file": name, "tokens": len(tokens), "documents": len(self._bounds) - 1})
+        self.shards.append({"file": name, "tokens": len(tokens), "documents": len(self._bounds) - 1,
+                            "max_id": int(tokens.max())})
         self._pieces, self._bounds = [], [0]
 
     def summary(self) -> dict[str, Any]:
@@ -109,7 +112,9 @@ class ShardWriter:
 
 
 def prepare(request: Request) -> dict[str, Any]:
-    """Writes the shards and the manifest (or finds them written already); returns the manifest."""
+    """Writes the shards and the manifest (or finds them written already); returns the manifest. A preparation
+    that fails leaves --out as it found it: what it wrote is removed, and so are the directories it made."""
+    check_options(request)
     every = holdout_stride(request.holdout)
     files = input_files(request.inputs, request.glob)
     given = None if request.train_vocab else load_tokenizer(request.tokenizer, "--tokenizer")
@@ -121,7 +126,19 @@ def prepare(request: Request) -> dict[str, Any]:
     if existing is not None:
         raise UserError(f"--out {request.out} holds shards prepared from other inputs or options; give another --out "
                         "directory or delete that one (nothing was overwritten)")
-    _clear_partial_run(request.out)
+    made = _directories_made(request.out)
+    try:
+        return _write_shards(request, files, given, asked, every)
+    except BaseException:
+        _clear_partial_run(request.out)
+        with contextlib.suppress(OSError):  # one that something else wrote into meanwhile stays
+            for directory in made:
+                directory.rmdir()
+        raise
+
+
+def _write_shards(request: Request, files: list[Path], given: Tokenizer | None, asked: str,
+                  every: int) -> dict[str, Any]:
     tokenizer = given or _trained_tokenizer(request, files)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {split: ShardWriter(request.out, split, dtype, request.shard_tokens) for split in SPLITS}
@@ -140,7 +157,6 @@ def prepare(request: Request) -> dict[str, Any]:
     for writer in writers.values():
         writer.close()
     if not writers["train"].shards or not writers["eval"].shards:
-        _clear_partial_run(request.out)
         raise UserError(f"data prepare: {index} documents are too few to hold one in {every} out and train on the "
                         "rest; give more documents or raise --holdout")
     if tokenizer.serialized is not None:
@@ -152,6 +168,18 @@ def prepare(request: Request) -> dict[str, Any]:
     replace_file(request.out / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=1), encoding="utf-8"))
     print(f"xlatrain: wrote {_counts(manifest)} to {request.out}")
     return manifest
+
+
+def check_options(request: Request) -> None:
+    """The options that need no file read, each refused in one line naming it."""
+    low, high = BPE_VOCAB
+    if request.train_vocab is not None and not low <= request.train_vocab <= high:
+        raise UserError(f"data prepare: --train-tokenizer {request.train_vocab} is outside {low}..{high:,}: a "
+                        f"byte-level BPE holds the 256 bytes and its end-of-text token ({low} ids) and at most "
+                        f"{high:,}")
+    if not stays_inside(request.glob):
+        raise UserError(f"data prepare: --glob {request.glob!r} must be a non-empty pattern relative to each INPUT "
+                        "directory, without `..` (e.g. '**/*.txt'); name files elsewhere as INPUTs of their own")
 
 
 def holdout_stride(holdout: float) -> int:
@@ -299,13 +327,24 @@ def _existing_manifest(out: Path) -> dict[str, Any] | None:
                         ) from None
 
 
-def _clear_partial_run(out: Path) -> None:
-    """Removes what an interrupted preparation left (its shards, never listed by a manifest); refuses a directory
-    that holds anything else, so that nothing of the user's is overwritten."""
+def _directories_made(out: Path) -> list[Path]:
+    """Makes --out and its missing parents; returns those it made, --out first (the order to remove them in). What
+    an interrupted preparation left there (its shards, never listed by a manifest) is removed; a directory that
+    holds anything else is refused, so that nothing of the user's is overwritten."""
+    missing, directory = [], out
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"--out {out} cannot be created ({err.strerror}); name a directory you can write") from None
+    _clear_partial_run(out)  # a directory it made holds nothing: this refuses only one that was there
+    return missing
+
+
+def _clear_partial_run(out: Path) -> None:
+    """Removes this command's files from --out, refusing it where it holds anything else."""
     ours = [p for p in out.iterdir() if _written_here(p.name)]
     others = [p.name for p in out.iterdir() if p not in ours]
     if others:

@@ -49,7 +49,7 @@ def prompt_ids(trained: TrainedDecoder, request: Request) -> tuple[np.ndarray, i
     if trained.tokenizer is None:
         raise UserError(f"sample: {trained.source} has no tokenizer to encode --prompt with (a run on "
                         "data.source=arrays, or shards prepared without one)")
-    ids = trained.tokenizer.encode_batch([request.prompt])[0].astype(np.int32)
+    ids = trained.tokenizer.encode_batch([utf8_text(request.prompt, "--prompt")])[0].astype(np.int32)
     if not len(ids):
         raise UserError("sample: --prompt is empty; give the text to continue")
     if ids.max() >= trained.model.vocab:
@@ -65,6 +65,19 @@ def prompt_ids(trained: TrainedDecoder, request: Request) -> tuple[np.ndarray, i
                         f"exceed the model's context of {context}; lower --max-new-tokens to at most "
                         f"{context - len(ids)}")
     return ids, request.max_new_tokens
+
+
+def utf8_text(text: str, named: str) -> str:
+    """`text` where it is UTF-8; a command-line argument that is not (Python keeps its bytes as surrogates) is one
+    UserError naming the first byte that is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raw = text.encode("utf-8", "surrogateescape")
+        at = len(text[:err.start].encode("utf-8", "surrogateescape"))
+        raise UserError(f"sample: {named} is not UTF-8 text (byte {at}: {raw[at:at + 1]!r}); give it as UTF-8 (your "
+                        "terminal's locale, or iconv -t utf-8)") from None
+    return text
 
 
 def sample(request: Request) -> tuple[str, np.ndarray]:

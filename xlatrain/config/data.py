@@ -27,8 +27,18 @@ class DigitsData(DataBase):
     """Fraction of the examples held out for evaluation."""
 
 
+BPE_VOCAB = (257, 2**20)
+"""The ids a byte-level BPE trained here may have: the 256 bytes and the end-of-text token at least; 2**20 at most
+(tokenizers' trainer allocates its tables by this number)."""
+
+
+def stays_inside(pattern: str) -> bool:
+    """Whether a glob pattern names files under the directory it is applied to: relative, with no `..` part."""
+    return bool(pattern) and not Path(pattern).is_absolute() and ".." not in Path(pattern).parts
+
+
 class TrainTokenizer(Strict):
-    vocab_size: Annotated[int, Field(ge=257, le=2**20)]
+    vocab_size: Annotated[int, Field(ge=BPE_VOCAB[0], le=BPE_VOCAB[1])]
     """Ids of the byte-level BPE trained with Hugging Face `tokenizers` (its end-of-text token among them)."""
 
 
@@ -76,8 +86,9 @@ class TextData(DataBase):
     @field_validator("glob")
     @classmethod
     def _relative_pattern(cls, pattern: str) -> str:
-        if not pattern or Path(pattern).is_absolute():
-            raise ValueError(f"data.glob={pattern!r} must be a non-empty pattern relative to data.path, e.g. "
+        if not stays_inside(pattern):
+            raise ValueError(f"data.glob={pattern!r} must be a non-empty pattern relative to data.path, without "
+                             "`..`, e.g. "
                              "'**/*.txt'")
         return pattern
 

@@ -14,11 +14,25 @@ TRACKER_PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-sk
 """The loggers that need a package of their own: (module, the package that installs it)."""
 
 
+WANDB_PROJECT_REFUSES = "/\\#?%:"
+"""Characters W&B refuses in a project name (as wandb's own settings check them), with names over 128 characters."""
+
+
 class WandbConfig(Strict):
     project: str = "xlatrain"
-    """The W&B project the run goes to."""
+    """The W&B project the run goes to (at most 128 characters, none of / \\ # ? % :)."""
     entity: str | None = None
     """The W&B team or user; null: wandb's default (the API key's)."""
+
+    @field_validator("project")
+    @classmethod
+    def _a_name_wandb_takes(cls, project: str) -> str:
+        refused = sorted({char for char in project if char in WANDB_PROJECT_REFUSES})
+        if not project or len(project) > 128 or refused:
+            found = f" (it has {' '.join(refused)})" if refused else ""
+            raise ValueError(f"not a W&B project name{found}: give 1 to 128 characters, none of "
+                             f"{' '.join(WANDB_PROJECT_REFUSES)}")
+        return project
 
 
 class MlflowConfig(Strict):
@@ -57,10 +71,11 @@ class TrainerConfig(Strict):
     auto: the bar where stderr is a terminal, the lines elsewhere."""
 
     loggers: tuple[Logger, ...] = ("jsonl", "tensorboard")
-    """Where each logged step's metrics go: jsonl (RUN_DIR/metrics.jsonl, flat keys: what resume, plot and report
-    read), tensorboard (RUN_DIR/tensorboard), wandb (Weights & Biases), mlflow (MLflow). The trackers get the same
-    scalars under train/, eval/ and perf/, and the resolved config as hyperparameters; a resumed run goes on in the
-    same tracker run. Only process 0 logs."""
+    """Where each logged step's metrics go beside RUN_DIR/metrics.jsonl (flat keys), which is always written, listed
+    (jsonl) or not: it is the run's own record, which a resume, `plot` and `report` read. tensorboard
+    (RUN_DIR/tensorboard), wandb (Weights & Biases), mlflow (MLflow). The trackers get the same scalars under
+    train/, eval/ and perf/, and the resolved config as hyperparameters; a resumed run goes on in the same tracker
+    run, and never gets a step twice. Only process 0 logs."""
     wandb: WandbConfig = WandbConfig()
     """Weights & Biases, with trainer.loggers: [..., wandb]; wandb reads its own environment (WANDB_MODE=offline
     logs with no network, WANDB_API_KEY, ...)."""

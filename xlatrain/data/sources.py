@@ -24,7 +24,7 @@ from xlatrain.config import (
     TokensData,
     TrainedTokenizer,
 )
-from xlatrain.data.shards import open_shards, read_manifest
+from xlatrain.data.shards import ShardScans, open_shards, read_manifest
 from xlatrain.data.spec import DataSpec
 from xlatrain.data.tokenizers import (
     TOKENIZER_FILE,
@@ -104,15 +104,18 @@ class Dataset:
     spec: DataSpec
 
 
-def open_dataset(config: DataConfig, loss: str = "cross_entropy", run_dir: Path | None = None) -> Dataset:
+def open_dataset(config: DataConfig, loss: str = "cross_entropy", run_dir: Path | None = None,
+                 shard_scans: Path | None = None) -> Dataset:
     """The data of a run, checked against the loss (model.loss) that will read its targets. `run_dir`: where a
-    tokenizer that a text run trains is kept (None: in memory only, for what only traces the model)."""
+    tokenizer that a text run trains is kept (None: in memory only, for what only traces the model);
+    `shard_scans`: where the largest ids of token shards prepared before their manifests recorded them are kept
+    (data/shards.py's ShardScans; None: scanned each time)."""
     if isinstance(config, DigitsData):
         return _digits(config)
     if isinstance(config, TextData):
         return _text(config, run_dir)
     if isinstance(config, TokensData):
-        return _tokens(config)
+        return _tokens(config, ShardScans(shard_scans))
     return _arrays(config, loss)
 
 
@@ -204,8 +207,8 @@ def tokenize_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
         token_dtype(tokenizer.vocab_size))
 
 
-def _tokens(config: TokensData) -> Dataset:
-    shards = open_shards(Path(config.path))
+def _tokens(config: TokensData, scans: ShardScans) -> Dataset:
+    shards = open_shards(Path(config.path), scans=scans)
     if config.tokenizer is not None:
         expected = load_tokenizer(config.tokenizer)
         made_with = shards.manifest["tokenizer"]

@@ -25,12 +25,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xlatrain.compat.backends import cudnn_missing
 from xlatrain.runtime.platform import lowering_platform
 
 QUERY_BLOCKS_AT_MOST = 4
 """More blocks skip more products but run more, smaller kernels; past 4 the step got no faster on CPU."""
 QUERY_BLOCK_ROWS_AT_LEAST = 32
 """Blocks of 16 queries were slower than blocks of 32 at length 64: their kernels are too small (module doc)."""
+
+
+def fused_attention_missing(platform: str, compute: jnp.dtype) -> str | None:
+    """Where attention() would take cuDNN's fused kernel but cannot, because cuDNN is not installed: what falls back
+    and what to install (a run's one warning); None elsewhere."""
+    if platform != "gpu" or compute not in (jnp.bfloat16, jnp.float16):
+        return None
+    missing = cudnn_missing()
+    if missing is None:
+        return None
+    return (f"attention falls back to XLA's, not cuDNN's fused kernel ({missing}): about 5x slower in the forward "
+            "and backward (bench.gpu); pip install nvidia-cudnn-cu13 beside jax's CUDA plugin")
 
 
 def query_blocks(length: int) -> int:

@@ -10,13 +10,14 @@ MLflow store is a file store in its directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import string
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from xlatrain.config import Config, MlflowConfig, WandbConfig, flatten
 from xlatrain.errors import UserError, first_line
@@ -78,21 +79,23 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's condition for its file store
         previous = known.get("mlflow", {})
         try:
-            self.client = MlflowClient(tracking_uri=uri)
-            if previous.get("tracking_uri") == uri and previous.get("run_id"):
-                self.run_id = previous["run_id"]
-                self.client.update_run(self.run_id, status="RUNNING")
-            else:
-                experiment_name = settings.experiment or name
-                experiment = self.client.get_experiment_by_name(experiment_name)
-                experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                    experiment_name)
-                self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
-                self._log_params(hyperparameters)
+            with _one_attempt():
+                self.client = MlflowClient(tracking_uri=uri)
+                if previous.get("tracking_uri") == uri and previous.get("run_id"):
+                    self.run_id = previous["run_id"]
+                    self.client.update_run(self.run_id, status="RUNNING")
+                else:
+                    experiment_name = settings.experiment or name
+                    experiment = self.client.get_experiment_by_name(experiment_name)
+                    experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+                        experiment_name)
+                    self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+                    self._log_params(hyperparameters)
         except Exception as err:  # MLflow raises its own errors (a store it cannot reach, a bad URI)
-            raise UserError(f"trainer.mlflow: MLflow could not start its run at {uri} ({type(err).__name__}: "
-                            f"{first_line(err)[:200]}); set trainer.mlflow.tracking_uri, or drop mlflow from "
-                            "trainer.loggers") from None
+            raise UserError(f"trainer.mlflow.tracking_uri: MLflow could not start its run at {uri} "
+                            f"({type(err).__name__}: {first_line(err)[:200]}); start the server or set "
+                            "trainer.mlflow.tracking_uri to one that answers, or drop mlflow from trainer.loggers"
+                            ) from None
         _remember(run_dir, known, "mlflow", {"tracking_uri": uri, "run_id": self.run_id})
 
     def _log_params(self, hyperparameters: dict) -> None:
@@ -111,6 +114,26 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+MLFLOW_FIRST_CONTACT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+"""How a run's start talks to an MLflow server: one attempt, 5 s (MLflow's own defaults, 7 retries with backoff and
+120 s each, spend minutes on a server that is not there before the run could say so); its logging later keeps
+MLflow's defaults, or the user's settings of these variables."""
+
+
+@contextlib.contextmanager
+def _one_attempt() -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in MLFLOW_FIRST_CONTACT}
+    os.environ.update(MLFLOW_FIRST_CONTACT)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def new_run_id() -> str:

@@ -89,6 +89,7 @@ class Checkpoints:
         _register_array_handler()
         _drop_orbax_logs_of_refused_writes()
         self.directory = directory.resolve()
+        _check_readable(self.directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._in_flight: int | None = None
@@ -241,9 +242,9 @@ class Checkpoints:
             restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 wanted, restore_args=restore_args, partial_restore=True)))
             params = restored.state["params"]
+            saved = self._integrity(step).get("fingerprints", {})
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
             raise CorruptCheckpoint(_unreadable(err)) from None
-        saved = self._integrity(step).get("fingerprints", {})
         if saved:  # the train state's fingerprints name its params field `.params`
             _verify(params, {path[len(PARAMS_PATH):]: value for path, value in saved.items()
                              if path.startswith(PARAMS_PATH)})
@@ -300,6 +301,25 @@ def _io_failure(err: Exception) -> str | None:
     if isinstance(err, OSError):
         return err.strerror or first_line(err)
     return None
+
+
+def _check_readable(directory: Path) -> None:
+    """The checkpoints directory, each step's directory and what it holds at its top can be read by this user;
+    otherwise one UserError naming the first that cannot (orbax would log a warning for it and go on, or fail with
+    a traceback)."""
+    def readable(path: Path) -> bool:
+        return os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0))
+
+    def entries(folder: Path) -> list[Path]:
+        return sorted(folder.iterdir()) if readable(folder) else []
+
+    if not directory.is_dir():
+        return
+    steps = [step for step in entries(directory) if step.is_dir()]
+    for path in [directory, *steps, *(entry for step in steps for entry in entries(step))]:
+        if not readable(path):
+            raise UserError(f"{path} cannot be read by this user (permission denied); let it read the checkpoints "
+                            f"(chmod -R u+rX {directory}), or run as their owner")
 
 
 def _unreadable(err: Exception) -> str:

@@ -37,6 +37,8 @@ LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 LOCK_FILE = ".lock"
 """Locked (flock) by process 0 of the run that trains into the directory, and naming that process."""
+SHARD_SCANS_FILE = "shard-scans.json"
+"""The largest ids of token shards whose manifest does not record them, scanned once (xlatrain/data/shards.py)."""
 
 
 @dataclass
@@ -77,6 +79,7 @@ def _remove_unstarted(run_dir: Path, made: list[Path]) -> None:
         return
     with contextlib.suppress(OSError):
         (run_dir / LOCK_FILE).unlink(missing_ok=True)
+        (run_dir / SHARD_SCANS_FILE).unlink(missing_ok=True)
         if (run_dir / CHECKPOINTS_DIR).is_dir():
             (run_dir / CHECKPOINTS_DIR).rmdir()
         for directory in made:
@@ -145,9 +148,9 @@ def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
 
 
 def _holds_no_run_yet(run_dir: Path) -> bool:
-    """Whether run_dir holds only what a start leaves before its run exists: launch's logs, the lock, and an empty
-    checkpoints directory (a first start stopped while it compiled)."""
-    return all(path.name in (LOGS_DIR, LOCK_FILE)
+    """Whether run_dir holds only what a start leaves before its run exists: launch's logs, the lock, the scan of
+    its token shards, and an empty checkpoints directory (a first start stopped while it compiled)."""
+    return all(path.name in (LOGS_DIR, LOCK_FILE) or path.name.startswith(SHARD_SCANS_FILE)
                or (path.name == CHECKPOINTS_DIR and path.is_dir() and not any(path.iterdir()))
                for path in run_dir.iterdir())
 

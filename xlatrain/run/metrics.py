@@ -57,7 +57,9 @@ class MetricsWriter:
         """Logs from start_step + 1 on: what an earlier session logged past the state it left (a checkpoint, or
         none when it was killed before its first) is dropped from metrics.jsonl and TensorBoard, since those steps
         run again; the trackers, which cannot drop, are not given those steps again (`hyperparameters`: the flat
-        resolved config, given to TensorBoard once, as a new run starts)."""
+        resolved config, given to TensorBoard once, as a new run starts). metrics.jsonl is always written: it is the
+        run's own record, which a resume, `report` and `plot` read; `loggers` adds TensorBoard. The trackers stay
+        open when it closes: whoever opened them closes them."""
         self.path = run_dir / METRICS_FILE
         self._failed = False
         self._file = self._tensorboard = None
@@ -69,8 +71,7 @@ class MetricsWriter:
                 records = read_metrics(self.path)
                 self._logged_before = max([start_step, *(r.get("step", 0) for r in records)])
                 write_records(self.path, [r for r in records if r.get("step", 0) <= start_step])
-            if "jsonl" in loggers:
-                self._file = open_for_append(self.path)
+            self._file = open_for_append(self.path)
             if "tensorboard" in loggers:
                 self._tensorboard = _summary_writer()(str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
                 if hyperparameters and start_step == 0:
@@ -80,9 +81,8 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         step = record["step"]
         with self._refused_as(f"at step {step}"):
-            if self._file is not None:
-                self._file.write(json.dumps(record) + "\n")
-                self._file.flush()
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
             scalars = tracker_scalars(record)
             if self._tensorboard is not None:
                 for name, value in scalars.items():
@@ -97,8 +97,6 @@ class MetricsWriter:
             for log in (self._file, self._tensorboard):
                 if log is not None:
                     log.close()
-        for tracker in self._trackers:
-            tracker.close()
 
     @contextlib.contextmanager
     def _refused_as(self, when: str) -> Iterator[None]:

@@ -113,10 +113,16 @@ class Observer:
             self.unreachable_since = now
 
 
-def verdict(observer: Observer, processes: int, now: float, config: DistributedConfig) -> str | None:
+def verdict(observer: Observer, processes: int, now: float, config: DistributedConfig,
+            reached: int | None = None) -> str | None:
     """What failed, to stop every process with (`final_line` adds the last checkpoint), or None while every
-    process is alive and moving."""
+    process is alive and moving. `reached`: the newest checkpoint written whole, which every process that has begun
+    its steps has passed: a step published before it is older than the process's own (it publishes every BEAT_S)."""
     seen = observer.seen
+
+    def at(s: Seen) -> int:
+        return s.step if reached is None or s.step == 0 else max(s.step, reached)
+
     if observer.unreachable_since is not None and now - observer.unreachable_since > config.heartbeat_timeout:
         return coordinator_lost(seen, f"the key-value store has been unreachable for "
                                       f"{now - observer.unreachable_since:.0f} s")
@@ -124,11 +130,11 @@ def verdict(observer: Observer, processes: int, now: float, config: DistributedC
     running = {rank: s for rank, s in seen.items() if s.phase not in DONE}
     for rank, s in sorted(seen.items()):
         if s.phase == "failed":
-            return f"rank {rank} (host {s.host}) failed at step {s.step}: {s.error}"
+            return f"rank {rank} (host {s.host}) failed at step {at(s)}: {s.error}"
     for rank, s in sorted(running.items()):
         silent = now - s.beat_changed_at
         if silent > config.heartbeat_timeout:
-            return (f"rank {rank} (host {s.host}) stopped responding at step {s.step} while {_words(s.phase)} "
+            return (f"rank {rank} (host {s.host}) stopped responding at step {at(s)} while {_words(s.phase)} "
                     f"(no heartbeat for {silent:.0f} s)")
     if missing or not running:
         return None  # a process that has not published yet is still joining: its start is covered by jax
@@ -139,7 +145,7 @@ def verdict(observer: Observer, processes: int, now: float, config: DistributedC
         if limit is not None and stuck > limit and s.order == behind:
             everyone = all(other.order == behind for other in running.values()) and len(running) > 1
             who = "every process" if everyone else f"rank {rank} (host {s.host})"
-            return (f"{who} has been {_words(s.phase)} at step {s.step} for {stuck:.0f} s, longer than "
+            return (f"{who} has been {_words(s.phase)} at step {at(s)} for {stuck:.0f} s, longer than "
                     f"distributed.stall_timeout.{s.phase}={limit:g}")
     return None
 
@@ -157,11 +163,17 @@ def _words(phase: str) -> str:
     return WORDS.get(phase, phase)
 
 
-def final_line(what: str, seen: dict[int, Seen], mine: int | None = None) -> str:
-    """The failure with the newest checkpoint any process published or this one found written since."""
+def newest_checkpoint(seen: dict[int, Seen], mine: int | None = None) -> int | None:
+    """The newest checkpoint any process published or this one found written since."""
     steps = [s.last_checkpoint for s in seen.values() if s.last_checkpoint is not None]
     steps += [mine] if mine is not None else []
-    return f"{what}; last checkpoint: step {max(steps)}" if steps else f"{what}; no checkpoint yet"
+    return max(steps, default=None)
+
+
+def final_line(what: str, seen: dict[int, Seen], mine: int | None = None) -> str:
+    """The failure with the newest checkpoint (newest_checkpoint)."""
+    newest = newest_checkpoint(seen, mine)
+    return f"{what}; last checkpoint: step {newest}" if newest is not None else f"{what}; no checkpoint yet"
 
 
 class Watchdog:
@@ -198,8 +210,10 @@ class Watchdog:
         self.beat += 1
         key_value_set(f"{KEY_PREFIX}{self.rank}", json.dumps(self._mine()).encode())
 
-    def _stop_everyone(self, what: str) -> None:
-        line = final_line(what, self.observer.seen, self.progress.newest_checkpoint(SAVE_SETTLE_S))
+    def _stop_everyone(self, now: float) -> None:
+        mine = self.progress.newest_checkpoint(SAVE_SETTLE_S)
+        what = verdict(self.observer, self.processes, now, self.config, newest_checkpoint(self.observer.seen, mine))
+        line = final_line(what, self.observer.seen, mine)
         try:
             key_value_set(VERDICT_KEY, line.encode())
         except Exception:
@@ -227,9 +241,8 @@ class Watchdog:
             self.observer.update(published, now)
             if self.rank != 0:
                 _stderr_guard().set_message(_runtime_abort_line(self.observer.seen))
-            found = verdict(self.observer, self.processes, now, self.config)
-            if found is not None and not self.done.is_set():
-                self._stop_everyone(found)
+            if verdict(self.observer, self.processes, now, self.config) is not None and not self.done.is_set():
+                self._stop_everyone(now)
                 return
 
     def _mine(self) -> dict:
