@@ -59,6 +59,22 @@ def test_a_trainer_from_a_mapping_calls_its_callbacks_in_order_and_returns_the_r
     assert again.final_step == 8 and again.metrics["loss"] == logged[8]["loss"] and again.eval_metrics["step"] == 8
 
 
+@pytest.mark.parametrize("given, expected", [
+    (object(), "Trainer(callbacks=...) takes a Callback or a list of them, not object"),
+    ([Recorder(), print], "Trainer(callbacks=...)[1] is builtin_function_or_method, not a Callback: subclass "
+                          "xlatrain.Callback"),
+    ([Recorder], "Trainer(callbacks=...)[0] is Recorder (a class: pass an instance of it), not a Callback"),
+])
+def test_callbacks_that_are_not_callbacks_are_refused_before_the_run_and_one_is_taken_alone(given, expected):
+    """They were accepted and failed after the first step inside trainer.py; one Callback not in a list failed with
+    "'Callback' object is not iterable"."""
+    with pytest.raises(xlatrain.UserError) as refused:
+        xlatrain.Trainer(None, callbacks=given)
+    assert str(refused.value).startswith(expected)
+    recorder = Recorder()
+    assert xlatrain.Trainer(None, callbacks=recorder).callbacks == [recorder]
+
+
 def test_early_stopping_stops_with_a_checkpoint_and_the_run_resumes_from_it(tmp_path):
     common = [*DIGITS_MLP, "trainer.steps=60", "trainer.eval_every=2", "trainer.checkpoint_every=1000",
               f"trainer.run_dir={tmp_path / 'run'}"]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from xlatrain.lowering.flops import step_flops
 
+from xlatrain.models import attention as attention_module
 from xlatrain.models.attention import attention, causal_attention_in_query_blocks, query_blocks
 
 
@@ -51,3 +52,27 @@ def test_float16_runs_in_float32_and_returns_float16():
     assert out.dtype == jnp.float16
     want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)
     np.testing.assert_allclose(out.astype(jnp.float32), want, rtol=2e-3, atol=2e-3)
+
+
+def test_a_gpu_run_without_cudnn_says_once_that_attention_falls_back_and_what_to_install(monkeypatch, capsys):
+    """`xlatrain train` on a GPU host without cuDNN fell back to XLA's attention silently. The GPU and the missing
+    cuDNN are stood in for: the run's description asks jax for the platform, compat for cuDNN."""
+    from types import SimpleNamespace
+
+    from conftest import TINY_GPT
+
+    from xlatrain import trainer
+    from xlatrain.config import load_config
+    from xlatrain.program import build_program
+
+    program = build_program(load_config(None, [*TINY_GPT, "precision.policy=bf16"]), jax.devices()[:1])
+    monkeypatch.setattr(attention_module, "cudnn_missing", lambda: "cuDNN not found")
+    monkeypatch.setattr(trainer.jax, "devices", lambda: [SimpleNamespace(platform="gpu")])
+    trainer._describe(program, echo=lambda _: None)
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert warned == ["xlatrain: warning: attention falls back to XLA's, not cuDNN's fused kernel (cuDNN not found): "
+                      "about 5x slower in the forward and backward (bench.gpu); pip install nvidia-cudnn-cu13 beside "
+                      "jax's CUDA plugin"]
+    assert attention_module.fused_attention_missing("gpu", jnp.float32) is None  # float32 never takes cuDNN's
+    monkeypatch.setattr(attention_module, "cudnn_missing", lambda: None)
+    assert attention_module.fused_attention_missing("gpu", jnp.bfloat16) is None

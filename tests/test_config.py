@@ -233,3 +233,12 @@ def test_home_and_variables_in_paths_are_expanded(tmp_path, monkeypatch, capsys)
     assert f"{tmp_path / 'no_checkpoint'}' holds no config.json" in err
     err = cli_error(capsys, "report", "~/no_run")
     assert f"{tmp_path / 'no_run' / 'summary.jsonl'} not found" in err
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data.glob='../*.py'", "data.glob='../*.py' must be a non-empty pattern relative to data.path, without `..`"),
+    ("trainer.wandb.project='a/b c'", "trainer.wandb.project: not a W&B project name (it has /)"),
+])
+def test_a_glob_out_of_its_directory_and_a_project_wandb_refuses_are_config_errors(capsys, override, expected):
+    """The glob read files outside data.path; W&B's refusal named trainer.loggers and advised logging in."""
+    assert expected in cli_error(capsys, "config", override)

@@ -4,6 +4,11 @@ greedy sampling equals transformers' generate token for token; runs trained pipe
 device; every bad checkpoint, prompt or output path is one line and exit 2."""
 
 import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +227,8 @@ def test_bad_checkpoints_prompts_and_outputs_are_one_line(checkpoint, llama_run,
                 ("sample", str(llama_run), "--prompt", "x" * 20, "--max-new-tokens", "20"):
                 ["lower --max-new-tokens to at most 12"],
                 ("sample", str(llama_run), "--prompt", "x", "--step", "99"): ["no checkpoint at step 99"],
+                ("sample", str(llama_run), "--prompt", "a\udcffb"):  # $'a\xffb' as Python's argv holds it
+                ["--prompt is not UTF-8 text (byte 1: b'\\xff')"],
                 ("export", str(llama_run), "--hf", str(tmp_path / "empty")): ["exists"],
                 ("export", str(llama_run), "--hf", str(tmp_path / "nowhere" / "out")): ["does not exist"],
                 ("export", str(llama_run), "--hf", "/proc/xlatrain-out"): ["cannot be written"]}
@@ -231,6 +238,25 @@ def test_bad_checkpoints_prompts_and_outputs_are_one_line(checkpoint, llama_run,
     for option, value in [("--top-p", "1.5"), ("--seed", str(2**64)), ("--temperature", "nan")]:
         assert_one_line_error(run_cli("sample", str(llama_run), "--prompt", "x", option, value), option)
     assert sorted(path.name for path in tmp_path.iterdir() if "partial" in path.name) == []
+
+
+@pytest.mark.parametrize("unreadable", ["checkpoints", "checkpoints/3", "checkpoints/3/integrity"])
+def test_an_unreadable_checkpoint_is_one_line_naming_it(unreadable, llama_run, tmp_path):
+    """An unreadable checkpoint gave an absl warning before the line, or a traceback. Run as a user without the
+    right to read it (root keeps CAP_DAC_OVERRIDE: capsh drops it)."""
+    run = tmp_path / "run"
+    shutil.copytree(llama_run, run)
+    (run / unreadable).chmod(0)
+    command = [sys.executable, "-m", "xlatrain.cli", "sample", str(run), "--prompt", "x", "--max-new-tokens", "2"]
+    if os.geteuid() == 0:
+        if shutil.which("capsh") is None:
+            pytest.skip("running as root without capsh to drop the capability to read any file")
+        command = ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--", "-c", shlex.join(command)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        (run / unreadable).chmod(0o755)
+    assert_one_line_error(done, f"{run / unreadable} cannot be read by this user (permission denied)")
 
 
 def test_without_max_new_tokens_a_sample_runs_to_the_end_of_the_context(llama_run):

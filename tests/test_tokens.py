@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO, TINY_GPT, run_cli, token_batch
 from test_pipeline import PIPELINE, relative_errors
 
+from xlatrain.cli import main
 from xlatrain.commands.prepare import Request, prepare
 from xlatrain.config import load_config
 from xlatrain.data.shards import MANIFEST, open_shards
@@ -298,10 +299,30 @@ def test_bad_prepare_input_is_one_line_naming_the_file(case, tmp_path):
         prepare(Request((inputs,), out, holdout=0.1))
         (inputs / "more.txt").write_text("another document")
         expected = "holds shards prepared from other inputs or options"
-    before = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
     done = run_cli("data", "prepare", str(inputs), "--out", str(out), *extra)
     assert done.returncode == 2 and expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
-    assert (sorted(p.name for p in out.iterdir()) if out.exists() else []) == before
+    assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before
+
+
+@pytest.mark.parametrize("case", ["vocab_huge", "vocab_one", "glob_outside", "refused_midway"])
+def test_prepare_options_out_of_range_are_one_line_and_a_refusal_leaves_no_out(case, tmp_path, capsys):
+    """--train-tokenizer 1099511627776 ended in SIGABRT (a 72 TB allocation), 1 made a 257-id BPE silently,
+    --glob '../*' read files outside the input directory, and a refusal while reading left its new, empty --out
+    (with the parents it made)."""
+    inputs = write_corpus(tmp_path / "in", documents=20)
+    (tmp_path / "outside.txt").write_text("not under the input directory")
+    out = tmp_path / "new" / "out"
+    options = {"vocab_huge": (["--train-tokenizer", "1099511627776"], "--train-tokenizer 1099511627776 is outside "
+                                                                      "257..1,048,576"),
+               "vocab_one": (["--train-tokenizer", "1"], "--train-tokenizer 1 is outside 257..1,048,576"),
+               "glob_outside": (["--glob", "../*"], "--glob '../*' must be a non-empty pattern relative to each INPUT "
+                                                    "directory, without `..`"),
+               "refused_midway": (["--field", "id"], "field 'id' holds int, not text")}[case]
+    assert main(["data", "prepare", str(inputs), "--out", str(out), *options[0]]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and options[1] in lines[0], lines
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("case", ["no_manifest", "truncated_manifest", "truncated_shard", "other_tokenizer",
@@ -336,6 +357,99 @@ def test_bad_shards_are_one_line_naming_the_file(case, shards, tmp_path):
         expected = "a vocabulary of 70000 ids does not fit the shards' dtype uint16"
     done = run_cli("train", *tokens_run(broken, *overrides), f"trainer.run_dir={tmp_path / 'run'}")
     assert done.returncode == 2 and expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def copied_shards(shards, to, edit_manifest=None):
+    """A copy of `shards`, its manifest edited by `edit_manifest(manifest)` and its fingerprint made to match."""
+    from xlatrain.data.shards import manifest_fingerprint
+
+    to.mkdir()
+    for path in shards.iterdir():
+        (to / path.name).write_bytes(path.read_bytes())
+    manifest = json.loads((to / MANIFEST).read_text())
+    (edit_manifest or (lambda _: None))(manifest)
+    manifest["fingerprint"] = manifest_fingerprint(manifest)
+    (to / MANIFEST).write_text(json.dumps(manifest))
+    return to
+
+
+def without_max_ids(manifest):
+    """As manifests were before they recorded each shard's largest id."""
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            del shard["max_id"]
+
+
+@pytest.mark.parametrize("case", ["vocab_zero", "bound_past_the_end", "bound_negative", "bounds_decreasing",
+                                  "id_past_the_tokenizer", "id_in_an_old_manifests_shard", "recorded_id",
+                                  "unreadable"])
+def test_damaged_shards_are_found_before_training(case, shards, tmp_path, monkeypatch):
+    """Each of these trained: vocab_size 0 ended in a ZeroDivisionError at the model, a boundary past the end in a
+    ValueError of packing, a negative or decreasing boundary and ids past the tokenizer's (read as padding rows)
+    silently, an unreadable shard in a PermissionError traceback."""
+    edit, damage = None, None
+    index = "train-00000.idx.npy"
+    if case == "vocab_zero":
+        def edit(manifest):
+            manifest["tokenizer"]["vocab_size"] = 0
+        expected = "outside its vocabulary of 0 ids"
+    elif case.startswith("bound"):
+        def damage(directory):
+            bounds = np.load(directory / index)
+            bounds[3] = {"bound_past_the_end": bounds[-1] + 9, "bound_negative": -5,
+                         "bounds_decreasing": bounds[1] - 1}[case]
+            np.save(directory / index, bounds)
+        expected = f"{index}: document boundary 3"
+    elif case in ("id_past_the_tokenizer", "id_in_an_old_manifests_shard"):
+        edit = without_max_ids if case == "id_in_an_old_manifests_shard" else None
+
+        def damage(directory):
+            tokens = np.memmap(directory / "train-00001.bin", dtype=np.uint16, mode="r+")
+            tokens[7] = 330  # past the BPE's 320 ids, short of the model's 384 rows
+            tokens.flush()
+        expected = "train-00001.bin holds the id 330, outside its tokenizer's 320 ids"
+        if case == "id_past_the_tokenizer":  # prepared shards are trusted: the manifest records what they held
+            expected = None
+    elif case == "recorded_id":
+        def edit(manifest):
+            manifest["splits"]["eval"]["shards"][0]["max_id"] = 999
+        expected = "eval-00000.bin holds the id 999"
+    else:
+        memmap = np.memmap
+
+        def refused(path, *args, **kwargs):  # as chmod 000 without CAP_DAC_OVERRIDE
+            if str(path).endswith(".bin"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return memmap(path, *args, **kwargs)
+        monkeypatch.setattr(np, "memmap", refused)
+        expected = "train-00000.bin could not be read (Permission denied); let this user read it"
+    broken = copied_shards(shards, tmp_path / "shards", edit)
+    (damage or (lambda _: None))(broken)
+    config = load_config(None, tokens_run(broken, "data.packing=true"))
+    if expected is None:
+        open_dataset(config.data)
+        return
+    with pytest.raises(UserError) as refused:
+        open_dataset(config.data)
+    assert expected in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_shards_prepared_before_manifests_recorded_their_ids_are_scanned_once_per_run(shards, tmp_path, monkeypatch):
+    from xlatrain.data import shards as shard_format
+
+    old = copied_shards(shards, tmp_path / "shards", without_max_ids)
+    run_dir = tmp_path / "run"
+    config = load_config(None, tokens_run(old, f"trainer.run_dir={run_dir}", "trainer.steps=2"))
+    scanned = []
+    monkeypatch.setattr(shard_format, "largest_id", lambda tokens: scanned.append(len(tokens)) or int(tokens.max()))
+    train(config, echo=lambda _: None)
+    manifest = json.loads((old / MANIFEST).read_text())
+    shard_count = sum(len(split["shards"]) for split in manifest["splits"].values())
+    assert len(scanned) == shard_count
+    kept = json.loads((run_dir / "shard-scans.json").read_text())
+    assert kept["manifest"] == manifest["fingerprint"] and len(kept["max_id"]) == shard_count
+    train(config.model_copy(update={"trainer": config.trainer.model_copy(update={"steps": 4})}), echo=lambda _: None)
+    assert len(scanned) == shard_count  # the resume read the scan it kept
 
 
 def test_a_text_run_trains_its_tokenizer_once_and_reuses_it_on_resume(corpus, tmp_path):

@@ -6,6 +6,7 @@ logging a step twice, and only process 0 logging."""
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ pytest.importorskip("mlflow", reason="the [mlflow] extra is not installed")
 pytest.importorskip("tensorboard", reason="the tensorboard package (its event reader) is not installed")
 
 TRACKED = [*DIGITS_MLP, "trainer.log_every=5", "trainer.eval_every=10", "trainer.checkpoint_every=10",
-           "trainer.loggers=[jsonl,tensorboard,wandb,mlflow]", "optimizer.schedule=constant"]
+           "trainer.loggers=[tensorboard,wandb,mlflow]", "optimizer.schedule=constant"]
+"""Without jsonl: metrics.jsonl is written all the same (the run's own record, which a resume reads to give no tracker a
+step twice)."""
 
 
 @pytest.fixture
@@ -122,7 +125,7 @@ def test_every_tracker_gets_the_same_scalars_and_the_config_and_a_resume_logs_no
     assert sorted(before) == [5, 10, 15] and sorted(after) == [20]
     assert before[5]["train/loss"] == pytest.approx(logged[5]["loss"]) and "perf/samples_per_sec" in before[5]
     assert after[20]["eval/loss"] == pytest.approx(resumed.eval_losses[20])
-    assert config["model.hidden"] == [32] and config["trainer.loggers"] == ["jsonl", "tensorboard", "wandb", "mlflow"]
+    assert config["model.hidden"] == [32] and config["trainer.loggers"] == ["tensorboard", "wandb", "mlflow"]
 
     # TensorBoard: the same tags, the resumed steps written again over the dropped ones, the config as hparams
     expected = [(s, pytest.approx(logged[s]["loss"])) for s in (5, 10, 15, 20)]
@@ -130,6 +133,22 @@ def test_every_tracker_gets_the_same_scalars_and_the_config_and_a_resume_logs_no
     assert [s for s, _ in tensorboard_scalars(run_dir, "eval/accuracy")] == [10, 20]
     events = b"".join(p.read_bytes() for p in (run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert b"_hparams_/session_start_info" in events and b"model.hidden" in events
+
+
+def test_an_mlflow_server_that_cannot_be_reached_is_one_line_within_seconds_and_leaves_no_run(tmp_path, offline):
+    """It took 251 s of urllib3's retries and 8 lines, and left the run directory with its lock, config.yaml and an
+    empty checkpoints/."""
+    port = free_port()  # nothing listens on it
+    config = load_config(None, [*DIGITS_MLP, "trainer.loggers=[mlflow]", f"trainer.mlflow.tracking_uri=http://127.0.0.1:"
+                                f"{port}", f"trainer.run_dir={tmp_path / 'new' / 'run'}"])
+    began = time.monotonic()
+    with pytest.raises(UserError) as refused:
+        train(config, echo=lambda _: None)
+    assert time.monotonic() - began < 5 + 5  # one attempt of at most 5 s, and the start before it
+    message = str(refused.value)
+    assert message.startswith(f"trainer.mlflow.tracking_uri: MLflow could not start its run at http://127.0.0.1:{port}")
+    assert "\n" not in message and not (tmp_path / "new").exists()
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ  # only the start is hurried
 
 
 def test_a_tracker_whose_package_is_missing_is_a_config_error(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 from xlatrain.config import Config, DistributedConfig, StallTimeouts, flatten
 from xlatrain.runtime import distributed
 from xlatrain.runtime.distributed import StopAgreement, as_primary_has_it, check_processes_agree, disagreements
-from xlatrain.runtime.watchdog import Observer, coordinator_lost, final_line, verdict
+from xlatrain.runtime.watchdog import Observer, coordinator_lost, final_line, newest_checkpoint, verdict
 
 CONFIG = DistributedConfig(stall_timeout={"training": 30, "hook": 5}, heartbeat_timeout=10)
 
@@ -165,3 +165,17 @@ def test_the_watchdogs_error_line_starts_a_line_of_its_own_under_a_progress_bar(
     # on a terminal, the line the error starts on holds nothing else: the bar's frame was written over with blanks
     last_line = before.rsplit("\n", 1)[-1].split("\r")
     assert said and before.endswith(("\r", "\n")) and last_line[-2].strip() == "", repr(before[-120:])
+
+
+def test_a_dead_rank_is_named_at_least_at_the_checkpoint_every_rank_passed():
+    """A rank publishes its step every BEAT_S: with fast steps, its last published step can lie below a checkpoint
+    it took part in, and the line named a step before the checkpoint it gave."""
+    observer = observer_at(0, r0=published(18, "training", checkpoint=10), r1=published(18, "training", host="b"))
+    observer.update({0: published(25, "training", beat=2, checkpoint=20), 1: published(18, "training", host="b")}, 9)
+    newest = newest_checkpoint(observer.seen, mine=20)
+    message = verdict(observer, 2, 10.5, CONFIG, reached=newest)
+    assert final_line(message, observer.seen, mine=20) == ("rank 1 (host b) stopped responding at step 20 while "
+                                                           "training (no heartbeat for 10 s); last checkpoint: step 20")
+    starting = observer_at(0, r0=published(0, "starting", checkpoint=20), r1=published(0, "starting"))
+    starting.update({0: published(0, "starting", beat=2, checkpoint=20)}, 11)
+    assert "at step 0 while" in verdict(starting, 2, 11, CONFIG, reached=20)  # a resumed run not yet stepping
