@@ -14,6 +14,8 @@ ARCHITECTURES = {
     # multi-query attention with q/k/v biases, tied embeddings
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
+    # queries and keys normalised per head before RoPE, heads wider than hidden_size / heads, an untied head
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     # Llama 3's frequency-dependent RoPE scaling, with biases on every attention projection
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, attention_bias=True, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -30,6 +30,7 @@ from xlatrain.trainer import train
 
 TINY_RUN = [*TINY_GPT, "batch.global_size=8", "trainer.steps=3"]
 LLAMA = ["model.name=llama", "model.kv_heads=1"]
+QWEN3 = [*LLAMA, "model.qk_norm=head"]
 GPT2 = ["model.name=gpt", "model.tie_embeddings=true", "model.head_bias=false"]
 """The built-in GPT as GPT-2 has it: the embedding's transpose as the head, no bias."""
 
@@ -50,15 +51,17 @@ def our_logits(trained, tokens):
     return np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens, jnp.int32)))
 
 
-@pytest.mark.parametrize("model", [LLAMA, GPT2], ids=["llama", "gpt2"])
-def test_an_exported_run_loads_into_transformers_with_its_logits_and_its_tokenizer(model, tmp_path, devices):
+@pytest.mark.parametrize("model, architecture", [(LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM"),
+                                                 (GPT2, "GPT2LMHeadModel")], ids=["llama", "qwen3", "gpt2"])
+def test_an_exported_run_loads_into_transformers_with_its_logits_and_its_tokenizer(model, architecture, tmp_path,
+                                                                                   devices):
     import transformers
 
     run_dir = trained_run(tmp_path / "run", devices=devices[:1], model=model)
     out = tmp_path / "hf"
     assert main(["export", str(run_dir), "--hf", str(out)]) == 0
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert all(not found for found in info.values()), info
+    assert all(not found for found in info.values()) and type(loaded).__name__ == architecture, info
     assert loaded.config.bos_token_id is None and loaded.config.eos_token_id is None  # bytes have no end of text
     assert load_tokenizer(str(out)).fingerprint == byte_tokenizer().fingerprint  # read back as the bytes they are
     tokens = np.random.default_rng(0).integers(0, 256, (2, 32))
@@ -91,7 +94,7 @@ def generated_by_transformers(model, prompt, new):
     return out.sequences[:, prompt.shape[1]:].numpy(), float(np.min(top2[..., 1] - top2[..., 0]))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_greedy_sampling_equals_transformers_generate(kind, tmp_path):
     reference = hugging_face_model(kind)
     trained = from_hugging_face(saved(reference, tmp_path / kind), "test")
@@ -205,7 +208,7 @@ def test_bad_checkpoints_prompts_and_outputs_are_one_line(checkpoint, llama_run,
         "shape": (broken_copy(checkpoint, tmp_path / "shape", edit_config={"intermediate_size": 128}),
                   ["tensor 'model.layers.0.mlp.down_proj.weight' is [64, 96]", "blocks.down.kernel needs [64, 128]"]),
         "architecture": (broken_copy(checkpoint, tmp_path / "bert", edit_config={"model_type": "bert"}),
-                         ["model_type='bert'", "llama, mistral, qwen2, gpt2"]),
+                         ["model_type='bert'", "llama, mistral, qwen2, qwen3, gpt2"]),
         "sliding_window": (broken_copy(checkpoint, tmp_path / "mistral",
                                        edit_config={"model_type": "mistral", "sliding_window": 4096}),
                            ["sliding_window=4096", "sliding-window attention"]),

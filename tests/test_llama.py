@@ -57,7 +57,7 @@ def some_tokens(rows=2, length=64, seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, (rows, length))
 
 
-@pytest.mark.parametrize("kind, scan", [("llama", "true"), ("llama", "false"), ("qwen2", "auto"),
+@pytest.mark.parametrize("kind, scan", [("llama", "true"), ("llama", "false"), ("qwen2", "auto"), ("qwen3", "true"),
                                         ("mistral", "auto"), ("llama3", "true"), ("linear-rope", "auto"),
                                         ("gpt2", "true"), ("gpt2", "false")])
 def test_imported_logits_equal_transformers(kind, scan, checkpoints):

@@ -29,6 +29,8 @@ CASES = {  # (data, stage, tensor) x sequence parallel x strategy, pairwise rath
                                         "parallel.sequence_parallel=true"],
     "llama-d4t2-kv-split-tied-fsdp": [*LLAMA, "model.kv_heads=4", "mesh.tensor=2", "model.tie_embeddings=true",
                                       "parallel.strategy=fsdp"],
+    "llama-d2t4-qk-norm-projection-fsdp": [*LLAMA, "model.kv_heads=4", "model.qk_norm=projection", "mesh.tensor=4",
+                                           "parallel.strategy=fsdp"],
 }
 SHARD_MAP = ["parallel.mode=shard_map"]
 PER_DEVICE_CASES = {  # the tensor group inside a per-device program: its collectives written out
@@ -38,6 +40,8 @@ PER_DEVICE_CASES = {  # the tensor group inside a per-device program: its collec
     "shard_map-llama-d2t4-gqa-kv-kept-whole-sp-zero1": [*LLAMA, "model.kv_heads=2", *SHARD_MAP, "mesh.tensor=4",
                                                         "parallel.sequence_parallel=true", "parallel.strategy=zero1"],
     "1f1b-d2s2t2": ["mesh.stage=2", "mesh.tensor=2"],
+    "1f1b-llama-d2s2t2-qk-norm-head-sp": [*LLAMA, "model.qk_norm=head", "mesh.stage=2", "mesh.tensor=2",
+                                          "parallel.sequence_parallel=true"],
     "zb1p-d1s4t2-sp": ["mesh.data=1", "mesh.stage=4", "mesh.tensor=2", "model.layers=4",
                        "parallel.pipeline.schedule=zb1p", "parallel.pipeline.microbatches=4",
                        "parallel.sequence_parallel=true"],
@@ -168,6 +172,8 @@ def test_a_run_resumes_on_another_tensor_size_as_if_uninterrupted(program, tmp_p
      "parallel.logical_rules.embed maps to `tensor`, which a per-device program"),
     ([*LLAMA, "model.heads=12", "model.width=96", "model.kv_heads=4", "model.mlp_hidden=192", "mesh.tensor=6",
       "parallel.mode=shard_map"], "that needs mesh.tensor to be a multiple of 4"),
+    ([*LLAMA, "model.qk_norm=projection", "mesh.tensor=2", "parallel.mode=shard_map"],
+     "model.qk_norm=projection normalises over every head of the projection, which a per-device program"),
     (["parallel.sequence_parallel=true"], "set mesh.tensor to 2 or more"),
     (["parallel.logical_rules.heads=stage"], "mesh axes that do not exist"),
 ])

@@ -2,7 +2,8 @@
 model.init_from=hf:DIR (read before the config is validated, so that every check sees it) and of
 `xlatrain export --hf`.
 
-Read: Llama, Mistral (without sliding-window attention) and Qwen2 into model.name=llama; GPT-2 into model.name=gpt.
+Read: Llama, Mistral, Qwen2 and Qwen3 (without sliding-window attention) into model.name=llama; GPT-2 into
+model.name=gpt.
 RoPE's settings come as transformers 5 writes them (`rope_parameters`) or as earlier versions did (`rope_theta`,
 `rope_scaling`).
 """
@@ -19,7 +20,7 @@ from xlatrain.config.base import expanded
 from xlatrain.config.model import HUGGING_FACE_PREFIX, RopeScaling
 from xlatrain.errors import UserError, first_line
 
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt"}
 """config.json's model_type -> the built-in model it loads into."""
 ROPE_SCALINGS = ("linear", "llama3")
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
@@ -61,8 +62,12 @@ def _llama(hf: dict, model_type: str, named: str) -> dict[str, Any]:
     if model_type == "mistral" and hf.get("sliding_window") is not None:
         raise UserError(f"{named}: config.json sets sliding_window={hf['sliding_window']}: sliding-window attention "
                         "is not built; xlatrain loads Mistral checkpoints with sliding_window null")
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         raise UserError(f"{named}: config.json sets use_sliding_window=true: sliding-window attention is not built")
+    windowed = sorted({kind for kind in hf.get("layer_types") or () if kind != "full_attention"})
+    if windowed:
+        raise UserError(f"{named}: config.json's layer_types name {', '.join(windowed)}: only full_attention layers "
+                        "are built")
     if hf.get("mlp_bias"):
         raise UserError(f"{named}: config.json sets mlp_bias=true: the SwiGLU MLP here has no biases")
     if hf.get("hidden_act", "silu") != "silu":
@@ -75,7 +80,8 @@ def _llama(hf: dict, model_type: str, named: str) -> dict[str, Any]:
             "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp_hidden": hf["intermediate_size"],
             "vocab": hf["vocab_size"], "max_len": hf["max_position_embeddings"], "norm_eps": hf["rms_norm_eps"],
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "qkv_bias": model_type == "qwen2" or attention_bias, "out_bias": attention_bias}
+            "qkv_bias": model_type == "qwen2" or attention_bias, "out_bias": attention_bias,
+            "qk_norm": "head" if model_type == "qwen3" else None}
     return {**keys, **_rope(hf, named)}
 
 
@@ -162,6 +168,12 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
     if model.out_bias and not model.qkv_bias:
         raise UserError("export --hf: model.out_bias=true with model.qkv_bias=false has no Hugging Face "
                         "architecture (Llama's attention_bias sets both, Qwen2 biases q, k and v only)")
+    if model.qk_norm == "projection":
+        raise UserError("export --hf: model.qk_norm=projection (queries and keys normalised over the whole projection) "
+                        "has no dense Hugging Face architecture of this layout; model.qk_norm=head exports as Qwen3")
+    if model.qk_norm == "head" and model.qkv_bias != model.out_bias:
+        raise UserError("export --hf: model.qk_norm=head exports as Qwen3, whose attention_bias sets the q, k, v and "
+                        "output biases together; set model.qkv_bias and model.out_bias alike")
     qwen2 = model.qkv_bias and not model.out_bias
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
@@ -179,4 +191,7 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
              "rope_parameters": rope, "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
         found["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if model.qk_norm == "head":
+        return {**found, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                "attention_bias": model.qkv_bias, "use_sliding_window": False}
     return found if qwen2 else {**found, "attention_bias": model.qkv_bias, "mlp_bias": False}

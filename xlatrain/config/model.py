@@ -136,7 +136,7 @@ class RopeScaling(Strict):
 
 class LlamaConfig(DecoderConfig):
     name: Literal["llama"]
-    """A Llama-style decoder (Llama, Mistral, Qwen2): RoPE, RMSNorm, SwiGLU MLP, grouped-query attention."""
+    """A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU MLP, grouped-query attention."""
     kv_heads: PositiveInt | None = None
     """Key/value heads (grouped-query attention; 1: multi-query); must divide model.heads. null: model.heads."""
     head_dim: PositiveInt | None = None
@@ -151,6 +151,10 @@ class LlamaConfig(DecoderConfig):
     """Biases on the query, key and value projections (Qwen2 has them)."""
     out_bias: bool = False
     """A bias on the attention output projection (Llama checkpoints with attention_bias: true)."""
+    qk_norm: Literal["head", "projection"] | None = None
+    """RMSNorm of the queries and keys before RoPE. head: each head normalised on its own, one scale of
+    model.head_dim shared by the heads (Qwen3). projection: over the whole query and key projections, a scale per
+    feature (OLMoE). null: none."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the RMSNorms."""
 

@@ -155,6 +155,11 @@ class Config(Strict):
             raise ValueError(f"parallel.logical_rules.{other[0]} maps to `tensor`, which a per-device program "
                              f"(parallel.mode={mode}{chosen}) splits only heads, kv_heads, mlp and vocab over: take "
                              "`tensor` out of it, or use parallel.mode=jit")
+        if isinstance(self.model, LlamaConfig) and self.model.qk_norm == "projection":
+            raise ValueError(f"model.qk_norm=projection normalises over every head of the projection, which a "
+                             f"per-device program (parallel.mode={mode}{chosen}) splits over mesh.tensor={tensor}; use "
+                             "parallel.mode=jit (XLA's partitioner sums the squares over the group), model.qk_norm="
+                             "head, or mesh.tensor=1")
         kv_heads = self.model.kv_head_count() if isinstance(self.model, LlamaConfig) else self.model.heads
         if kv_heads < tensor and tensor % kv_heads:
             raise ValueError(f"mesh.tensor={tensor} has more devices than model.kv_heads={kv_heads}, so each keeps the "

@@ -43,6 +43,8 @@ def _in_blocks(names: dict[tuple[str, ...], Tensor], prefix: str) -> dict[tuple[
 LLAMA_LAYER = {("attn_norm", "scale"): Tensor("input_layernorm.weight"),
                **{k: v for ours, theirs in [("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("attn_out", "o_proj")]
                   for k, v in _linear(ours, f"self_attn.{theirs}").items()},
+               ("q_norm", "scale"): Tensor("self_attn.q_norm.weight"),
+               ("k_norm", "scale"): Tensor("self_attn.k_norm.weight"),
                ("mlp_norm", "scale"): Tensor("post_attention_layernorm.weight"),
                **{k: v for ours, theirs in [("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")]
                   for k, v in _linear(ours, f"mlp.{theirs}").items()}}

@@ -1,5 +1,6 @@
-"""A Llama-style decoder (Llama, Mistral, Qwen2): RoPE, RMSNorm, a SwiGLU MLP and grouped-query attention, with
-optional q/k/v and output biases and a tied or untied head; a BlockStack, so it can be pipelined. Its projections
+"""A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, a SwiGLU MLP and grouped-query attention,
+with optional q/k/v and output biases, queries and keys normalised before RoPE (per head or over the projection) and
+a tied or untied head; a BlockStack, so it can be pipelined. Its projections
 are kept apart (q, k, v; gate, up), as Hugging Face checkpoints store them (xlatrain/hf/)."""
 
 from __future__ import annotations
@@ -42,10 +43,24 @@ class LlamaShape:
     scan_layers: bool
     dtype: jnp.dtype = jnp.float32
     """Compute dtype of the embeddings (the precision policy's); other layers follow their inputs."""
+    qk_norm: str | None = None
+    """model.qk_norm: "head", "projection" or None."""
 
 
-def rms_norm(shape: LlamaShape, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(shape.width, epsilon=shape.norm_eps, scale_metadata=axes("embed"), rngs=rngs)
+def rms_norm(shape: LlamaShape, rngs: nnx.Rngs, width: int | None = None, names: tuple = ("embed",)
+             ) -> nnx.RMSNorm:
+    return nnx.RMSNorm(width or shape.width, epsilon=shape.norm_eps, scale_metadata=axes(*names), rngs=rngs)
+
+
+def qk_norms(shape: LlamaShape, rngs: nnx.Rngs) -> tuple[nnx.RMSNorm | None, nnx.RMSNorm | None]:
+    """The RMSNorms of the queries and of the keys (model.qk_norm): over one head (a scale shared by the heads), or
+    over the whole projection (a scale per feature, split over tensor as the heads are)."""
+    if shape.qk_norm == "head":
+        return rms_norm(shape, rngs, shape.head_dim, (None,)), rms_norm(shape, rngs, shape.head_dim, (None,))
+    if shape.qk_norm == "projection":
+        return (rms_norm(shape, rngs, shape.heads * shape.head_dim, ("heads",)),
+                rms_norm(shape, rngs, shape.kv_heads * shape.head_dim, ("kv_heads",)))
+    return None, None
 
 
 class LlamaBlock(nnx.Module):
@@ -59,6 +74,8 @@ class LlamaBlock(nnx.Module):
         self.k, self.v = (linear(d, shape.kv_heads * k, use_bias=shape.qkv_bias,
                                  kernel_metadata=axes("embed", "kv_heads"), bias_metadata=axes("kv_heads"), rngs=rngs)
                           for _ in range(2))
+        self.qk_norm = shape.qk_norm
+        self.q_norm, self.k_norm = qk_norms(shape, rngs)
         self.attn_out = linear(shape.heads * k, d, use_bias=shape.out_bias, kernel_metadata=axes("heads", "embed"),
                                bias_metadata=axes("embed"), rngs=rngs)
         self.mlp_norm = rms_norm(shape, rngs)
@@ -83,13 +100,21 @@ class LlamaBlock(nnx.Module):
         normed = enter_region(self.attn_norm(x_BxLxD))
         batch, length, _ = normed.shape
         positions = jnp.arange(length) if positions is None else positions
-        q_BxLxHxK = self.q(normed).reshape(batch, length, -1, self.head_dim)
-        k_BxLxGxK, v_BxLxGxK = (kv_heads_for_local_queries(proj(normed).reshape(batch, length, -1, self.head_dim),
-                                                           self.kv_heads) for proj in (self.k, self.v))
+        q_BxLxHxK = self._heads(self.q(normed), self.q_norm)
+        k_BxLxGxK, v_BxLxGxK = (kv_heads_for_local_queries(self._heads(proj(normed), norm), self.kv_heads)
+                                for proj, norm in ((self.k, self.k_norm), (self.v, None)))
         head_dim, theta, scaling = self.rope
         frequencies = inverse_frequencies(head_dim, theta, None if scaling is None else dict(scaling))
         q_BxLxHxK, k_BxLxGxK = rotate(q_BxLxHxK, positions, frequencies), rotate(k_BxLxGxK, positions, frequencies)
         return by_heads(q_BxLxHxK), by_heads(k_BxLxGxK, "kv_heads"), by_heads(v_BxLxGxK, "kv_heads")
+
+    def _heads(self, projected_BxLxF, norm: nnx.RMSNorm | None):
+        """A projection [batch, length, heads x head width] as heads, normalised as model.qk_norm says."""
+        if norm is not None and self.qk_norm == "projection":
+            projected_BxLxF = norm(projected_BxLxF)
+        batch, length, _ = projected_BxLxF.shape
+        heads_BxLxHxK = projected_BxLxF.reshape(batch, length, -1, self.head_dim)
+        return norm(heads_BxLxHxK) if norm is not None and self.qk_norm == "head" else heads_BxLxHxK
 
     def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
         batch, length = attended_BxLxHxK.shape[:2]
