@@ -14,6 +14,14 @@ ARCHITECTURES = {
     # multi-query attention with q/k/v biases, tied embeddings
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
+    # sliding windows shorter than the sequence: Mistral's on every layer, Qwen's on the layers from
+    # max_window_layers on (here the second of two), Qwen3's with its q/k norms
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=4)),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, use_sliding_window=True,
+                                                            sliding_window=4, max_window_layers=1)),
+    "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32, attention_bias=True,
+                                                            use_sliding_window=True, sliding_window=5,
+                                                            max_window_layers=1)),
     # queries and keys normalised per head before RoPE, heads wider than hidden_size / heads, an untied head
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     # Llama 3's frequency-dependent RoPE scaling, with biases on every attention projection

@@ -242,3 +242,12 @@ def test_home_and_variables_in_paths_are_expanded(tmp_path, monkeypatch, capsys)
 def test_a_glob_out_of_its_directory_and_a_project_wandb_refuses_are_config_errors(capsys, override, expected):
     """The glob read files outside data.path; W&B's refusal named trainer.loggers and advised logging in."""
     assert expected in cli_error(capsys, "config", override)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.layers=2", "model.layer_types=[full,sliding]"],
+     "model.layer_types has sliding layers, and model.sliding_window is null"),
+    (["model.sliding_window=8", "model.layer_types=[full]"], "model.layer_types names 1 layers, and model.layers=4"),
+])
+def test_layer_types_that_do_not_fit_the_layers_or_the_window_are_one_line(capsys, overrides, expected):
+    assert expected in cli_error(capsys, "config", "model.name=llama", *overrides)

@@ -5,6 +5,7 @@ Llama trains alike on one device and eight under every strategy and pipelined, s
 precision policy, on packed documents; its FLOPs are counted as by hand."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -58,7 +59,9 @@ def some_tokens(rows=2, length=64, seed=0):
 
 
 @pytest.mark.parametrize("kind, scan", [("llama", "true"), ("llama", "false"), ("qwen2", "auto"), ("qwen3", "true"),
-                                        ("mistral", "auto"), ("llama3", "true"), ("linear-rope", "auto"),
+                                        ("mistral", "auto"), ("mistral-window", "true"), ("qwen2-window", "true"),
+                                        ("qwen2-window", "false"), ("qwen3-window", "true"),
+                                        ("llama3", "true"), ("linear-rope", "auto"),
                                         ("gpt2", "true"), ("gpt2", "false")])
 def test_imported_logits_equal_transformers(kind, scan, checkpoints):
     reference, directory = checkpoints(kind)
@@ -67,7 +70,13 @@ def test_imported_logits_equal_transformers(kind, scan, checkpoints):
     assert program.config.model.name == expected_name and program.config.model.vocab == VOCAB
     tokens = some_tokens()
     ours = np.asarray(program.model.apply(state.params, jnp.asarray(tokens, jnp.int32)))
-    np.testing.assert_allclose(ours, logits_of(reference, tokens), rtol=1e-5, atol=1e-5)
+    theirs = logits_of(reference, tokens)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    if kind.endswith("-window"):  # windows of 4 and 5 on 64 tokens: they change the logits, and are read as such
+        windows = program.config.model.layer_windows()
+        assert windows == {"mistral-window": (4, 4), "qwen2-window": (None, 4), "qwen3-window": (None, 5)}[kind]
+        unwindowed = hugging_face_model(kind, use_sliding_window=False, sliding_window=None)
+        assert np.max(np.abs(logits_of(unwindowed, tokens) - theirs)) > 1e-2
 
 
 def test_the_architecture_is_read_from_rope_parameters_and_from_the_earlier_keys(checkpoints):
@@ -83,6 +92,20 @@ def test_the_architecture_is_read_from_rope_parameters_and_from_the_earlier_keys
     assert keys["rope_scaling"] == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_len": 32}
     assert (keys["kv_heads"], keys["qkv_bias"], keys["out_bias"], keys["tie_embeddings"]) == (2, True, True, False)
+
+
+def test_qwens_windowed_layers_are_read_from_layer_types_or_max_window_layers_and_bad_ones_are_one_line(checkpoints):
+    written = json.loads((checkpoints("qwen2-window")[1] / "config.json").read_text())
+    assert written["layer_types"] == ["full_attention", "sliding_attention"]  # transformers 5 writes them
+    keys = architecture(written, "test")
+    assert (keys["sliding_window"], keys["layer_types"]) == (4, ["full", "sliding"])
+    assert architecture({k: v for k, v in written.items() if k != "layer_types"}, "test") == keys
+    off = architecture({**written, "use_sliding_window": False}, "test")
+    assert (off["sliding_window"], off["layer_types"]) == (None, None)
+    for layer_types, expected in [(["full_attention"], "layer_types (1 of them) must name each of its 2 layers"),
+                                  (["full_attention", "chunked_attention"], "chunked_attention is not built")]:
+        with pytest.raises(UserError, match=re.escape(expected)):
+            architecture({**written, "layer_types": layer_types}, "model.init_from='hf:x'")
 
 
 def test_a_bfloat16_checkpoint_loads_through_ml_dtypes(checkpoints, tmp_path):
@@ -200,9 +223,11 @@ def grads_of(program):
     return jax.device_get(program.gradients(state, token_batch(program)))
 
 
-@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp", "fsdp-mixed-windows"])
 def test_eight_devices_under_each_strategy_train_the_llama_as_one_device_does(strategy, devices):
-    common = [*TINY_LLAMA, "batch.global_size=16", "optimizer.schedule=constant"]
+    strategy, _, windows = strategy.partition("-")
+    common = [*TINY_LLAMA, "batch.global_size=16", "optimizer.schedule=constant",
+              *(["model.sliding_window=8", "model.layer_types=[full,sliding]"] if windows else [])]
     losses = {}
     for name, overrides, on in [("one", ["mesh.data=1"], devices[:1]),
                                 ("eight", [f"parallel.strategy={strategy}"], devices)]:
@@ -226,13 +251,17 @@ PIPELINED = {
     "p2-gpipe-fp16-dp4": (["mesh.stage=2", "parallel.pipeline.schedule=gpipe", "precision.policy=fp16"], "none"),
     "p4-1f1b-bf16-dp2": (["mesh.stage=4", "model.layers=4", "precision.policy=bf16"], "full"),
     "p2-1f1b-tied": (["mesh.stage=2", "model.tie_embeddings=true", "parallel.pipeline.microbatches=4"], "full"),
+    # the second stage's layers are all sliding, the first's full then sliding: each chunk reads its layers' kinds
+    # by their numbers, not by their places in the chunk
+    "p2-1f1b-mixed-windows": (["mesh.stage=2", "model.layers=4", "model.sliding_window=8",
+                               "model.layer_types=[full,sliding,sliding,sliding]"], "none"),
     "p4-1f1b-bf16-dp2-tied": (["mesh.stage=4", "model.layers=4", "precision.policy=bf16",
                                "model.tie_embeddings=true"], "full"),
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "p2-1f1b-gqa" else pytest.mark.slow)
-                                  for n in PIPELINED])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("p2-1f1b-gqa", "p2-1f1b-mixed-windows")
+                                                 else pytest.mark.slow) for n in PIPELINED])
 def test_the_pipelined_llama_equals_the_unpipelined_model(name, devices):
     """In bf16 the unpipelined reference's own gradients are 5.3% (of a leaf's largest value) from float32's on
     p4-1f1b-bf16-dp2; pipelining moves them by at most 2.8%: roundings taken in another order."""
@@ -242,9 +271,12 @@ def test_the_pipelined_llama_equals_the_unpipelined_model(name, devices):
                                                                 low_precision_tolerance=4e-2)
 
 
-def test_scanned_and_unrolled_blocks_give_the_same_loss_and_gradients():
+@pytest.mark.parametrize("windows", [[], ["model.sliding_window=8", "model.layer_types=[sliding,full]"]],
+                         ids=["full", "mixed-windows"])
+def test_scanned_and_unrolled_blocks_give_the_same_loss_and_gradients(windows):
     (scanned, scanned_sums), (unrolled, unrolled_sums) = (
-        grads_of(build_program(load_config(None, [*TINY_LLAMA, f"model.scan_layers={scan}"]), jax.devices()[:1]))
+        grads_of(build_program(load_config(None, [*TINY_LLAMA, *windows, f"model.scan_layers={scan}"]),
+                               jax.devices()[:1]))
         for scan in ("true", "false"))
     np.testing.assert_allclose(scanned_sums["loss"], unrolled_sums["loss"], rtol=1e-6)
     for ours, theirs in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), strict=True):

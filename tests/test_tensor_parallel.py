@@ -40,6 +40,8 @@ PER_DEVICE_CASES = {  # the tensor group inside a per-device program: its collec
     "shard_map-llama-d2t4-gqa-kv-kept-whole-sp-zero1": [*LLAMA, "model.kv_heads=2", *SHARD_MAP, "mesh.tensor=4",
                                                         "parallel.sequence_parallel=true", "parallel.strategy=zero1"],
     "1f1b-d2s2t2": ["mesh.stage=2", "mesh.tensor=2"],
+    "shard_map-llama-d2t4-mixed-windows": [*LLAMA, "model.kv_heads=4", *SHARD_MAP, "mesh.tensor=4",
+                                           "model.sliding_window=8", "model.layer_types=[sliding,full]"],
     "1f1b-llama-d2s2t2-qk-norm-head-sp": [*LLAMA, "model.qk_norm=head", "mesh.stage=2", "mesh.tensor=2",
                                           "parallel.sequence_parallel=true"],
     "zb1p-d1s4t2-sp": ["mesh.data=1", "mesh.stage=4", "mesh.tensor=2", "model.layers=4",

@@ -38,7 +38,8 @@ def measure_block_costs(parts: BlockParts, abstract_params: dict, micro: dict[st
         return parts.before(cast_floats(params, policy.compute), cast_floats(inputs, policy.compute))
 
     def block(params, x, key):
-        return parts.layer(cast_floats(params, policy.compute), x, key, None)  # packed documents' mask: not counted
+        layer = jnp.int32(0) if parts.numbered else None  # a block of several kinds: its switch's dearest branch
+        return parts.layer(cast_floats(params, policy.compute), x, key, None, layer)  # documents' mask: not counted
 
     def after(params, x, batch):
         outputs = parts.after(cast_floats(params, policy.compute), x).astype(policy.output)

@@ -13,7 +13,7 @@ from xlatrain.lowering.pipeline.split_backward import BackwardSplit, abstract_va
 from xlatrain.lowering.step import loss_sums
 
 from xlatrain.compat.jaxprs import evaluate, without_exact_roundings
-from xlatrain.models.blocks import BLOCKS, BlockParts, split_blocks
+from xlatrain.models.blocks import BLOCKS, BlockParts, layer_numbers, split_blocks
 from xlatrain.models.interface import documents_of
 from xlatrain.precision import Policy, cast_floats
 
@@ -39,17 +39,19 @@ SCALAR = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 def chunk_functions(parts: BlockParts, policy: Policy, loss: str, micro_j: dict, keys: jax.Array | None,
-                    active: jax.Array | None, scale: jax.Array, total_weight: jax.Array) -> dict[str, Callable]:
+                    active: jax.Array | None, scale: jax.Array, total_weight: jax.Array,
+                    layers: jax.Array | None = None) -> dict[str, Callable]:
     """Each kind of chunk for microbatch j, as a function of what it is differentiated by (`chunk_inputs`):
     the block params `cb` and other params `cr`, both cast to the compute dtype, and the input activation `x`.
     The first chunk's `x` is zeros added to its embedding, so that its pullback too has an input gradient,
     which a split backward's B computes through the chunk's blocks (XLA folds the addition away).
-    The last returns the scaled loss and, as aux, the loss sums."""
+    The last returns the scaled loss and, as aux, the loss sums. `layers`: the chunk's layer numbers, for a
+    model whose blocks take them (chunk_layers)."""
 
     documents = documents_of(micro_j)
 
     def run(cb, x):
-        return parts.run(cb, x, keys, active, documents)
+        return parts.run(cb, x, keys, active, documents, layers)
 
     def embed(cb, cr):
         return parts.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute), documents)
@@ -74,12 +76,18 @@ def vjp_of(kind: str, fn: Callable, inputs: tuple, keep: bool = False) -> tuple:
 
 
 def chunk_arguments(cb: Tree, cr: dict, x: Any, micro_j: dict, keys: Any, active: Any, scale: Any = SCALAR,
-                    total_weight: Any = SCALAR) -> tuple:
+                    total_weight: Any = SCALAR, layers: Any = None) -> tuple:
     """What a traced chunk takes (`TracedChunk`), in its order; the microbatch's data are at DATA_ARGUMENTS."""
-    return cb, cr, x, micro_j, keys, active, scale, total_weight
+    return cb, cr, x, micro_j, keys, active, scale, total_weight, layers
 
 
-DATA_ARGUMENTS = (2, 3, 4, 5)
+DATA_ARGUMENTS = (2, 3, 4, 5, 8)
+
+
+def chunk_layers(parts: BlockParts, first: jax.Array | int, width: int) -> jax.Array | None:
+    """The numbers of a chunk's `width` layers from `first` on, where the model's blocks read their kind from them
+    (None otherwise); a padded chunk's numbers past the last layer belong to blocks that do not run."""
+    return layer_numbers(parts.numbered, first, width)
 
 
 @dataclass(frozen=True)
@@ -123,8 +131,8 @@ def trace_chunks(parts: BlockParts, policy: Policy, loss: str, arguments: tuple,
     remat: none, its pullback's residuals are kept from the forward slot to the backward slot."""
 
     def traced(kind):
-        def forward_and_pullback(cb, cr, x, micro_j, keys, active, scale, total_weight):
-            functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight)
+        def forward_and_pullback(cb, cr, x, micro_j, keys, active, scale, total_weight, layers):
+            functions = chunk_functions(parts, policy, loss, micro_j, keys, active, scale, total_weight, layers)
             return vjp_of(kind, functions[kind], chunk_inputs(kind, cb, cr, x), keep)
 
         return TracedChunk.of(forward_and_pullback, arguments)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from xlatrain.lowering.pipeline.chunks import (
     chunk_functions,
+    chunk_layers,
     microbatch_shapes,
     scoped,
     split_rows,
@@ -37,6 +38,7 @@ def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgra
         stage = jax.lax.axis_index(STAGE)
         tables = {name: jnp.asarray(table) for name, table in slots.tables().items()}
         chunk_table = jnp.asarray(layout.chunk_table)
+        starts = jnp.asarray(layout.starts)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
         cr = cast_floats(rest, policy.compute)
         nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
@@ -49,7 +51,8 @@ def make_pipeline_eval(parts: BlockParts, layout: StageLayout, slots: SlotProgra
             chunk = chunk_table[r, stage]
             cb = cast_floats(jax.tree.map(lambda b: b[r], blocks), policy.compute)
             functions = chunk_functions(parts, policy, loss, jax.tree.map(lambda x: x[at["microbatch"]], micro),
-                                        None, None if active_blocks is None else active_blocks[chunk], one, one)
+                                        None, None if active_blocks is None else active_blocks[chunk], one, one,
+                                        chunk_layers(parts, starts[chunk], layout.width))
             x_in = activations[at["activation_read"]]
 
             def last(sums):

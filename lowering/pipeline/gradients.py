@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from xlatrain.lowering.pipeline.chunks import (
     backward_splits,
     chunk_arguments,
+    chunk_layers,
     microbatch_shapes,
     residual_layouts,
     scoped,
@@ -125,7 +126,8 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         cr = compute(rest)
         arguments = chunk_arguments(compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
                                     jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
-                                    None if active_blocks is None else active_blocks[0])
+                                    None if active_blocks is None else active_blocks[0],
+                                    layers=chunk_layers(parts, jnp.int32(0), width))
         traced = trace_chunks(parts, policy, loss, arguments, keep_residuals)
         layouts = residual_layouts(traced) if keep_residuals else {}
         kept_counts = buffer_counts(list(layouts.values()))
@@ -150,7 +152,8 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
             def run_chunk(kind, i, x):
                 """(output, pullback) of the chunk on microbatch i: its dropout keys derived here, in the action."""
                 keys = chunk_keys(jax.random.fold_in(key, i.microbatch), i.start)
-                return traced[kind](i.cb, i.cr, x, i.micro, keys, i.active, scale, total_weight)
+                return traced[kind](i.cb, i.cr, x, i.micro, keys, i.active, scale, total_weight,
+                                    chunk_layers(parts, i.start, width))
 
             def add(totals, grad_blocks=None, grad_rest=None, sums=None):
                 g_blocks, g_rest, s = totals

@@ -24,6 +24,7 @@ from xlatrain.lowering.pipeline.chunks import (
     backward_splits,
     chunk_arguments,
     chunk_functions,
+    chunk_layers,
     residual_layouts,
     trace_chunks,
 )
@@ -75,7 +76,8 @@ def _pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
     def traced(count: int) -> tuple:
         """A chunk of `count` blocks: each kind traced as the step traces it, and with remat: none what each kind
         keeps and how a split backward divides it."""
-        arguments = chunk_arguments(cast_blocks(count), cr, x, micro, keys_for(count), None, *scales)
+        arguments = chunk_arguments(cast_blocks(count), cr, x, micro, keys_for(count), None, *scales,
+                                    chunk_layers(unrolled, 0, count))
         chunks = trace_chunks(unrolled, policy, loss, arguments, keep=remat == "none")
         layouts = residual_layouts(chunks) if remat == "none" else {}
         return chunks, layouts, backward_splits(chunks) if schedule.splits_backward else {}
@@ -119,7 +121,8 @@ def _pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
         def scaled_loss(cb, cr):
             embedded = unrolled.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute),
                                        documents_of(micro_j))
-            return chunk_functions(unrolled, policy, loss, micro_j, keys, None, *scales)["last"](cb, cr, embedded)[0]
+            return chunk_functions(unrolled, policy, loss, micro_j, keys, None, *scales,
+                                   chunk_layers(unrolled, 0, layers))["last"](cb, cr, embedded)[0]
 
         return jax.grad(scaled_loss, argnums=(0, 1))(cb, cr)
 
@@ -145,7 +148,8 @@ def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
     width = max(partition)
     cb, cr, x = abstract_chunk(parts, abstract_params, micro, policy, width)
     active = None if len(set(partition)) == 1 else jax.ShapeDtypeStruct((), jnp.int32)
-    arguments = chunk_arguments(cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32), active)
+    arguments = chunk_arguments(cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32), active,
+                                layers=chunk_layers(parts, 0, width))
     chunks = trace_chunks(parts, policy, loss, arguments, keep=True)
     layouts = ([split.stash_layout for split in backward_splits(chunks).values()] if stash
                else list(residual_layouts(chunks).values()))

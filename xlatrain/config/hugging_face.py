@@ -2,8 +2,9 @@
 model.init_from=hf:DIR (read before the config is validated, so that every check sees it) and of
 `xlatrain export --hf`.
 
-Read: Llama, Mistral, Qwen2 and Qwen3 (without sliding-window attention) into model.name=llama; GPT-2 into
-model.name=gpt.
+Read: Llama, Mistral, Qwen2 and Qwen3 into model.name=llama, their sliding windows as transformers 5 applies them
+(Mistral's on every layer; Qwen's on the layers `layer_types` names, by default those from max_window_layers on,
+when use_sliding_window is set); GPT-2 into model.name=gpt.
 RoPE's settings come as transformers 5 writes them (`rope_parameters`) or as earlier versions did (`rope_theta`,
 `rope_scaling`).
 """
@@ -59,15 +60,6 @@ def architecture(hf: dict, named: str) -> dict[str, Any]:
 
 
 def _llama(hf: dict, model_type: str, named: str) -> dict[str, Any]:
-    if model_type == "mistral" and hf.get("sliding_window") is not None:
-        raise UserError(f"{named}: config.json sets sliding_window={hf['sliding_window']}: sliding-window attention "
-                        "is not built; xlatrain loads Mistral checkpoints with sliding_window null")
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-        raise UserError(f"{named}: config.json sets use_sliding_window=true: sliding-window attention is not built")
-    windowed = sorted({kind for kind in hf.get("layer_types") or () if kind != "full_attention"})
-    if windowed:
-        raise UserError(f"{named}: config.json's layer_types name {', '.join(windowed)}: only full_attention layers "
-                        "are built")
     if hf.get("mlp_bias"):
         raise UserError(f"{named}: config.json sets mlp_bias=true: the SwiGLU MLP here has no biases")
     if hf.get("hidden_act", "silu") != "silu":
@@ -82,7 +74,32 @@ def _llama(hf: dict, model_type: str, named: str) -> dict[str, Any]:
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "qkv_bias": model_type == "qwen2" or attention_bias, "out_bias": attention_bias,
             "qk_norm": "head" if model_type == "qwen3" else None}
-    return {**keys, **_rope(hf, named)}
+    return {**keys, **_rope(hf, named), **_windows(hf, model_type, named)}
+
+
+HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _windows(hf: dict, model_type: str, named: str) -> dict[str, Any]:
+    """model.sliding_window and model.layer_types as transformers 5 reads a config.json: Mistral's window on every
+    layer (layer_types are Ministral's, not Mistral's); Qwen's with use_sliding_window, on the layers layer_types
+    names sliding_attention, or by default those from max_window_layers on."""
+    layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
+    types = hf.get("layer_types") if model_type != "mistral" else None
+    if types is not None:
+        unknown = sorted({kind for kind in types if kind not in HF_LAYER_TYPES})
+        if unknown or len(types) != layers:
+            raise UserError(f"{named}: config.json's layer_types ({len(types)} of them) must name each of its "
+                            f"{layers} layers full_attention or sliding_attention" +
+                            (f"; {', '.join(map(str, unknown))} is not built" if unknown else ""))
+    if window is None:
+        return {"sliding_window": None, "layer_types": None}
+    if types is None:
+        first = 0 if model_type == "mistral" else hf.get("max_window_layers", layers)
+        types = ["sliding_attention" if layer >= first else "full_attention" for layer in range(layers)]
+    ours = [HF_LAYER_TYPES[kind] for kind in types]
+    return {"sliding_window": int(window), "layer_types": None if set(ours) == {"sliding"} else ours}
 
 
 def _rope(hf: dict, named: str) -> dict[str, Any]:
@@ -191,7 +208,25 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
              "rope_parameters": rope, "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
         found["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    windows = model.layer_windows()
     if model.qk_norm == "head":
         return {**found, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-                "attention_bias": model.qkv_bias, "use_sliding_window": False}
-    return found if qwen2 else {**found, "attention_bias": model.qkv_bias, "mlp_bias": False}
+                "attention_bias": model.qkv_bias, **_qwen_windows(windows, model.sliding_window)}
+    if qwen2:
+        return {**found, **_qwen_windows(windows, model.sliding_window)}
+    llama = {**found, "attention_bias": model.qkv_bias, "mlp_bias": False}
+    if any(window is not None for window in windows):
+        if None in windows or model.qkv_bias:
+            raise UserError("export --hf: sliding-window layers in a model without Qwen's q, k and v biases or q/k "
+                            "norms export as Mistral, which windows every layer with no biases; set every layer "
+                            "sliding, or model.qkv_bias=true (Qwen2) or model.qk_norm=head (Qwen3)")
+        return {**llama, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                "sliding_window": model.sliding_window}
+    return llama
+
+
+def _qwen_windows(windows: tuple[int | None, ...], window: int | None) -> dict[str, Any]:
+    """Qwen2's and Qwen3's config keys for the layers' windows: layer_types, as transformers 5 writes them."""
+    types = ["full_attention" if layer_window is None else "sliding_attention" for layer_window in windows]
+    return {"use_sliding_window": "sliding_attention" in types, "sliding_window": window, "layer_types": types,
+            "max_window_layers": types.index("sliding_attention") if "sliding_attention" in types else len(types)}

@@ -155,8 +155,21 @@ class LlamaConfig(DecoderConfig):
     """RMSNorm of the queries and keys before RoPE. head: each head normalised on its own, one scale of
     model.head_dim shared by the heads (Qwen3). projection: over the whole query and key projections, a scale per
     feature (OLMoE). null: none."""
+    sliding_window: PositiveInt | None = None
+    """Sliding-window attention: a query at position i attends the keys j with i - W < j <= i (W keys, itself
+    included), in the layers model.layer_types names sliding (every layer when it is null). A window at least as
+    long as the sequence is full causal attention. null: every layer attends every earlier position."""
+    layer_types: tuple[Literal["full", "sliding"], ...] | None = None
+    """Each layer's attention, one entry per layer: full (every earlier position) or sliding (model.sliding_window);
+    e.g. Qwen2's and Qwen3's windowed layers from max_window_layers on. null: every layer sliding where
+    model.sliding_window is set, else full."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the RMSNorms."""
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: full causal attention)."""
+        types = self.layer_types or ("sliding" if self.sliding_window else "full",) * self.layers
+        return tuple(self.sliding_window if kind == "sliding" else None for kind in types)
 
     def kv_head_count(self) -> int:
         return self.kv_heads or self.heads
@@ -178,6 +191,13 @@ class LlamaConfig(DecoderConfig):
         if self.head_width() % 2:
             raise ValueError(f"RoPE rotates pairs of dimensions: the head width {self.head_width()} must be even "
                              "(model.head_dim, or model.width / model.heads)")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.layers:
+                raise ValueError(f"model.layer_types names {len(self.layer_types)} layers, and model.layers="
+                                 f"{self.layers}: give one type (full or sliding) per layer")
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ValueError("model.layer_types has sliding layers, and model.sliding_window is null: set the "
+                                 "window (in keys, each query's own included)")
         return self
 
 

@@ -56,7 +56,8 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
         scaling = None if config.rope_scaling is None else tuple(config.rope_scaling.model_dump().items())
         llama = LlamaShape(**common, kv_heads=config.kv_head_count(), head_dim=config.head_width(),
                            mlp_hidden=config.mlp_width(), rope_theta=config.rope_theta, rope_scaling=scaling,
-                           qkv_bias=config.qkv_bias, out_bias=config.out_bias, qk_norm=config.qk_norm)
+                           qkv_bias=config.qkv_bias, out_bias=config.out_bias, qk_norm=config.qk_norm,
+                           windows=config.layer_windows())
         return lambda rngs: Llama(llama, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)

@@ -18,6 +18,11 @@
   [batch, length, length] booleans, given to cuDNN's fused attention as a mask (jax turns it into the bias that
   kernel takes: the fused path stays, at the cost of reading that bias) and to XLA's; on CPU the query blocks
   cut it as they cut the causal one.
+- Sliding windows (a query at i attends the keys j with i - W < j <= i, as transformers 5 defines them): cuDNN's
+  fused attention takes the window (`local_window_size`); on CPU the query blocks are at least a window long and
+  each reads only the keys its window reaches, so the products wholly outside every window are never computed;
+  XLA's attention otherwise, with the window in its mask. A window at least as long as the sequence is full
+  causal attention. Packed documents' segments apply inside the window.
 """
 
 from __future__ import annotations
@@ -46,63 +51,85 @@ def fused_attention_missing(platform: str, compute: jnp.dtype) -> str | None:
             "and backward (bench.gpu); pip install nvidia-cudnn-cu13 beside jax's CUDA plugin")
 
 
-def query_blocks(length: int) -> int:
+WINDOWED_QUERY_BLOCKS_AT_MOST = 16
+"""Sliding windows: blocks of at least a window's length, each reading under two windows of keys, up to this many."""
+
+
+def query_blocks(length: int, window: int | None = None) -> int:
     """How many equal blocks of queries a causal attention over `length` positions runs in on CPU: the most,
-    up to QUERY_BLOCKS_AT_MOST, that divide the length into blocks of QUERY_BLOCK_ROWS_AT_LEAST rows or more."""
-    fitting = [n for n in range(1, QUERY_BLOCKS_AT_MOST + 1)
-               if length % n == 0 and length // n >= QUERY_BLOCK_ROWS_AT_LEAST]
+    up to QUERY_BLOCKS_AT_MOST, that divide the length into blocks of QUERY_BLOCK_ROWS_AT_LEAST rows or more; with
+    a sliding `window`, up to WINDOWED_QUERY_BLOCKS_AT_MOST blocks of at least the window's length too."""
+    most, rows = ((QUERY_BLOCKS_AT_MOST, QUERY_BLOCK_ROWS_AT_LEAST) if window is None else
+                  (WINDOWED_QUERY_BLOCKS_AT_MOST, max(QUERY_BLOCK_ROWS_AT_LEAST, window)))
+    fitting = [n for n in range(1, most + 1) if length % n == 0 and length // n >= rows]
     return max(fitting, default=1)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
-                     ) -> jax.Array:
-    """`segment_ids` [batch, length]: packed documents, each attending only itself (None: one sequence per row)."""
-    return attention(q, k, v, is_causal=True, segment_ids=segment_ids)
+                     window: int | None = None) -> jax.Array:
+    """`segment_ids` [batch, length]: packed documents, each attending only itself (None: one sequence per row).
+    `window`: each query attends its `window` latest keys, itself included (None: every earlier key)."""
+    return attention(q, k, v, is_causal=True, segment_ids=segment_ids, window=window)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
-              segment_ids: jax.Array | None = None) -> jax.Array:
+              segment_ids: jax.Array | None = None, window: int | None = None) -> jax.Array:
     backend = lowering_platform()
+    window = None if window is None or window >= k.shape[1] else window
     same_BxQxK = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
+    band = None if window is None else (window - 1, 0)
     if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn",
-                                                mask=None if same_BxQxK is None else same_BxQxK[:, None])
+                                                mask=None if same_BxQxK is None else same_BxQxK[:, None],
+                                                local_window_size=band)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # a shape, GPU or cuDNN version that cuDNN's kernel does not take: XLA's below
     if backend == "cpu" and q.dtype == jnp.float16:
         return attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale,
-                         segment_ids=segment_ids).astype(q.dtype)
-    blocks = query_blocks(q.shape[1]) if backend == "cpu" and is_causal and q.shape[1] == k.shape[1] else 1
+                         segment_ids=segment_ids, window=window).astype(q.dtype)
+    causal_cpu = backend == "cpu" and is_causal and q.shape[1] == k.shape[1]
+    blocks = query_blocks(q.shape[1], window) if causal_cpu else 1
     if blocks > 1:
-        return causal_attention_in_query_blocks(q, k, v, blocks, scale, same_BxQxK)
+        return causal_attention_in_query_blocks(q, k, v, blocks, scale, same_BxQxK, window)
     return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                        mask=None if same_BxQxK is None else same_BxQxK[:, None])
+                                        mask=None if same_BxQxK is None else same_BxQxK[:, None],
+                                        local_window_size=band)
 
 
 def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, keys_BxSxGxK: jax.Array,
-                     values_BxSxGxK: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     values_BxSxGxK: jax.Array, start: jax.Array, window: int | None = None,
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Decoding: the new tokens' keys and values written into the cache at `start`, then each new query attends
-    the cached keys up to its own position. Returns (attended, keys, values)."""
+    the cached keys up to its own position (its `window` latest, when given). Returns (attended, keys, values)."""
     keys = jax.lax.dynamic_update_slice(keys_BxSxGxK, k_BxTxGxK.astype(keys_BxSxGxK.dtype), (0, start, 0, 0))
     values = jax.lax.dynamic_update_slice(values_BxSxGxK, v_BxTxGxK.astype(values_BxSxGxK.dtype), (0, start, 0, 0))
     queries, length = q_BxTxHxK.shape[1], keys.shape[1]
-    visible_TxS = jnp.arange(length)[None, :] <= start + jnp.arange(queries)[:, None]
+    position_T1, key_1xS = start + jnp.arange(queries)[:, None], jnp.arange(length)[None, :]
+    visible_TxS = key_1xS <= position_T1
+    if window is not None:
+        visible_TxS &= key_1xS > position_T1 - window
     return jax.nn.dot_product_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None]), keys, values
 
 
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,
-                                     scale: float | None = None, same_BxQxK: jax.Array | None = None) -> jax.Array:
-    """Causal attention as `blocks` attentions of consecutive queries, each over the keys up to its last query
-    (the same result; each query's softmax runs over the same keys). `same_BxQxK`: which keys are in each
-    query's document, when rows pack several."""
+                                     scale: float | None = None, same_BxQxK: jax.Array | None = None,
+                                     window: int | None = None) -> jax.Array:
+    """Causal attention as `blocks` attentions of consecutive queries, each over the keys from its first query's
+    window (the first key without one) up to its last query (the same result; each query's softmax runs over
+    the same keys). `same_BxQxK`: which keys are in each query's document, when rows pack several."""
     rows = q.shape[1] // blocks
     outputs = []
     for block in range(blocks):
         start, end = block * rows, (block + 1) * rows
-        sees_key = (jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None])[None, None]
+        first = 0 if window is None else max(0, start - window + 1)
+        query_Qx1, key_1xK = jnp.arange(start, end)[:, None], jnp.arange(first, end)[None, :]
+        sees_key = key_1xK <= query_Qx1
+        if window is not None:
+            sees_key &= key_1xK > query_Qx1 - window
+        sees_key = sees_key[None, None]
         if same_BxQxK is not None:
-            sees_key = sees_key & same_BxQxK[:, None, start:end, :end]
-        outputs.append(jax.nn.dot_product_attention(q[:, start:end], k[:, :end], v[:, :end], mask=sees_key,
-                                                    scale=scale))
+            sees_key = sees_key & same_BxQxK[:, None, start:end, first:end]
+        outputs.append(jax.nn.dot_product_attention(q[:, start:end], k[:, first:end], v[:, first:end],
+                                                    mask=sees_key, scale=scale))
     return jnp.concatenate(outputs, axis=1)

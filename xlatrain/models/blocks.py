@@ -18,7 +18,8 @@ from xlatrain.models.interface import Documents
 BLOCKS = "blocks"
 """The attribute (and top-level parameter key) that holds the stacked blocks."""
 
-ApplyLayer = Callable[[Any, jax.Array, "jax.Array | None", "Documents | None"], jax.Array]
+ApplyLayer = Callable[[Any, jax.Array, "jax.Array | None", "Documents | None", "jax.Array | None"], jax.Array]
+"""(one layer's params, x, dropout key, documents, the layer's number) -> x."""
 
 
 class BlockStack(nnx.Module):
@@ -34,9 +35,14 @@ class BlockStack(nnx.Module):
     Packed documents (data.packing): a model whose `before_blocks` and blocks also take a keyword `documents`
     (xlatrain.models.interface.Documents: segment ids and positions) is given it, in every block and in every
     pipeline chunk; one that does not is refused packed data (`takes_documents`).
+
+    Layers of several kinds (e.g. sliding-window and full attention) share one stacked block: a model that sets
+    `numbered_layers = True` gets each block called with `layer=` its number (an int32 scalar, traced: in a scan
+    and in a pipeline's chunk, one program serves every layer), from which the block reads its kind.
     """
 
     scan_blocks: bool = True
+    numbered_layers: bool = False
 
     def before_blocks(self, inputs: jax.Array) -> jax.Array:
         raise NotImplementedError(f"{type(self).__name__} must define before_blocks(inputs)")
@@ -47,8 +53,10 @@ class BlockStack(nnx.Module):
     def __call__(self, inputs: jax.Array, *, rngs: jax.Array | None = None,
                  documents: Documents | None = None) -> jax.Array:
         graphdef, params_Lx = nnx.split(getattr(self, BLOCKS))
+        layers = block_count(params_Lx)
         x = run_blocks(layer_applier(graphdef), params_Lx, with_documents(self.before_blocks, documents)(inputs),
-                       layer_keys(rngs, block_count(params_Lx)), scan=self.scan_blocks, documents=documents)
+                       layer_keys(rngs, layers), scan=self.scan_blocks, documents=documents,
+                       layers=layer_numbers(self.numbered_layers, 0, layers))
         return self.after_blocks(x)
 
 
@@ -83,9 +91,17 @@ def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs
 
 
 def layer_applier(block_graphdef: Any) -> ApplyLayer:
-    """(one layer's params, x, key, documents) -> x for the blocks described by `block_graphdef`."""
-    return lambda params, x, key, documents: with_documents(nnx.merge(block_graphdef, params), documents)(
-        x, rngs=key)
+    """(one layer's params, x, key, documents, layer) -> x for the blocks described by `block_graphdef`."""
+    def apply(params, x, key, documents, layer):
+        block = with_documents(nnx.merge(block_graphdef, params), documents)
+        return block(x, rngs=key) if layer is None else block(x, rngs=key, layer=layer)
+
+    return apply
+
+
+def layer_numbers(numbered: bool, first: jax.Array | int, count: int) -> jax.Array | None:
+    """The numbers of `count` layers from `first` on, for a model whose blocks take them (None otherwise)."""
+    return first + jnp.arange(count, dtype=jnp.int32) if numbered else None
 
 
 def block_count(params_Lx: Any) -> int:
@@ -98,23 +114,25 @@ def layer_keys(key: jax.Array | None, layers: int) -> jax.Array | None:
 
 
 def run_blocks(apply_layer: ApplyLayer, params_Lx: Any, x: jax.Array, keys_L: jax.Array | None, *,
-               scan: bool, active: jax.Array | None = None, documents: Documents | None = None) -> jax.Array:
+               scan: bool, active: jax.Array | None = None, documents: Documents | None = None,
+               layers: jax.Array | None = None) -> jax.Array:
     """x through the layers of `params_Lx` in order. `active`: how many leading layers run (the rest are
-    a pipeline chunk's padding), or None for all of them."""
-    layers = block_count(params_Lx)
+    a pipeline chunk's padding), or None for all of them. `layers`: each layer's number, for blocks that read
+    their kind from it (None: blocks that take none)."""
+    count = block_count(params_Lx)
 
-    def one(x, index, params, key):
+    def one(x, index, params, key, layer):
         if active is None:
-            return apply_layer(params, x, key, documents)
-        return jax.lax.cond(index < active, lambda: apply_layer(params, x, key, documents), lambda: x)
+            return apply_layer(params, x, key, documents, layer)
+        return jax.lax.cond(index < active, lambda: apply_layer(params, x, key, documents, layer), lambda: x)
 
     if scan:
         def body(x, layer):
             return one(x, *layer), None
 
-        return jax.lax.scan(body, x, (jnp.arange(layers), params_Lx, keys_L))[0]
-    for index, params in enumerate(unstack_layers(params_Lx, layers)):
-        x = one(x, index, params, None if keys_L is None else keys_L[index])
+        return jax.lax.scan(body, x, (jnp.arange(count), params_Lx, keys_L, layers))[0]
+    for index, params in enumerate(unstack_layers(params_Lx, count)):
+        x = one(x, index, params, None if keys_L is None else keys_L[index], None if layers is None else layers[index])
     return x
 
 
@@ -142,6 +160,7 @@ class BlockParts:
         self.layer = layer_applier(block_graphdef)
         self.layers = block_count(params_Lx)
         self.scan = abstract_model.scan_blocks
+        self.numbered = abstract_model.numbered_layers
         self.takes_documents = takes_documents(abstract_model.before_blocks) and takes_documents(type(blocks).__call__)
 
     def before(self, params: dict, inputs: jax.Array, documents: Documents | None = None) -> jax.Array:
@@ -151,6 +170,8 @@ class BlockParts:
         return nnx.merge(self.graphdef, params).after_blocks(x)
 
     def run(self, params_Nx: Any, x: jax.Array, keys_N: jax.Array | None, active: jax.Array | None = None,
-            documents: Documents | None = None) -> jax.Array:
-        """A chunk: x through the blocks of `params_Nx` (the first `active` of them, when given)."""
-        return run_blocks(self.layer, params_Nx, x, keys_N, scan=self.scan, active=active, documents=documents)
+            documents: Documents | None = None, layers: jax.Array | None = None) -> jax.Array:
+        """A chunk: x through the blocks of `params_Nx` (the first `active` of them, when given); `layers`: their
+        numbers, when the model's blocks take them (chunk_layers)."""
+        return run_blocks(self.layer, params_Nx, x, keys_N, scan=self.scan, active=active, documents=documents,
+                          layers=layers)

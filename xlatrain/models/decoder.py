@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype
 
-from xlatrain.models.blocks import BLOCKS, BlockStack
+from xlatrain.models.blocks import BLOCKS, BlockStack, layer_numbers
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import dense_dot_general
 from xlatrain.sharding import BATCH, LENGTH, constrain
@@ -65,11 +65,14 @@ class Decoder(BlockStack):
         graphdef, params_Lx = nnx.split(getattr(self, BLOCKS))
 
         def layer(x, carried):
-            params, keys, values = carried
-            x, keys, values = nnx.merge(graphdef, params).decode(x, keys, values, start)
+            params, keys, values, number = carried
+            block = nnx.merge(graphdef, params)
+            x, keys, values = (block.decode(x, keys, values, start) if number is None else
+                               block.decode(x, keys, values, start, layer=number))
             return x, (keys, values)
 
-        x, (keys, values) = jax.lax.scan(layer, x, (params_Lx, cache.keys, cache.values))
+        numbers = layer_numbers(self.numbered_layers, 0, cache.keys.shape[0])
+        x, (keys, values) = jax.lax.scan(layer, x, (params_Lx, cache.keys, cache.values, numbers))
         return self.after_blocks(x), KVCache(keys, values)
 
 

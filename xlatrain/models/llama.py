@@ -45,6 +45,14 @@ class LlamaShape:
     """Compute dtype of the embeddings (the precision policy's); other layers follow their inputs."""
     qk_norm: str | None = None
     """model.qk_norm: "head", "projection" or None."""
+    windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: full causal attention); () for every layer full."""
+
+    def window_kinds(self) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+        """(the distinct windows, each layer's index among them)."""
+        windows = self.windows or (None,) * self.layers
+        kinds = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
+        return kinds, tuple(kinds.index(w) for w in windows)
 
 
 def rms_norm(shape: LlamaShape, rngs: nnx.Rngs, width: int | None = None, names: tuple = ("embed",)
@@ -76,6 +84,7 @@ class LlamaBlock(nnx.Module):
                           for _ in range(2))
         self.qk_norm = shape.qk_norm
         self.q_norm, self.k_norm = qk_norms(shape, rngs)
+        self.windows, self.kind_of_layer = shape.window_kinds()
         self.attn_out = linear(shape.heads * k, d, use_bias=shape.out_bias, kernel_metadata=axes("heads", "embed"),
                                bias_metadata=axes("embed"), rngs=rngs)
         self.mlp_norm = rms_norm(shape, rngs)
@@ -84,15 +93,27 @@ class LlamaBlock(nnx.Module):
         self.down = linear(shape.mlp_hidden, d, use_bias=False, kernel_metadata=axes("mlp", "embed"), rngs=rngs)
         self.dropout = nnx.Dropout(shape.dropout)
 
-    def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None):
+    def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None,
+                 layer: jax.Array | None = None):
         q, k, v = self._qkv(x_BxLxD, None if documents is None else documents.positions)
-        attended_BxLxHxK = by_heads(causal_attention(q, k, v, None if documents is None else documents.segment_ids))
+        segment_ids = None if documents is None else documents.segment_ids
+        attended_BxLxHxK = by_heads(self._by_kind(
+            layer, lambda window: causal_attention(q, k, v, segment_ids, window)))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
 
-    def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start):
+    def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start, layer: jax.Array | None = None):
         q, k, v = self._qkv(x_BxTxD, start + jnp.arange(x_BxTxD.shape[1]))
-        attended_BxTxHxK, keys, values = cached_attention(q, k, v, keys_BxSxGxK, values_BxSxGxK, start)
+        attended_BxTxHxK, keys, values = self._by_kind(
+            layer, lambda window: cached_attention(q, k, v, keys_BxSxGxK, values_BxSxGxK, start, window))
         return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
+
+    def _by_kind(self, layer: jax.Array | None, attend):
+        """`attend(window)` with this layer's window: the one every layer has, or (layers of several kinds) the
+        branch its number picks, each branch's window static so that it computes only the products inside it."""
+        if len(self.windows) == 1:
+            return attend(self.windows[0])
+        kind = jnp.asarray(self.kind_of_layer, jnp.int32)[layer]
+        return jax.lax.switch(kind, [lambda window=window: attend(window) for window in self.windows])
 
     def _qkv(self, x_BxLxD, positions):
         """Heads are -1: a device of a tensor group holds some of them (xlatrain/tensor_group.py). Positions: those
@@ -136,6 +157,7 @@ class Llama(Decoder):
                                 embedding_metadata=axes("vocab", "embed"), rngs=rngs)
         self.blocks = stack_blocks(lambda layer_rngs: LlamaBlock(shape, rngs=layer_rngs), shape.layers, rngs)
         self.scan_blocks = shape.scan_layers
+        self.numbered_layers = len(shape.window_kinds()[0]) > 1
         self.norm = rms_norm(shape, rngs)
         self.head = None if shape.tie_embeddings else linear(
             shape.width, shape.vocab, use_bias=False, kernel_metadata=axes("embed", "vocab"), rngs=rngs)

@@ -83,6 +83,7 @@ class TorchBlockParts:
     """A torch module run piece by piece, with the interface of xlatrain.models.blocks.BlockParts."""
 
     scan = True
+    numbered = False
 
     def __init__(self, torch_module: Any, stacking: BlockStacking):
         module = torch_module.module
@@ -94,7 +95,7 @@ class TorchBlockParts:
         self.takes_documents = (takes_segment_ids(module.before_blocks) and takes_segment_ids(self._template.forward))
 
     def layer(self, params: dict, x: jax.Array, key: jax.Array | None, documents: Documents | None = None,
-              ) -> jax.Array:
+              layer: None = None) -> jax.Array:
         return self.torch_module.call(self._template, params, {}, x, key, documents)[0]
 
     def before(self, params: dict, inputs: jax.Array, documents: Documents | None = None) -> jax.Array:
@@ -104,7 +105,7 @@ class TorchBlockParts:
         return self.torch_module.call(self._after, _inner(params), {}, x, None)[0]
 
     def run(self, params_Nx: Any, x: jax.Array, keys_N: jax.Array | None, active: jax.Array | None = None,
-            documents: Documents | None = None) -> jax.Array:
+            documents: Documents | None = None, layers: None = None) -> jax.Array:
         return run_blocks(self.layer, params_Nx, x, keys_N, scan=self.scan, active=active, documents=documents)
 
 
