@@ -25,6 +25,13 @@ ARCHITECTURES = {
     # queries and keys normalised per head before RoPE, heads wider than hidden_size / heads, an untied head
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     # Llama 3's frequency-dependent RoPE scaling, with biases on every attention projection
+    # Gemma 3's text model: a local layer (window 4, RoPE base 10000) then a global one (base 1e6, linearly
+    # scaled), scores scaled by query_pre_attn_scalar (not the head width), attention biases, a tied head
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, attention_bias=True, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32})),

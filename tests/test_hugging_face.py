@@ -32,6 +32,10 @@ TINY_RUN = [*TINY_GPT, "batch.global_size=8", "trainer.steps=3"]
 LLAMA = ["model.name=llama", "model.kv_heads=1"]
 QWEN3 = [*LLAMA, "model.qk_norm=head"]
 WINDOWS = ["model.sliding_window=4", "model.layer_types=[full,sliding]"]
+GEMMA3 = [*QWEN3, "model.norm_plus_one=true", "model.sandwich_norms=true", "model.embed_scale=true",
+          "model.mlp_activation=gelu_tanh", "model.tie_embeddings=true", "model.score_scale_dim=24",
+          "model.sliding_window=4", "model.layer_types=[sliding,full]", "model.rope_theta_sliding=10000",
+          "model.rope_theta=1000000"]
 GPT2 = ["model.name=gpt", "model.tie_embeddings=true", "model.head_bias=false"]
 """The built-in GPT as GPT-2 has it: the embedding's transpose as the head, no bias."""
 
@@ -54,8 +58,8 @@ def our_logits(trained, tokens):
 
 @pytest.mark.parametrize("model, architecture", [
     (LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM"), ([*QWEN3, *WINDOWS], "Qwen3ForCausalLM"),
-    ([*LLAMA, "model.sliding_window=4"], "MistralForCausalLM"), (GPT2, "GPT2LMHeadModel")],
-    ids=["llama", "qwen3", "qwen3-mixed-windows", "mistral-window", "gpt2"])
+    ([*LLAMA, "model.sliding_window=4"], "MistralForCausalLM"), (GEMMA3, "Gemma3ForCausalLM"),
+    (GPT2, "GPT2LMHeadModel")], ids=["llama", "qwen3", "qwen3-mixed-windows", "mistral-window", "gemma3", "gpt2"])
 def test_an_exported_run_loads_into_transformers_with_its_logits_and_its_tokenizer(model, architecture, tmp_path,
                                                                                    devices):
     import transformers
@@ -65,8 +69,9 @@ def test_an_exported_run_loads_into_transformers_with_its_logits_and_its_tokeniz
     assert main(["export", str(run_dir), "--hf", str(out)]) == 0
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert all(not found for found in info.values()) and type(loaded).__name__ == architecture, info
-    if "model.layer_types=[full,sliding]" in model:  # the layers keep their kinds, and transformers reads them
-        assert loaded.config.layer_types == ["full_attention", "sliding_attention"]
+    if "model.sliding_window=4" in model and architecture != "MistralForCausalLM":  # the layers keep their kinds
+        assert loaded.config.layer_types == [{"full": "full_attention", "sliding": "sliding_attention"}[kind]
+                                             for kind in load_config(None, [*TINY_RUN, *model]).model.layer_types]
         assert loaded.config.sliding_window == 4
     assert loaded.config.bos_token_id is None and loaded.config.eos_token_id is None  # bytes have no end of text
     assert load_tokenizer(str(out)).fingerprint == byte_tokenizer().fingerprint  # read back as the bytes they are
@@ -97,6 +102,10 @@ def test_windows_only_some_layers_of_a_model_without_qwens_marks_have_no_hugging
     with pytest.raises(UserError, match="sliding-window layers in a model without Qwen's q, k and v biases or q/k "
                                         "norms export as Mistral, which windows every layer"):
         hugging_face_config(model, 256, 32)
+    with pytest.raises(UserError, match=r"Gemma 3 is the Hugging Face family with Gemma's layers, and it has "
+                                        r"model.norm_plus_one=true, model.embed_scale=true"):
+        hugging_face_config(load_config(None, [*QWEN3, "model.sandwich_norms=true", "model.mlp_activation=gelu_tanh"]
+                                        ).model, 256, 32)
     qwen2 = hugging_face_config(load_config(None, [*LLAMA, "model.layers=2", "model.qkv_bias=true", *WINDOWS]).model,
                                 256, 32)
     assert (qwen2["model_type"], qwen2["layer_types"], qwen2["max_window_layers"], qwen2["use_sliding_window"]) == (
@@ -114,7 +123,7 @@ def generated_by_transformers(model, prompt, new):
     return out.sequences[:, prompt.shape[1]:].numpy(), float(np.min(top2[..., 1] - top2[..., 0]))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window", "qwen3-window", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window", "qwen3-window", "gemma3", "gpt2"])
 def test_greedy_sampling_equals_transformers_generate(kind, tmp_path):
     reference = hugging_face_model(kind)
     trained = from_hugging_face(saved(reference, tmp_path / kind), "test")

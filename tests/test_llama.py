@@ -31,6 +31,10 @@ from xlatrain.trainer import train
 
 DATA = ["data.seq_len=64", "data.max_bytes=400000", "data.glob='*.py'", "trainer.progress=false"]
 TINY_LLAMA = [*TINY_GPT, "model.name=llama", "model.kv_heads=1"]
+GEMMA_LAYERS = ["model.qk_norm=head", "model.norm_plus_one=true", "model.sandwich_norms=true", "model.embed_scale=true",
+                "model.mlp_activation=gelu_tanh", "model.score_scale_dim=24", "model.sliding_window=8",
+                "model.rope_theta_sliding=10000", "model.rope_theta=1000000"]
+"""Gemma 3's layers from scratch (their layer_types set beside them): local and global attention, each its RoPE."""
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,8 @@ def some_tokens(rows=2, length=64, seed=0):
 
 @pytest.mark.parametrize("kind, scan", [("llama", "true"), ("llama", "false"), ("qwen2", "auto"), ("qwen3", "true"),
                                         ("mistral", "auto"), ("mistral-window", "true"), ("qwen2-window", "true"),
-                                        ("qwen2-window", "false"), ("qwen3-window", "true"),
+                                        ("qwen2-window", "false"), ("qwen3-window", "true"), ("gemma3", "true"),
+                                        ("gemma3", "false"),
                                         ("llama3", "true"), ("linear-rope", "auto"),
                                         ("gpt2", "true"), ("gpt2", "false")])
 def test_imported_logits_equal_transformers(kind, scan, checkpoints):
@@ -69,9 +74,15 @@ def test_imported_logits_equal_transformers(kind, scan, checkpoints):
     expected_name = "gpt" if kind == "gpt2" else "llama"
     assert program.config.model.name == expected_name and program.config.model.vocab == VOCAB
     tokens = some_tokens()
+    if kind == "gemma3":  # Gemma's sequences begin with its BOS
+        tokens[:, 0] = reference.config.bos_token_id
     ours = np.asarray(program.model.apply(state.params, jnp.asarray(tokens, jnp.int32)))
     theirs = logits_of(reference, tokens)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    if kind == "gemma3":
+        model = program.config.model
+        assert (model.layer_windows(), model.rope_theta_sliding, model.rope_theta, model.rope_scaling.factor,
+                model.score_scale_dim) == ((4, None), 10_000.0, 1_000_000.0, 2.0, 24)
     if kind.endswith("-window"):  # windows of 4 and 5 on 64 tokens: they change the logits, and are read as such
         windows = program.config.model.layer_windows()
         assert windows == {"mistral-window": (4, 4), "qwen2-window": (None, 4), "qwen3-window": (None, 5)}[kind]
@@ -106,6 +117,23 @@ def test_qwens_windowed_layers_are_read_from_layer_types_or_max_window_layers_an
                                   (["full_attention", "chunked_attention"], "chunked_attention is not built")]:
         with pytest.raises(UserError, match=re.escape(expected)):
             architecture({**written, "layer_types": layer_types}, "model.init_from='hf:x'")
+
+
+def test_gemma_3_is_read_from_transformers_5s_rope_parameters_and_from_the_earlier_keys(checkpoints):
+    written = json.loads((checkpoints("gemma3")[1] / "config.json").read_text())
+    keys = architecture(written, "test")
+    earlier = {k: v for k, v in written.items() if k != "rope_parameters"}
+    earlier.update(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                   rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert architecture(earlier, "test") == keys
+    assert architecture({k: v for k, v in written.items() if k != "layer_types"}, "test")["layer_types"] == [
+        "sliding", "sliding"]  # two layers of the default pattern: five local, then a global
+    for edit, expected in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: soft-capping is not "
+                                                               "built"),
+                           ({"model_type": "gemma3"}, "Gemma3ForConditionalGeneration's (Gemma 3 4B and larger"),
+                           ({"hidden_activation": "silu"}, "the Gemma MLP here is GeGLU")]:
+        with pytest.raises(UserError, match=re.escape(expected)):
+            architecture({**written, **edit}, "model.init_from='hf:x'")
 
 
 def test_a_bfloat16_checkpoint_loads_through_ml_dtypes(checkpoints, tmp_path):
@@ -227,7 +255,7 @@ def grads_of(program):
 def test_eight_devices_under_each_strategy_train_the_llama_as_one_device_does(strategy, devices):
     strategy, _, windows = strategy.partition("-")
     common = [*TINY_LLAMA, "batch.global_size=16", "optimizer.schedule=constant",
-              *(["model.sliding_window=8", "model.layer_types=[full,sliding]"] if windows else [])]
+              *([*GEMMA_LAYERS, "model.layer_types=[full,sliding]"] if windows else [])]
     losses = {}
     for name, overrides, on in [("one", ["mesh.data=1"], devices[:1]),
                                 ("eight", [f"parallel.strategy={strategy}"], devices)]:
@@ -253,7 +281,7 @@ PIPELINED = {
     "p2-1f1b-tied": (["mesh.stage=2", "model.tie_embeddings=true", "parallel.pipeline.microbatches=4"], "full"),
     # the second stage's layers are all sliding, the first's full then sliding: each chunk reads its layers' kinds
     # by their numbers, not by their places in the chunk
-    "p2-1f1b-mixed-windows": (["mesh.stage=2", "model.layers=4", "model.sliding_window=8",
+    "p2-1f1b-mixed-windows": (["mesh.stage=2", "model.layers=4", *GEMMA_LAYERS,
                                "model.layer_types=[full,sliding,sliding,sliding]"], "none"),
     "p4-1f1b-bf16-dp2-tied": (["mesh.stage=4", "model.layers=4", "precision.policy=bf16",
                                "model.tie_embeddings=true"], "full"),
@@ -271,7 +299,7 @@ def test_the_pipelined_llama_equals_the_unpipelined_model(name, devices):
                                                                 low_precision_tolerance=4e-2)
 
 
-@pytest.mark.parametrize("windows", [[], ["model.sliding_window=8", "model.layer_types=[sliding,full]"]],
+@pytest.mark.parametrize("windows", [[], [*GEMMA_LAYERS, "model.layer_types=[sliding,full]"]],
                          ids=["full", "mixed-windows"])
 def test_scanned_and_unrolled_blocks_give_the_same_loss_and_gradients(windows):
     (scanned, scanned_sums), (unrolled, unrolled_sums) = (

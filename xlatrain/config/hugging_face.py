@@ -21,7 +21,8 @@ from xlatrain.config.base import expanded
 from xlatrain.config.model import HUGGING_FACE_PREFIX, RopeScaling
 from xlatrain.errors import UserError, first_line
 
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gpt2": "gpt"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma3_text": "llama",
+                 "gpt2": "gpt"}
 """config.json's model_type -> the built-in model it loads into."""
 ROPE_SCALINGS = ("linear", "llama3")
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
@@ -50,11 +51,17 @@ def read_config_json(directory: Path, named: str, otherwise: str = "") -> dict:
 def architecture(hf: dict, named: str) -> dict[str, Any]:
     """The model keys (model.name among them) of a checkpoint's config.json."""
     model_type = hf.get("model_type")
+    if model_type == "gemma3":
+        raise UserError(f"{named}: config.json is Gemma3ForConditionalGeneration's (Gemma 3 4B and larger: a vision "
+                        "tower beside the language model, whose weights sit under language_model), which xlatrain "
+                        "does not load; it loads the text-only Gemma3ForCausalLM checkpoints (model_type "
+                        "gemma3_text: Gemma 3 270M and 1B)")
     if model_type not in ARCHITECTURES:
         raise UserError(f"{named}: config.json has model_type={model_type!r}, which xlatrain does not load; it loads "
                         f"{', '.join(ARCHITECTURES)}")
     try:
-        return _gpt2(hf, named) if model_type == "gpt2" else _llama(hf, model_type, named)
+        read = {"gpt2": _gpt2, "gemma3_text": _gemma3}.get(model_type)
+        return read(hf, named) if read else _llama(hf, model_type, named)
     except KeyError as err:
         raise UserError(f"{named}: config.json lacks {err.args[0]!r}, which a {model_type} checkpoint has") from None
 
@@ -65,16 +72,72 @@ def _llama(hf: dict, model_type: str, named: str) -> dict[str, Any]:
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{named}: config.json sets hidden_act={hf['hidden_act']!r}; the Llama MLP here is SwiGLU "
                         "(silu)")
-    heads = hf["num_attention_heads"]
     attention_bias = bool(hf.get("attention_bias", False))
-    keys = {"name": "llama", "layers": hf["num_hidden_layers"], "width": hf["hidden_size"], "heads": heads,
-            "kv_heads": hf.get("num_key_value_heads") or heads,
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "mlp_hidden": hf["intermediate_size"],
-            "vocab": hf["vocab_size"], "max_len": hf["max_position_embeddings"], "norm_eps": hf["rms_norm_eps"],
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "qkv_bias": model_type == "qwen2" or attention_bias, "out_bias": attention_bias,
-            "qk_norm": "head" if model_type == "qwen3" else None}
+    keys = {**_llama_shape(hf, tied=False), "qkv_bias": model_type == "qwen2" or attention_bias,
+            "out_bias": attention_bias, "qk_norm": "head" if model_type == "qwen3" else None}
     return {**keys, **_rope(hf, named), **_windows(hf, model_type, named)}
+
+
+def _llama_shape(hf: dict, tied: bool, head_dim: int | None = None) -> dict[str, Any]:
+    """The keys every Llama-style config.json gives alike (`tied`, `head_dim`: the family's defaults)."""
+    heads = hf["num_attention_heads"]
+    return {"name": "llama", "layers": hf["num_hidden_layers"], "width": hf["hidden_size"], "heads": heads,
+            "kv_heads": hf.get("num_key_value_heads") or heads,
+            "head_dim": hf.get("head_dim") or head_dim or hf["hidden_size"] // heads,
+            "mlp_hidden": hf["intermediate_size"], "vocab": hf["vocab_size"], "max_len": hf["max_position_embeddings"],
+            "norm_eps": hf["rms_norm_eps"], "tie_embeddings": bool(hf.get("tie_word_embeddings", tied))}
+
+
+GEMMA3_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+                   "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+"""Gemma3TextConfig's defaults for what a config.json may leave out."""
+
+
+def _gemma3(hf: dict, named: str) -> dict[str, Any]:
+    """Gemma 3's text model: the Llama layout with (1 + scale) RMSNorms before and after attention and the MLP, a
+    GeGLU MLP, embeddings scaled by sqrt(width), q/k norms per head, scores scaled by query_pre_attn_scalar, and
+    local sliding-window layers (their own RoPE base) interleaved with global ones (RoPE base and scaling of their
+    own), as transformers 5's rope_parameters[layer_type] or earlier versions' rope_local_base_freq, rope_theta and
+    rope_scaling say."""
+    for unbuilt in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(unbuilt) is not None:
+            raise UserError(f"{named}: config.json sets {unbuilt}={hf[unbuilt]}: soft-capping is not built")
+    if hf.get("use_bidirectional_attention"):
+        raise UserError(f"{named}: config.json sets use_bidirectional_attention=true: the decoders here are causal")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UserError(f"{named}: config.json sets hidden_activation={hf['hidden_activation']!r}; the Gemma MLP "
+                        "here is GeGLU with the tanh GELU (gelu_pytorch_tanh)")
+    layers = hf["num_hidden_layers"]
+    pattern = hf.get("sliding_window_pattern") or GEMMA3_DEFAULTS["sliding_window_pattern"]
+    types = hf.get("layer_types") or ["sliding_attention" if (layer + 1) % pattern else "full_attention"
+                                      for layer in range(layers)]
+    unknown = sorted({kind for kind in types if kind not in HF_LAYER_TYPES})
+    if unknown or len(types) != layers:
+        raise UserError(f"{named}: config.json's layer_types ({len(types)} of them) must name each of its {layers} "
+                        "layers full_attention or sliding_attention" +
+                        (f"; {', '.join(map(str, unknown))} is not built" if unknown else ""))
+    by_kind = hf.get("rope_parameters") or {}
+    if not isinstance(by_kind.get("full_attention"), dict):  # earlier versions' keys
+        by_kind = {"full_attention": {**(hf.get("rope_scaling") or {}),
+                                      "rope_theta": hf.get("rope_theta", GEMMA3_DEFAULTS["rope_theta"])},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": hf.get(
+                       "rope_local_base_freq", GEMMA3_DEFAULTS["rope_local_base_freq"])}}
+    local = by_kind.get("sliding_attention") or {}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise UserError(f"{named}: config.json scales the sliding layers' RoPE ({local}); only the global layers' "
+                        "RoPE scaling is built")
+    window = hf.get("sliding_window", GEMMA3_DEFAULTS["sliding_window"])
+    sliding = "sliding_attention" in types
+    attention_bias = bool(hf.get("attention_bias", False))
+    return {**_llama_shape(hf, tied=True, head_dim=GEMMA3_DEFAULTS["head_dim"]),
+            "qkv_bias": attention_bias, "out_bias": attention_bias, "qk_norm": "head",
+            "mlp_activation": "gelu_tanh", "norm_plus_one": True, "sandwich_norms": True, "embed_scale": True,
+            "score_scale_dim": int(hf.get("query_pre_attn_scalar", GEMMA3_DEFAULTS["query_pre_attn_scalar"])),
+            **_rope({"rope_parameters": by_kind["full_attention"]}, named),
+            "sliding_window": int(window) if sliding else None,
+            "layer_types": [HF_LAYER_TYPES[kind] for kind in types] if sliding else None,
+            "rope_theta_sliding": float(local.get("rope_theta", GEMMA3_DEFAULTS["rope_local_base_freq"]))
+            if sliding else None}
 
 
 HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -185,6 +248,22 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
     if model.out_bias and not model.qkv_bias:
         raise UserError("export --hf: model.out_bias=true with model.qkv_bias=false has no Hugging Face "
                         "architecture (Llama's attention_bias sets both, Qwen2 biases q, k and v only)")
+    gemma_marks = {"model.norm_plus_one=true": model.norm_plus_one, "model.sandwich_norms=true": model.sandwich_norms,
+                   "model.embed_scale=true": model.embed_scale,
+                   "model.mlp_activation=gelu_tanh": model.mlp_activation == "gelu_tanh",
+                   "model.qk_norm=head": model.qk_norm == "head", "model.qkv_bias=model.out_bias":
+                   model.qkv_bias == model.out_bias}
+    if model.sandwich_norms or model.norm_plus_one or model.embed_scale or model.mlp_activation == "gelu_tanh":
+        missing = [key for key, present in gemma_marks.items() if not present]
+        if missing:
+            raise UserError(f"export --hf: Gemma 3 is the Hugging Face family with Gemma's layers, and it has "
+                            f"{', '.join(missing)} too; this model has not, so no family takes it")
+        return _gemma3_config(model, vocab, max_len)
+    for key, value in (("score_scale_dim", model.score_scale_dim), ("rope_theta_sliding", model.rope_theta_sliding)):
+        if value is not None:
+            raise UserError(f"export --hf: model.{key}={value} is Gemma 3's, whose other marks (model.sandwich_norms, "
+                            "norm_plus_one, embed_scale, mlp_activation=gelu_tanh) this model lacks: no Hugging Face "
+                            "family takes it")
     if model.qk_norm == "projection":
         raise UserError("export --hf: model.qk_norm=projection (queries and keys normalised over the whole projection) "
                         "has no dense Hugging Face architecture of this layout; model.qk_norm=head exports as Qwen3")
@@ -192,20 +271,11 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
         raise UserError("export --hf: model.qk_norm=head exports as Qwen3, whose attention_bias sets the q, k, v and "
                         "output biases together; set model.qkv_bias and model.out_bias alike")
     qwen2 = model.qkv_bias and not model.out_bias
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
-    if model.rope_scaling is not None:
-        scaling = model.rope_scaling
-        rope = {**rope, "rope_type": scaling.type, "factor": scaling.factor}
-        if scaling.type == "llama3":
-            rope.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
-                        original_max_position_embeddings=scaling.original_max_len)
+    rope = _rope_parameters(model)
     found = {"model_type": "qwen2" if qwen2 else "llama",
              "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-             "num_hidden_layers": model.layers, "hidden_size": model.width, "num_attention_heads": model.heads,
-             "num_key_value_heads": model.kv_head_count(), "head_dim": model.head_width(),
-             "intermediate_size": model.mlp_width(), "vocab_size": vocab, "max_position_embeddings": max_len,
-             "rms_norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_embeddings, "hidden_act": "silu",
-             "rope_parameters": rope, "rope_theta": model.rope_theta}
+             **_llama_shape_json(model, vocab, max_len), "hidden_act": "silu", "rope_parameters": rope,
+             "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
         found["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     windows = model.layer_windows()
@@ -223,6 +293,41 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
         return {**llama, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
                 "sliding_window": model.sliding_window}
     return llama
+
+
+def _rope_parameters(model: Any) -> dict[str, Any]:
+    """model.rope_theta and model.rope_scaling as transformers 5's rope_parameters."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        scaling = model.rope_scaling
+        rope = {**rope, "rope_type": scaling.type, "factor": scaling.factor}
+        if scaling.type == "llama3":
+            rope.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                        original_max_position_embeddings=scaling.original_max_len)
+    return rope
+
+
+def _llama_shape_json(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
+    """The keys of _llama_shape, back as config.json has them."""
+    return {"num_hidden_layers": model.layers, "hidden_size": model.width, "num_attention_heads": model.heads,
+            "num_key_value_heads": model.kv_head_count(), "head_dim": model.head_width(),
+            "intermediate_size": model.mlp_width(), "vocab_size": vocab, "max_position_embeddings": max_len,
+            "rms_norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_embeddings}
+
+
+def _gemma3_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
+    """Gemma3ForCausalLM's config.json, its RoPE per kind of layer in transformers 5's form."""
+    types = ["full_attention" if window is None else "sliding_attention" for window in model.layer_windows()]
+    local = {"rope_type": "default", "rope_theta": model.rope_theta_sliding or model.rope_theta}
+    if model.rope_theta_sliding is None and model.rope_scaling is not None and "sliding_attention" in types:
+        raise UserError("export --hf: Gemma 3 scales only its global layers' RoPE, and this model scales its sliding "
+                        "layers' too (model.rope_scaling without model.rope_theta_sliding)")
+    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            **_llama_shape_json(model, vocab, max_len), "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": model.score_scale_dim or model.head_width(), "attention_bias": model.qkv_bias,
+            "sliding_window": model.sliding_window, "layer_types": types,
+            "rope_parameters": {"full_attention": _rope_parameters(model), "sliding_attention": local},
+            "attn_logit_softcapping": None, "final_logit_softcapping": None}
 
 
 def _qwen_windows(windows: tuple[int | None, ...], window: int | None) -> dict[str, Any]:

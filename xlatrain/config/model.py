@@ -136,7 +136,8 @@ class RopeScaling(Strict):
 
 class LlamaConfig(DecoderConfig):
     name: Literal["llama"]
-    """A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU MLP, grouped-query attention."""
+    """A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3): RoPE, RMSNorm, a gated MLP, grouped-query
+    attention."""
     kv_heads: PositiveInt | None = None
     """Key/value heads (grouped-query attention; 1: multi-query); must divide model.heads. null: model.heads."""
     head_dim: PositiveInt | None = None
@@ -163,6 +164,20 @@ class LlamaConfig(DecoderConfig):
     """Each layer's attention, one entry per layer: full (every earlier position) or sliding (model.sliding_window);
     e.g. Qwen2's and Qwen3's windowed layers from max_window_layers on. null: every layer sliding where
     model.sliding_window is set, else full."""
+    rope_theta_sliding: float | None = Field(None, gt=0)
+    """RoPE's base on the sliding-window layers, which then take no RoPE scaling (Gemma 3's local layers: 10000,
+    its global ones model.rope_theta 1e6 with model.rope_scaling); null: every layer's is model.rope_theta."""
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+    """The gated MLP's activation: silu (SwiGLU: Llama, Mistral, Qwen) or gelu_tanh (GeGLU with the tanh GELU:
+    Gemma)."""
+    norm_plus_one: bool = False
+    """The RMSNorms scale by (1 + their parameter), which starts at zero (Gemma), instead of by the parameter."""
+    sandwich_norms: bool = False
+    """RMSNorms after attention and after the MLP too, each before its output joins the residual (Gemma 2 and 3)."""
+    embed_scale: bool = False
+    """The token embeddings multiplied by sqrt(model.width) (Gemma)."""
+    score_scale_dim: PositiveInt | None = None
+    """Attention scores divided by the square root of this (Gemma's query_pre_attn_scalar); null: the head width."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the RMSNorms."""
 
@@ -198,6 +213,9 @@ class LlamaConfig(DecoderConfig):
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ValueError("model.layer_types has sliding layers, and model.sliding_window is null: set the "
                                  "window (in keys, each query's own included)")
+        if self.rope_theta_sliding is not None and self.sliding_window is None:
+            raise ValueError("model.rope_theta_sliding is the base of the sliding-window layers, and model."
+                             "sliding_window is null: set the window, or drop model.rope_theta_sliding")
         return self
 
 

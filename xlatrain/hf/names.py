@@ -66,9 +66,21 @@ GPT2 = {("embed", "embedding"): Tensor(f"{GPT2_PREFIX}wte.weight"),
         ("ln_final", "bias"): Tensor(f"{GPT2_PREFIX}ln_f.bias"),
         ("head", "kernel"): Tensor("lm_head.weight", transposed=True), **_in_blocks(GPT2_LAYER, f"{GPT2_PREFIX}h")}
 
-BY_MODEL = {"llama": LLAMA, "gpt": GPT2}
+GEMMA_LAYER = {**LLAMA_LAYER, ("post_attn_norm", "scale"): Tensor("post_attention_layernorm.weight"),
+               ("mlp_norm", "scale"): Tensor("pre_feedforward_layernorm.weight"),
+               ("post_mlp_norm", "scale"): Tensor("post_feedforward_layernorm.weight")}
+"""Gemma's sandwich: its post_attention_layernorm follows attention (Llama's precedes the MLP)."""
+GEMMA = {**{path: tensor for path, tensor in LLAMA.items() if path[0] != BLOCKS},
+         **_in_blocks(GEMMA_LAYER, "model.layers")}
+
+BY_NAMING = {"llama": LLAMA, "gemma": GEMMA, "gpt": GPT2}
 
 
-def tensor_of(model_name: str, path: tuple[str, ...]) -> Tensor:
-    """The checkpoint tensor of the parameter at `path` (its keys in the params dict)."""
-    return BY_MODEL[model_name][path]
+def naming_of(model) -> str:
+    """Which names a built-in decoder's checkpoint uses: GPT-2's, Llama's, or Gemma's where it has sandwich norms."""
+    return "gemma" if getattr(model, "sandwich_norms", False) else model.name
+
+
+def tensor_of(naming: str, path: tuple[str, ...]) -> Tensor:
+    """The checkpoint tensor of the parameter at `path` (its keys in the params dict), in `naming`'s names."""
+    return BY_NAMING[naming][path]

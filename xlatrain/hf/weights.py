@@ -26,12 +26,12 @@ def path_keys(path: tuple) -> tuple[str, ...]:
 
 
 class HuggingFaceWeights:
-    def __init__(self, directory: Path, model_name: str, named: str):
+    def __init__(self, directory: Path, naming: str, named: str):
         self.tensors = CheckpointTensors(directory, named)
-        self.model_name, self.named = model_name, named
+        self.naming, self.named = naming, named
 
     def tensor(self, path: tuple[str, ...]) -> Tensor:
-        return self.tensors.resolve(tensor_of(self.model_name, path))
+        return self.tensors.resolve(tensor_of(self.naming, path))
 
     def check(self, abstract_params: Any) -> None:
         """Every parameter (in the model's layout: blocks stacked [layers, ...]) has its tensor, of its shape."""
@@ -43,7 +43,7 @@ class HuggingFaceWeights:
                 name = tensor.name if layer is None else tensor.of_layer(layer)
                 if name not in self.tensors.file_of:
                     raise UserError(f"{self.named}: the checkpoint has no tensor {name!r} (model parameter "
-                                    f"{'.'.join(path)}); is it a complete {self.model_name} checkpoint?")
+                                    f"{'.'.join(path)}); is it a complete {self.naming} checkpoint?")
                 found = self.tensors.shape(name)
                 if found != expected:
                     raise UserError(f"{self.named}: tensor {name!r} is {list(found)}, where model parameter "

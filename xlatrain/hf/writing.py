@@ -23,11 +23,11 @@ MAX_SHARD_BYTES = 5 * 2**30
 """transformers' own default shard size."""
 
 
-def checkpoint_tensors(model_name: str, params: Any) -> dict[str, np.ndarray]:
+def checkpoint_tensors(naming: str, params: Any) -> dict[str, np.ndarray]:
     """{checkpoint name: float32 array in its layout} of every parameter (blocks one tensor per layer)."""
     found = {}
     for path, leaf in param_paths(params):
-        tensor, value = tensor_of(model_name, path), np.asarray(leaf, np.float32)
+        tensor, value = tensor_of(naming, path), np.asarray(leaf, np.float32)
         for layer, array in enumerate(value) if path[0] == BLOCKS else [(None, value)]:
             name = tensor.name if layer is None else tensor.of_layer(layer)
             found[name] = np.ascontiguousarray(array.T if tensor.transposed else array).reshape(

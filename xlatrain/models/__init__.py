@@ -57,7 +57,10 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
         llama = LlamaShape(**common, kv_heads=config.kv_head_count(), head_dim=config.head_width(),
                            mlp_hidden=config.mlp_width(), rope_theta=config.rope_theta, rope_scaling=scaling,
                            qkv_bias=config.qkv_bias, out_bias=config.out_bias, qk_norm=config.qk_norm,
-                           windows=config.layer_windows())
+                           windows=config.layer_windows(), rope_theta_sliding=config.rope_theta_sliding,
+                           mlp_activation=config.mlp_activation, norm_plus_one=config.norm_plus_one,
+                           sandwich_norms=config.sandwich_norms, embed_scale=config.embed_scale,
+                           score_scale_dim=config.score_scale_dim)
         return lambda rngs: Llama(llama, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)

@@ -66,10 +66,11 @@ def query_blocks(length: int, window: int | None = None) -> int:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
-                     window: int | None = None) -> jax.Array:
+                     window: int | None = None, scale: float | None = None) -> jax.Array:
     """`segment_ids` [batch, length]: packed documents, each attending only itself (None: one sequence per row).
-    `window`: each query attends its `window` latest keys, itself included (None: every earlier key)."""
-    return attention(q, k, v, is_causal=True, segment_ids=segment_ids, window=window)
+    `window`: each query attends its `window` latest keys, itself included (None: every earlier key). `scale`: of
+    the scores (None: 1 / sqrt(head width))."""
+    return attention(q, k, v, is_causal=True, segment_ids=segment_ids, window=window, scale=scale)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
@@ -99,7 +100,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
 
 def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, keys_BxSxGxK: jax.Array,
                      values_BxSxGxK: jax.Array, start: jax.Array, window: int | None = None,
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Decoding: the new tokens' keys and values written into the cache at `start`, then each new query attends
     the cached keys up to its own position (its `window` latest, when given). Returns (attended, keys, values)."""
     keys = jax.lax.dynamic_update_slice(keys_BxSxGxK, k_BxTxGxK.astype(keys_BxSxGxK.dtype), (0, start, 0, 0))
@@ -109,7 +110,8 @@ def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.
     visible_TxS = key_1xS <= position_T1
     if window is not None:
         visible_TxS &= key_1xS > position_T1 - window
-    return jax.nn.dot_product_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None]), keys, values
+    attended = jax.nn.dot_product_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None], scale=scale)
+    return attended, keys, values
 
 
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,

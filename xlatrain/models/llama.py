@@ -1,10 +1,13 @@
-"""A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, a SwiGLU MLP and grouped-query attention,
-with optional q/k/v and output biases, queries and keys normalised before RoPE (per head or over the projection) and
-a tied or untied head; a BlockStack, so it can be pipelined. Its projections
-are kept apart (q, k, v; gate, up), as Hugging Face checkpoints store them (xlatrain/hf/)."""
+"""A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3): RoPE, RMSNorm, a gated MLP (SwiGLU, or Gemma's
+GeGLU) and grouped-query attention, with optional q/k/v and output biases, queries and keys normalised before RoPE
+(per head or over the projection), norms after attention and the MLP too (Gemma's sandwich), RMSNorms that scale by
+(1 + their parameter), scaled embeddings and a tied or untied head; layers of several kinds (a sliding window, a
+RoPE base of their own) in one stacked block; a BlockStack, so it can be pipelined. Its projections are kept apart
+(q, k, v; gate, up), as Hugging Face checkpoints store them (xlatrain/hf/)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -21,6 +24,24 @@ from xlatrain.models.linear import linear
 from xlatrain.models.rope import inverse_frequencies, rotate
 from xlatrain.sharding import BATCH, constrain
 from xlatrain.tensor_group import dropped, enter_region, kv_heads_for_local_queries
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+"""model.mlp_activation: the gate's activation."""
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What sets a layer apart from others of the same stacked block: its attention's window and its RoPE."""
+
+    window: int | None
+    """None: every earlier position."""
+    rope_theta: float
+    rope_scaling: tuple | None
+    """model.rope_scaling's items (a tuple, so that the kind hashes), or None."""
+
+    def frequencies(self, head_dim: int):
+        return inverse_frequencies(head_dim, self.rope_theta, None if self.rope_scaling is None
+                                   else dict(self.rope_scaling))
 
 
 @dataclass(frozen=True)
@@ -47,20 +68,48 @@ class LlamaShape:
     """model.qk_norm: "head", "projection" or None."""
     windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: full causal attention); () for every layer full."""
+    rope_theta_sliding: float | None = None
+    """The sliding layers' RoPE base (without scaling); None: rope_theta and rope_scaling on every layer."""
+    mlp_activation: str = "silu"
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    score_scale_dim: int | None = None
 
-    def window_kinds(self) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
-        """(the distinct windows, each layer's index among them)."""
-        windows = self.windows or (None,) * self.layers
-        kinds = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
-        return kinds, tuple(kinds.index(w) for w in windows)
+    def layer_kinds(self) -> tuple[tuple[LayerKind, ...], tuple[int, ...]]:
+        """(the distinct kinds of layer, each layer's index among them)."""
+        def kind(window: int | None) -> LayerKind:
+            if window is not None and self.rope_theta_sliding is not None:
+                return LayerKind(window, self.rope_theta_sliding, None)
+            return LayerKind(window, self.rope_theta, self.rope_scaling)
+
+        per_layer = [kind(window) for window in self.windows or (None,) * self.layers]
+        kinds = tuple(dict.fromkeys(sorted(per_layer, key=lambda k: (k.window is not None, k.window or 0))))
+        return kinds, tuple(kinds.index(k) for k in per_layer)
+
+
+class PlusOneRMSNorm(nnx.Module):
+    """Gemma's RMSNorm: x / rms(x) x (1 + scale), in float32, its scale starting at zero."""
+
+    def __init__(self, width: int, epsilon: float, names: tuple):
+        self.epsilon = epsilon
+        self.scale = nnx.Param(jnp.zeros((width,), jnp.float32), **axes(*names))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        scale = (1.0 + self.scale[...].astype(jnp.float32)).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (normed * scale).astype(x.dtype)
 
 
 def rms_norm(shape: LlamaShape, rngs: nnx.Rngs, width: int | None = None, names: tuple = ("embed",)
-             ) -> nnx.RMSNorm:
+             ) -> nnx.Module:
+    if shape.norm_plus_one:
+        return PlusOneRMSNorm(width or shape.width, shape.norm_eps, names)
     return nnx.RMSNorm(width or shape.width, epsilon=shape.norm_eps, scale_metadata=axes(*names), rngs=rngs)
 
 
-def qk_norms(shape: LlamaShape, rngs: nnx.Rngs) -> tuple[nnx.RMSNorm | None, nnx.RMSNorm | None]:
+def qk_norms(shape: LlamaShape, rngs: nnx.Rngs) -> tuple[nnx.Module | None, nnx.Module | None]:
     """The RMSNorms of the queries and of the keys (model.qk_norm): over one head (a scale shared by the heads), or
     over the whole projection (a scale per feature, split over tensor as the heads are)."""
     if shape.qk_norm == "head":
@@ -75,7 +124,9 @@ class LlamaBlock(nnx.Module):
     def __init__(self, shape: LlamaShape, *, rngs: nnx.Rngs):
         d, k = shape.width, shape.head_dim
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, k
-        self.rope = (k, shape.rope_theta, shape.rope_scaling)
+        self.kinds, self.kind_of_layer = shape.layer_kinds()
+        self.score_scale = None if shape.score_scale_dim is None else shape.score_scale_dim ** -0.5
+        self.activation = shape.mlp_activation
         self.attn_norm = rms_norm(shape, rngs)
         self.q = linear(d, shape.heads * k, use_bias=shape.qkv_bias, kernel_metadata=axes("embed", "heads"),
                         bias_metadata=axes("heads"), rngs=rngs)
@@ -84,52 +135,64 @@ class LlamaBlock(nnx.Module):
                           for _ in range(2))
         self.qk_norm = shape.qk_norm
         self.q_norm, self.k_norm = qk_norms(shape, rngs)
-        self.windows, self.kind_of_layer = shape.window_kinds()
         self.attn_out = linear(shape.heads * k, d, use_bias=shape.out_bias, kernel_metadata=axes("heads", "embed"),
                                bias_metadata=axes("embed"), rngs=rngs)
+        self.post_attn_norm = rms_norm(shape, rngs) if shape.sandwich_norms else None
         self.mlp_norm = rms_norm(shape, rngs)
         self.gate, self.up = (linear(d, shape.mlp_hidden, use_bias=False, kernel_metadata=axes("embed", "mlp"),
                                      rngs=rngs) for _ in range(2))
         self.down = linear(shape.mlp_hidden, d, use_bias=False, kernel_metadata=axes("mlp", "embed"), rngs=rngs)
+        self.post_mlp_norm = rms_norm(shape, rngs) if shape.sandwich_norms else None
         self.dropout = nnx.Dropout(shape.dropout)
 
     def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None,
                  layer: jax.Array | None = None):
-        q, k, v = self._qkv(x_BxLxD, None if documents is None else documents.positions)
+        q, k, v, positions = self._qkv(x_BxLxD, None if documents is None else documents.positions)
         segment_ids = None if documents is None else documents.segment_ids
-        attended_BxLxHxK = by_heads(self._by_kind(
-            layer, lambda window: causal_attention(q, k, v, segment_ids, window)))
+
+        def attend(kind: LayerKind):
+            return causal_attention(*self._rotated(q, k, positions, kind), v, segment_ids, kind.window,
+                                    scale=self.score_scale)
+
+        attended_BxLxHxK = by_heads(self._by_kind(layer, attend))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
 
     def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start, layer: jax.Array | None = None):
-        q, k, v = self._qkv(x_BxTxD, start + jnp.arange(x_BxTxD.shape[1]))
-        attended_BxTxHxK, keys, values = self._by_kind(
-            layer, lambda window: cached_attention(q, k, v, keys_BxSxGxK, values_BxSxGxK, start, window))
+        q, k, v, positions = self._qkv(x_BxTxD, start + jnp.arange(x_BxTxD.shape[1]))
+
+        def attend(kind: LayerKind):
+            return cached_attention(*self._rotated(q, k, positions, kind), v, keys_BxSxGxK, values_BxSxGxK, start,
+                                    kind.window, scale=self.score_scale)
+
+        attended_BxTxHxK, keys, values = self._by_kind(layer, attend)
         return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
 
     def _by_kind(self, layer: jax.Array | None, attend):
-        """`attend(window)` with this layer's window: the one every layer has, or (layers of several kinds) the
-        branch its number picks, each branch's window static so that it computes only the products inside it."""
-        if len(self.windows) == 1:
-            return attend(self.windows[0])
-        kind = jnp.asarray(self.kind_of_layer, jnp.int32)[layer]
-        return jax.lax.switch(kind, [lambda window=window: attend(window) for window in self.windows])
+        """`attend(kind)` with this layer's kind: the one every layer has, or (layers of several kinds) the branch
+        its number picks, each branch's window and RoPE static, so that it computes only the products inside its
+        window."""
+        if len(self.kinds) == 1:
+            return attend(self.kinds[0])
+        index = jnp.asarray(self.kind_of_layer, jnp.int32)[layer]
+        return jax.lax.switch(index, [lambda kind=kind: attend(kind) for kind in self.kinds])
 
     def _qkv(self, x_BxLxD, positions):
-        """Heads are -1: a device of a tensor group holds some of them (xlatrain/tensor_group.py). Positions: those
-        of the whole sequence (None: 0, 1, ...), which sequence parallelism gathers before attention."""
+        """q, k, v before RoPE, and the positions to rotate them by. Heads are -1: a device of a tensor group holds
+        some of them (xlatrain/tensor_group.py). Positions: those of the whole sequence (None: 0, 1, ...), which
+        sequence parallelism gathers before attention."""
         normed = enter_region(self.attn_norm(x_BxLxD))
-        batch, length, _ = normed.shape
-        positions = jnp.arange(length) if positions is None else positions
+        positions = jnp.arange(normed.shape[1]) if positions is None else positions
         q_BxLxHxK = self._heads(self.q(normed), self.q_norm)
         k_BxLxGxK, v_BxLxGxK = (kv_heads_for_local_queries(self._heads(proj(normed), norm), self.kv_heads)
                                 for proj, norm in ((self.k, self.k_norm), (self.v, None)))
-        head_dim, theta, scaling = self.rope
-        frequencies = inverse_frequencies(head_dim, theta, None if scaling is None else dict(scaling))
-        q_BxLxHxK, k_BxLxGxK = rotate(q_BxLxHxK, positions, frequencies), rotate(k_BxLxGxK, positions, frequencies)
-        return by_heads(q_BxLxHxK), by_heads(k_BxLxGxK, "kv_heads"), by_heads(v_BxLxGxK, "kv_heads")
+        return q_BxLxHxK, k_BxLxGxK, by_heads(v_BxLxGxK, "kv_heads"), positions
 
-    def _heads(self, projected_BxLxF, norm: nnx.RMSNorm | None):
+    def _rotated(self, q_BxLxHxK, k_BxLxGxK, positions, kind: LayerKind):
+        frequencies = kind.frequencies(self.head_dim)
+        return (by_heads(rotate(q_BxLxHxK, positions, frequencies)),
+                by_heads(rotate(k_BxLxGxK, positions, frequencies), "kv_heads"))
+
+    def _heads(self, projected_BxLxF, norm: nnx.Module | None):
         """A projection [batch, length, heads x head width] as heads, normalised as model.qk_norm says."""
         if norm is not None and self.qk_norm == "projection":
             projected_BxLxF = norm(projected_BxLxF)
@@ -139,11 +202,18 @@ class LlamaBlock(nnx.Module):
 
     def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
         batch, length = attended_BxLxHxK.shape[:2]
-        attended = row_parallel(self.attn_out, attended_BxLxHxK.reshape(batch, length, -1))
+        attended = self._sandwiched(self.post_attn_norm,
+                                    row_parallel(self.attn_out, attended_BxLxHxK.reshape(batch, length, -1)))
         x_BxLxD = residual_stream(x_BxLxD + self._drop(attended, keys[0]))
         normed = enter_region(self.mlp_norm(x_BxLxD))
-        hidden_BxLxF = constrain(jax.nn.silu(self.gate(normed)) * self.up(normed), BATCH, None, "mlp")
-        return residual_stream(x_BxLxD + self._drop(row_parallel(self.down, hidden_BxLxF), keys[1]))
+        gated = ACTIVATIONS[self.activation](self.gate(normed)) * self.up(normed)
+        hidden_BxLxF = constrain(gated, BATCH, None, "mlp")
+        out = self._sandwiched(self.post_mlp_norm, row_parallel(self.down, hidden_BxLxF))
+        return residual_stream(x_BxLxD + self._drop(out, keys[1]))
+
+    @staticmethod
+    def _sandwiched(norm: nnx.Module | None, x):
+        return x if norm is None else norm(x)
 
     def _drop(self, x, key):
         return dropped(x, self.dropout.rate, key)
@@ -157,14 +227,17 @@ class Llama(Decoder):
                                 embedding_metadata=axes("vocab", "embed"), rngs=rngs)
         self.blocks = stack_blocks(lambda layer_rngs: LlamaBlock(shape, rngs=layer_rngs), shape.layers, rngs)
         self.scan_blocks = shape.scan_layers
-        self.numbered_layers = len(shape.window_kinds()[0]) > 1
+        self.numbered_layers = len(shape.layer_kinds()[0]) > 1
+        self.embed_scale = math.sqrt(shape.width) if shape.embed_scale else None
         self.norm = rms_norm(shape, rngs)
         self.head = None if shape.tie_embeddings else linear(
             shape.width, shape.vocab, use_bias=False, kernel_metadata=axes("embed", "vocab"), rngs=rngs)
 
     def embed_at(self, tokens_BxL, positions_BxL):
-        """Positions enter in each block's RoPE, not here."""
-        return self.embed(tokens_BxL)
+        """Positions enter in each block's RoPE, not here. Scaled embeddings are multiplied by sqrt(width) rounded to
+        their own dtype, as transformers' Gemma does."""
+        x_BxLxD = self.embed(tokens_BxL)
+        return x_BxLxD if self.embed_scale is None else x_BxLxD * jnp.asarray(self.embed_scale, x_BxLxD.dtype)
 
     def final_norm(self, x_BxLxD):
         return self.norm(x_BxLxD)
