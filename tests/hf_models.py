@@ -32,6 +32,10 @@ ARCHITECTURES = {
         layer_types=["sliding_attention", "full_attention"], rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    # Gemma 2: every other layer local (window 4), one RoPE, soft caps small enough to bend these scores and logits
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=0.5,
+        final_logit_softcapping=0.5)),
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, attention_bias=True, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32})),

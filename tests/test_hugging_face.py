@@ -32,9 +32,11 @@ TINY_RUN = [*TINY_GPT, "batch.global_size=8", "trainer.steps=3"]
 LLAMA = ["model.name=llama", "model.kv_heads=1"]
 QWEN3 = [*LLAMA, "model.qk_norm=head"]
 WINDOWS = ["model.sliding_window=4", "model.layer_types=[full,sliding]"]
-GEMMA3 = [*QWEN3, "model.norm_plus_one=true", "model.sandwich_norms=true", "model.embed_scale=true",
+GEMMA2 = [*LLAMA, "model.norm_plus_one=true", "model.sandwich_norms=true", "model.embed_scale=true",
           "model.mlp_activation=gelu_tanh", "model.tie_embeddings=true", "model.score_scale_dim=24",
-          "model.sliding_window=4", "model.layer_types=[sliding,full]", "model.rope_theta_sliding=10000",
+          "model.sliding_window=4", "model.layer_types=[sliding,full]", "model.attn_softcap=0.5",
+          "model.logit_softcap=0.5"]
+GEMMA3 = [*[o for o in GEMMA2 if "softcap" not in o], "model.qk_norm=head", "model.rope_theta_sliding=10000",
           "model.rope_theta=1000000"]
 GPT2 = ["model.name=gpt", "model.tie_embeddings=true", "model.head_bias=false"]
 """The built-in GPT as GPT-2 has it: the embedding's transpose as the head, no bias."""
@@ -58,8 +60,9 @@ def our_logits(trained, tokens):
 
 @pytest.mark.parametrize("model, architecture", [
     (LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM"), ([*QWEN3, *WINDOWS], "Qwen3ForCausalLM"),
-    ([*LLAMA, "model.sliding_window=4"], "MistralForCausalLM"), (GEMMA3, "Gemma3ForCausalLM"),
-    (GPT2, "GPT2LMHeadModel")], ids=["llama", "qwen3", "qwen3-mixed-windows", "mistral-window", "gemma3", "gpt2"])
+    ([*LLAMA, "model.sliding_window=4"], "MistralForCausalLM"), (GEMMA2, "Gemma2ForCausalLM"),
+    (GEMMA3, "Gemma3ForCausalLM"), (GPT2, "GPT2LMHeadModel")],
+    ids=["llama", "qwen3", "qwen3-mixed-windows", "mistral-window", "gemma2", "gemma3", "gpt2"])
 def test_an_exported_run_loads_into_transformers_with_its_logits_and_its_tokenizer(model, architecture, tmp_path,
                                                                                    devices):
     import transformers
@@ -123,7 +126,8 @@ def generated_by_transformers(model, prompt, new):
     return out.sequences[:, prompt.shape[1]:].numpy(), float(np.min(top2[..., 1] - top2[..., 0]))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window", "qwen3-window", "gemma3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window", "qwen3-window", "gemma2", "gemma3",
+                                  "gpt2"])
 def test_greedy_sampling_equals_transformers_generate(kind, tmp_path):
     reference = hugging_face_model(kind)
     trained = from_hugging_face(saved(reference, tmp_path / kind), "test")

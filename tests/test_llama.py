@@ -65,7 +65,7 @@ def some_tokens(rows=2, length=64, seed=0):
 @pytest.mark.parametrize("kind, scan", [("llama", "true"), ("llama", "false"), ("qwen2", "auto"), ("qwen3", "true"),
                                         ("mistral", "auto"), ("mistral-window", "true"), ("qwen2-window", "true"),
                                         ("qwen2-window", "false"), ("qwen3-window", "true"), ("gemma3", "true"),
-                                        ("gemma3", "false"),
+                                        ("gemma3", "false"), ("gemma2", "true"),
                                         ("llama3", "true"), ("linear-rope", "auto"),
                                         ("gpt2", "true"), ("gpt2", "false")])
 def test_imported_logits_equal_transformers(kind, scan, checkpoints):
@@ -74,7 +74,7 @@ def test_imported_logits_equal_transformers(kind, scan, checkpoints):
     expected_name = "gpt" if kind == "gpt2" else "llama"
     assert program.config.model.name == expected_name and program.config.model.vocab == VOCAB
     tokens = some_tokens()
-    if kind == "gemma3":  # Gemma's sequences begin with its BOS
+    if kind.startswith("gemma"):  # Gemma's sequences begin with its BOS
         tokens[:, 0] = reference.config.bos_token_id
     ours = np.asarray(program.model.apply(state.params, jnp.asarray(tokens, jnp.int32)))
     theirs = logits_of(reference, tokens)
@@ -83,6 +83,10 @@ def test_imported_logits_equal_transformers(kind, scan, checkpoints):
         model = program.config.model
         assert (model.layer_windows(), model.rope_theta_sliding, model.rope_theta, model.rope_scaling.factor,
                 model.score_scale_dim) == ((4, None), 10_000.0, 1_000_000.0, 2.0, 24)
+    if kind == "gemma2":  # the soft caps bend these logits, and are read as such
+        assert (program.config.model.attn_softcap, program.config.model.logit_softcap) == (0.5, 0.5)
+        uncapped = hugging_face_model(kind, attn_logit_softcapping=None, final_logit_softcapping=None)
+        assert np.max(np.abs(logits_of(uncapped, tokens) - theirs)) > 1e-2
     if kind.endswith("-window"):  # windows of 4 and 5 on 64 tokens: they change the logits, and are read as such
         windows = program.config.model.layer_windows()
         assert windows == {"mistral-window": (4, 4), "qwen2-window": (None, 4), "qwen3-window": (None, 5)}[kind]

@@ -2,9 +2,9 @@
 model.init_from=hf:DIR (read before the config is validated, so that every check sees it) and of
 `xlatrain export --hf`.
 
-Read: Llama, Mistral, Qwen2 and Qwen3 into model.name=llama, their sliding windows as transformers 5 applies them
-(Mistral's on every layer; Qwen's on the layers `layer_types` names, by default those from max_window_layers on,
-when use_sliding_window is set); GPT-2 into model.name=gpt.
+Read: Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text) into model.name=llama, their sliding windows as
+transformers 5 applies them (Mistral's on every layer; Qwen's on the layers `layer_types` names, by default those
+from max_window_layers on, when use_sliding_window is set; Gemma's on its local layers); GPT-2 into model.name=gpt.
 RoPE's settings come as transformers 5 writes them (`rope_parameters`) or as earlier versions did (`rope_theta`,
 `rope_scaling`).
 """
@@ -21,8 +21,8 @@ from xlatrain.config.base import expanded
 from xlatrain.config.model import HUGGING_FACE_PREFIX, RopeScaling
 from xlatrain.errors import UserError, first_line
 
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma3_text": "llama",
-                 "gpt2": "gpt"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma2": "llama",
+                 "gemma3_text": "llama", "gpt2": "gpt"}
 """config.json's model_type -> the built-in model it loads into."""
 ROPE_SCALINGS = ("linear", "llama3")
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
@@ -60,7 +60,7 @@ def architecture(hf: dict, named: str) -> dict[str, Any]:
         raise UserError(f"{named}: config.json has model_type={model_type!r}, which xlatrain does not load; it loads "
                         f"{', '.join(ARCHITECTURES)}")
     try:
-        read = {"gpt2": _gpt2, "gemma3_text": _gemma3}.get(model_type)
+        read = {"gpt2": _gpt2, "gemma2": _gemma2, "gemma3_text": _gemma3}.get(model_type)
         return read(hf, named) if read else _llama(hf, model_type, named)
     except KeyError as err:
         raise UserError(f"{named}: config.json lacks {err.args[0]!r}, which a {model_type} checkpoint has") from None
@@ -88,27 +88,25 @@ def _llama_shape(hf: dict, tied: bool, head_dim: int | None = None) -> dict[str,
             "norm_eps": hf["rms_norm_eps"], "tie_embeddings": bool(hf.get("tie_word_embeddings", tied))}
 
 
-GEMMA3_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
-                   "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
-"""Gemma3TextConfig's defaults for what a config.json may leave out."""
+GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096}
+"""What Gemma2Config and Gemma3TextConfig take where a config.json leaves it out."""
+GEMMA2_DEFAULTS = {**GEMMA_DEFAULTS, "sliding_window_pattern": 2, "rope_theta": 10_000.0,
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+GEMMA3_DEFAULTS = {**GEMMA_DEFAULTS, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+                   "rope_local_base_freq": 10_000.0, "attn_logit_softcapping": None, "final_logit_softcapping": None}
 
 
-def _gemma3(hf: dict, named: str) -> dict[str, Any]:
-    """Gemma 3's text model: the Llama layout with (1 + scale) RMSNorms before and after attention and the MLP, a
-    GeGLU MLP, embeddings scaled by sqrt(width), q/k norms per head, scores scaled by query_pre_attn_scalar, and
-    local sliding-window layers (their own RoPE base) interleaved with global ones (RoPE base and scaling of their
-    own), as transformers 5's rope_parameters[layer_type] or earlier versions' rope_local_base_freq, rope_theta and
-    rope_scaling say."""
-    for unbuilt in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(unbuilt) is not None:
-            raise UserError(f"{named}: config.json sets {unbuilt}={hf[unbuilt]}: soft-capping is not built")
+def _gemma(hf: dict, named: str, defaults: dict) -> dict[str, Any]:
+    """What Gemma 2 and 3 share: the Llama layout with (1 + scale) RMSNorms before and after attention and the MLP,
+    a GeGLU MLP, embeddings scaled by sqrt(width), scores scaled by query_pre_attn_scalar and soft-capped where the
+    config says, and local sliding-window layers interleaved with global ones."""
     if hf.get("use_bidirectional_attention"):
         raise UserError(f"{named}: config.json sets use_bidirectional_attention=true: the decoders here are causal")
     if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise UserError(f"{named}: config.json sets hidden_activation={hf['hidden_activation']!r}; the Gemma MLP "
                         "here is GeGLU with the tanh GELU (gelu_pytorch_tanh)")
     layers = hf["num_hidden_layers"]
-    pattern = hf.get("sliding_window_pattern") or GEMMA3_DEFAULTS["sliding_window_pattern"]
+    pattern = hf.get("sliding_window_pattern") or defaults["sliding_window_pattern"]
     types = hf.get("layer_types") or ["sliding_attention" if (layer + 1) % pattern else "full_attention"
                                       for layer in range(layers)]
     unknown = sorted({kind for kind in types if kind not in HF_LAYER_TYPES})
@@ -116,6 +114,30 @@ def _gemma3(hf: dict, named: str) -> dict[str, Any]:
         raise UserError(f"{named}: config.json's layer_types ({len(types)} of them) must name each of its {layers} "
                         "layers full_attention or sliding_attention" +
                         (f"; {', '.join(map(str, unknown))} is not built" if unknown else ""))
+    sliding = "sliding_attention" in types
+    attention_bias = bool(hf.get("attention_bias", False))
+    caps = {ours: hf.get(theirs, defaults[theirs]) for ours, theirs in (("attn_softcap", "attn_logit_softcapping"),
+                                                                         ("logit_softcap", "final_logit_softcapping"))}
+    return {**_llama_shape(hf, tied=True, head_dim=defaults["head_dim"]),
+            "qkv_bias": attention_bias, "out_bias": attention_bias, "mlp_activation": "gelu_tanh",
+            "norm_plus_one": True, "sandwich_norms": True, "embed_scale": True,
+            "score_scale_dim": int(hf.get("query_pre_attn_scalar", defaults["query_pre_attn_scalar"])),
+            "sliding_window": int(hf.get("sliding_window", defaults["sliding_window"])) if sliding else None,
+            "layer_types": [HF_LAYER_TYPES[kind] for kind in types] if sliding else None,
+            **{key: None if cap is None else float(cap) for key, cap in caps.items()}}
+
+
+def _gemma2(hf: dict, named: str) -> dict[str, Any]:
+    """Gemma 2: one RoPE for every layer, no q/k norms, a window on every other layer, soft-capping (50, 30)."""
+    rope = _rope({"rope_parameters": hf.get("rope_parameters") or {
+        **(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", GEMMA2_DEFAULTS["rope_theta"])}}, named)
+    return {**_gemma(hf, named, GEMMA2_DEFAULTS), **rope, "qk_norm": None, "rope_theta_sliding": None}
+
+
+def _gemma3(hf: dict, named: str) -> dict[str, Any]:
+    """Gemma 3's text model: Gemma's layers with q/k norms per head, each kind of layer its RoPE (the global
+    layers' base and scaling, the local layers' base), as transformers 5's rope_parameters[layer_type] or earlier
+    versions' rope_theta, rope_scaling and rope_local_base_freq say."""
     by_kind = hf.get("rope_parameters") or {}
     if not isinstance(by_kind.get("full_attention"), dict):  # earlier versions' keys
         by_kind = {"full_attention": {**(hf.get("rope_scaling") or {}),
@@ -126,18 +148,10 @@ def _gemma3(hf: dict, named: str) -> dict[str, Any]:
     if local.get("rope_type", local.get("type", "default")) != "default":
         raise UserError(f"{named}: config.json scales the sliding layers' RoPE ({local}); only the global layers' "
                         "RoPE scaling is built")
-    window = hf.get("sliding_window", GEMMA3_DEFAULTS["sliding_window"])
-    sliding = "sliding_attention" in types
-    attention_bias = bool(hf.get("attention_bias", False))
-    return {**_llama_shape(hf, tied=True, head_dim=GEMMA3_DEFAULTS["head_dim"]),
-            "qkv_bias": attention_bias, "out_bias": attention_bias, "qk_norm": "head",
-            "mlp_activation": "gelu_tanh", "norm_plus_one": True, "sandwich_norms": True, "embed_scale": True,
-            "score_scale_dim": int(hf.get("query_pre_attn_scalar", GEMMA3_DEFAULTS["query_pre_attn_scalar"])),
-            **_rope({"rope_parameters": by_kind["full_attention"]}, named),
-            "sliding_window": int(window) if sliding else None,
-            "layer_types": [HF_LAYER_TYPES[kind] for kind in types] if sliding else None,
+    keys = _gemma(hf, named, GEMMA3_DEFAULTS)
+    return {**keys, **_rope({"rope_parameters": by_kind["full_attention"]}, named), "qk_norm": "head",
             "rope_theta_sliding": float(local.get("rope_theta", GEMMA3_DEFAULTS["rope_local_base_freq"]))
-            if sliding else None}
+            if keys["sliding_window"] is not None else None}
 
 
 HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -251,17 +265,18 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
     gemma_marks = {"model.norm_plus_one=true": model.norm_plus_one, "model.sandwich_norms=true": model.sandwich_norms,
                    "model.embed_scale=true": model.embed_scale,
                    "model.mlp_activation=gelu_tanh": model.mlp_activation == "gelu_tanh",
-                   "model.qk_norm=head": model.qk_norm == "head", "model.qkv_bias=model.out_bias":
-                   model.qkv_bias == model.out_bias}
+                   "model.qkv_bias=model.out_bias": model.qkv_bias == model.out_bias}
     if model.sandwich_norms or model.norm_plus_one or model.embed_scale or model.mlp_activation == "gelu_tanh":
         missing = [key for key, present in gemma_marks.items() if not present]
         if missing:
-            raise UserError(f"export --hf: Gemma 3 is the Hugging Face family with Gemma's layers, and it has "
-                            f"{', '.join(missing)} too; this model has not, so no family takes it")
-        return _gemma3_config(model, vocab, max_len)
-    for key, value in (("score_scale_dim", model.score_scale_dim), ("rope_theta_sliding", model.rope_theta_sliding)):
+            raise UserError(f"export --hf: Gemma 2 and 3 are the Hugging Face families with Gemma's layers, and they "
+                            f"have {', '.join(missing)} too; this model has not, so no family takes it")
+        return _gemma_config(model, vocab, max_len)
+    gemma_only = {"score_scale_dim": model.score_scale_dim, "rope_theta_sliding": model.rope_theta_sliding,
+                  "attn_softcap": model.attn_softcap, "logit_softcap": model.logit_softcap}
+    for key, value in gemma_only.items():
         if value is not None:
-            raise UserError(f"export --hf: model.{key}={value} is Gemma 3's, whose other marks (model.sandwich_norms, "
+            raise UserError(f"export --hf: model.{key}={value} is Gemma's, whose other marks (model.sandwich_norms, "
                             "norm_plus_one, embed_scale, mlp_activation=gelu_tanh) this model lacks: no Hugging Face "
                             "family takes it")
     if model.qk_norm == "projection":
@@ -315,19 +330,28 @@ def _llama_shape_json(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
             "rms_norm_eps": model.norm_eps, "tie_word_embeddings": model.tie_embeddings}
 
 
-def _gemma3_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
-    """Gemma3ForCausalLM's config.json, its RoPE per kind of layer in transformers 5's form."""
+def _gemma_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
+    """Gemma3ForCausalLM's config.json (q/k norms), its RoPE per kind of layer in transformers 5's form, or
+    Gemma2ForCausalLM's (none; one RoPE)."""
     types = ["full_attention" if window is None else "sliding_attention" for window in model.layer_windows()]
+    shared = {**_llama_shape_json(model, vocab, max_len), "hidden_activation": "gelu_pytorch_tanh",
+              "query_pre_attn_scalar": model.score_scale_dim or model.head_width(), "attention_bias": model.qkv_bias,
+              "sliding_window": model.sliding_window, "layer_types": types,
+              "attn_logit_softcapping": model.attn_softcap, "final_logit_softcapping": model.logit_softcap}
+    if model.qk_norm is None:
+        if model.rope_theta_sliding is not None:
+            raise UserError("export --hf: Gemma 2 (Gemma's layers without q/k norms) has one RoPE for every layer; "
+                            "drop model.rope_theta_sliding, or set model.qk_norm=head (Gemma 3)")
+        return {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], **shared,
+                "rope_parameters": _rope_parameters(model)}
+    if model.qk_norm != "head":
+        raise UserError("export --hf: Gemma 3 normalises queries and keys per head; set model.qk_norm=head")
     local = {"rope_type": "default", "rope_theta": model.rope_theta_sliding or model.rope_theta}
     if model.rope_theta_sliding is None and model.rope_scaling is not None and "sliding_attention" in types:
         raise UserError("export --hf: Gemma 3 scales only its global layers' RoPE, and this model scales its sliding "
                         "layers' too (model.rope_scaling without model.rope_theta_sliding)")
-    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
-            **_llama_shape_json(model, vocab, max_len), "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": model.score_scale_dim or model.head_width(), "attention_bias": model.qkv_bias,
-            "sliding_window": model.sliding_window, "layer_types": types,
-            "rope_parameters": {"full_attention": _rope_parameters(model), "sliding_attention": local},
-            "attn_logit_softcapping": None, "final_logit_softcapping": None}
+    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], **shared,
+            "rope_parameters": {"full_attention": _rope_parameters(model), "sliding_attention": local}}
 
 
 def _qwen_windows(windows: tuple[int | None, ...], window: int | None) -> dict[str, Any]:

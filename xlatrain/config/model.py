@@ -178,6 +178,11 @@ class LlamaConfig(DecoderConfig):
     """The token embeddings multiplied by sqrt(model.width) (Gemma)."""
     score_scale_dim: PositiveInt | None = None
     """Attention scores divided by the square root of this (Gemma's query_pre_attn_scalar); null: the head width."""
+    attn_softcap: float | None = Field(None, gt=0)
+    """Attention scores soft-capped to (-c, c) as tanh(s / c) c (Gemma 2: 50); null: none. XLA's attention then,
+    not cuDNN's fused kernel, which has no soft cap."""
+    logit_softcap: float | None = Field(None, gt=0)
+    """The output logits soft-capped likewise (Gemma 2: 30); null: none."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the RMSNorms."""
 

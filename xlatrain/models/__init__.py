@@ -60,7 +60,8 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
                            windows=config.layer_windows(), rope_theta_sliding=config.rope_theta_sliding,
                            mlp_activation=config.mlp_activation, norm_plus_one=config.norm_plus_one,
                            sandwich_norms=config.sandwich_norms, embed_scale=config.embed_scale,
-                           score_scale_dim=config.score_scale_dim)
+                           score_scale_dim=config.score_scale_dim, attn_softcap=config.attn_softcap,
+                           logit_softcap=config.logit_softcap)
         return lambda rngs: Llama(llama, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)

@@ -23,6 +23,8 @@
   each reads only the keys its window reaches, so the products wholly outside every window are never computed;
   XLA's attention otherwise, with the window in its mask. A window at least as long as the sequence is full
   causal attention. Packed documents' segments apply inside the window.
+- Soft-capped scores (Gemma 2: tanh(s / c) c): written out in XLA's ops (`dot_attention`), since neither
+  jax.nn.dot_product_attention nor cuDNN's fused kernel caps them; the query blocks and windows apply as above.
 """
 
 from __future__ import annotations
@@ -66,20 +68,22 @@ def query_blocks(length: int, window: int | None = None) -> int:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
-                     window: int | None = None, scale: float | None = None) -> jax.Array:
+                     window: int | None = None, scale: float | None = None, softcap: float | None = None,
+                     ) -> jax.Array:
     """`segment_ids` [batch, length]: packed documents, each attending only itself (None: one sequence per row).
     `window`: each query attends its `window` latest keys, itself included (None: every earlier key). `scale`: of
-    the scores (None: 1 / sqrt(head width))."""
-    return attention(q, k, v, is_causal=True, segment_ids=segment_ids, window=window, scale=scale)
+    the scores (None: 1 / sqrt(head width)). `softcap`: scores soft-capped to (-c, c) as tanh(s / c) c (Gemma 2)."""
+    return attention(q, k, v, is_causal=True, segment_ids=segment_ids, window=window, scale=scale, softcap=softcap)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
-              segment_ids: jax.Array | None = None, window: int | None = None) -> jax.Array:
+              segment_ids: jax.Array | None = None, window: int | None = None, softcap: float | None = None,
+              ) -> jax.Array:
     backend = lowering_platform()
     window = None if window is None or window >= k.shape[1] else window
     same_BxQxK = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
     band = None if window is None else (window - 1, 0)
-    if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+    if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and softcap is None:  # cuDNN's has no soft cap
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn",
                                                 mask=None if same_BxQxK is None else same_BxQxK[:, None],
@@ -88,19 +92,46 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
             pass  # a shape, GPU or cuDNN version that cuDNN's kernel does not take: XLA's below
     if backend == "cpu" and q.dtype == jnp.float16:
         return attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale,
-                         segment_ids=segment_ids, window=window).astype(q.dtype)
+                         segment_ids=segment_ids, window=window, softcap=softcap).astype(q.dtype)
     causal_cpu = backend == "cpu" and is_causal and q.shape[1] == k.shape[1]
     blocks = query_blocks(q.shape[1], window) if causal_cpu else 1
     if blocks > 1:
-        return causal_attention_in_query_blocks(q, k, v, blocks, scale, same_BxQxK, window)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                        mask=None if same_BxQxK is None else same_BxQxK[:, None],
-                                        local_window_size=band)
+        return causal_attention_in_query_blocks(q, k, v, blocks, scale, same_BxQxK, window, softcap)
+    return dot_attention(q, k, v, is_causal=is_causal, scale=scale,
+                         mask=None if same_BxQxK is None else same_BxQxK[:, None], band=band, softcap=softcap)
+
+
+def dot_attention(q_BxQxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *, mask: jax.Array | None = None,
+                  scale: float | None = None, is_causal: bool = False, band: tuple[int, int] | None = None,
+                  softcap: float | None = None) -> jax.Array:
+    """jax.nn.dot_product_attention (XLA's), or where the scores are soft-capped, which it does not do, the same
+    written out: scores in float32, tanh(s / c) c, the masks, softmax, the values (grouped-query heads: query head
+    h reads key/value head h // (H / G), as jax's)."""
+    if softcap is None:
+        return jax.nn.dot_product_attention(q_BxQxHxK, k_BxSxGxK, v_BxSxGxK, mask=mask, scale=scale,
+                                            is_causal=is_causal, local_window_size=band)
+    heads, groups = q_BxQxHxK.shape[2], k_BxSxGxK.shape[2]
+    k_BxSxHxK, v_BxSxHxK = (jnp.repeat(x, heads // groups, axis=2) for x in (k_BxSxGxK, v_BxSxGxK))
+    scale = q_BxQxHxK.shape[-1] ** -0.5 if scale is None else scale
+    scores_BxHxQxS = jnp.einsum("bqhk,bshk->bhqs", q_BxQxHxK, k_BxSxHxK, preferred_element_type=jnp.float32) * scale
+    scores_BxHxQxS = jnp.tanh(scores_BxHxQxS / softcap) * softcap
+    queries, keys = q_BxQxHxK.shape[1], k_BxSxGxK.shape[1]
+    query_Qx1, key_1xS = jnp.arange(queries)[:, None] + (keys - queries), jnp.arange(keys)[None, :]
+    visible = jnp.ones((queries, keys), bool)
+    if is_causal:
+        visible &= key_1xS <= query_Qx1
+    if band is not None:
+        visible &= (key_1xS >= query_Qx1 - band[0]) & (key_1xS <= query_Qx1 + band[1])
+    visible = visible[None, None] if mask is None else visible[None, None] & mask
+    scores_BxHxQxS = jnp.where(visible, scores_BxHxQxS, jnp.finfo(jnp.float32).min)
+    weights_BxHxQxS = jax.nn.softmax(scores_BxHxQxS, axis=-1).astype(v_BxSxHxK.dtype)
+    return jnp.einsum("bhqs,bshk->bqhk", weights_BxHxQxS, v_BxSxHxK)
 
 
 def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, keys_BxSxGxK: jax.Array,
                      values_BxSxGxK: jax.Array, start: jax.Array, window: int | None = None,
-                     scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     scale: float | None = None, softcap: float | None = None,
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Decoding: the new tokens' keys and values written into the cache at `start`, then each new query attends
     the cached keys up to its own position (its `window` latest, when given). Returns (attended, keys, values)."""
     keys = jax.lax.dynamic_update_slice(keys_BxSxGxK, k_BxTxGxK.astype(keys_BxSxGxK.dtype), (0, start, 0, 0))
@@ -110,13 +141,13 @@ def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.
     visible_TxS = key_1xS <= position_T1
     if window is not None:
         visible_TxS &= key_1xS > position_T1 - window
-    attended = jax.nn.dot_product_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None], scale=scale)
+    attended = dot_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None], scale=scale, softcap=softcap)
     return attended, keys, values
 
 
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,
                                      scale: float | None = None, same_BxQxK: jax.Array | None = None,
-                                     window: int | None = None) -> jax.Array:
+                                     window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Causal attention as `blocks` attentions of consecutive queries, each over the keys from its first query's
     window (the first key without one) up to its last query (the same result; each query's softmax runs over
     the same keys). `same_BxQxK`: which keys are in each query's document, when rows pack several."""
@@ -132,6 +163,6 @@ def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, b
         sees_key = sees_key[None, None]
         if same_BxQxK is not None:
             sees_key = sees_key & same_BxQxK[:, None, start:end, first:end]
-        outputs.append(jax.nn.dot_product_attention(q[:, start:end], k[:, first:end], v[:, first:end],
-                                                    mask=sees_key, scale=scale))
+        outputs.append(dot_attention(q[:, start:end], k[:, first:end], v[:, first:end], mask=sees_key, scale=scale,
+                                     softcap=softcap))
     return jnp.concatenate(outputs, axis=1)

@@ -36,6 +36,8 @@ class Decoder(BlockStack):
     kv_heads: int
     head_width: int
     head: nnx.Module | None
+    logit_softcap: float | None = None
+    """The logits soft-capped to (-c, c) as tanh(x / c) c (Gemma 2's final_logit_softcapping); None: as they are."""
 
     def embed_at(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         raise NotImplementedError
@@ -51,6 +53,8 @@ class Decoder(BlockStack):
     def after_blocks(self, x_BxLxD):
         x_BxLxD = enter_region(self.final_norm(x_BxLxD))
         logits_BxLxV = self.embed.attend(x_BxLxD) if self.head is None else self.head(x_BxLxD)
+        if self.logit_softcap is not None:
+            logits_BxLxV = jnp.tanh(logits_BxLxV / self.logit_softcap) * self.logit_softcap
         return constrain(logits_BxLxV, BATCH, None, "vocab")
 
     def empty_cache(self, batch: int, length: int, dtype: jnp.dtype) -> KVCache:

@@ -75,6 +75,8 @@ class LlamaShape:
     sandwich_norms: bool = False
     embed_scale: bool = False
     score_scale_dim: int | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
 
     def layer_kinds(self) -> tuple[tuple[LayerKind, ...], tuple[int, ...]]:
         """(the distinct kinds of layer, each layer's index among them)."""
@@ -126,6 +128,7 @@ class LlamaBlock(nnx.Module):
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, k
         self.kinds, self.kind_of_layer = shape.layer_kinds()
         self.score_scale = None if shape.score_scale_dim is None else shape.score_scale_dim ** -0.5
+        self.softcap = shape.attn_softcap
         self.activation = shape.mlp_activation
         self.attn_norm = rms_norm(shape, rngs)
         self.q = linear(d, shape.heads * k, use_bias=shape.qkv_bias, kernel_metadata=axes("embed", "heads"),
@@ -152,7 +155,7 @@ class LlamaBlock(nnx.Module):
 
         def attend(kind: LayerKind):
             return causal_attention(*self._rotated(q, k, positions, kind), v, segment_ids, kind.window,
-                                    scale=self.score_scale)
+                                    scale=self.score_scale, softcap=self.softcap)
 
         attended_BxLxHxK = by_heads(self._by_kind(layer, attend))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
@@ -162,7 +165,7 @@ class LlamaBlock(nnx.Module):
 
         def attend(kind: LayerKind):
             return cached_attention(*self._rotated(q, k, positions, kind), v, keys_BxSxGxK, values_BxSxGxK, start,
-                                    kind.window, scale=self.score_scale)
+                                    kind.window, scale=self.score_scale, softcap=self.softcap)
 
         attended_BxTxHxK, keys, values = self._by_kind(layer, attend)
         return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
@@ -229,6 +232,7 @@ class Llama(Decoder):
         self.scan_blocks = shape.scan_layers
         self.numbered_layers = len(shape.layer_kinds()[0]) > 1
         self.embed_scale = math.sqrt(shape.width) if shape.embed_scale else None
+        self.logit_softcap = shape.logit_softcap
         self.norm = rms_norm(shape, rngs)
         self.head = None if shape.tie_embeddings else linear(
             shape.width, shape.vocab, use_bias=False, kernel_metadata=axes("embed", "vocab"), rngs=rngs)
