@@ -132,8 +132,9 @@ def test_gemma_3_is_read_from_transformers_5s_rope_parameters_and_from_the_earli
     assert architecture(earlier, "test") == keys
     assert architecture({k: v for k, v in written.items() if k != "layer_types"}, "test")["layer_types"] == [
         "sliding", "sliding"]  # two layers of the default pattern: five local, then a global
-    for edit, expected in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: soft-capping is not "
-                                                               "built"),
+    scaled_locally = {**written["rope_parameters"], "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 10_000.0}}
+    for edit, expected in [({"rope_parameters": scaled_locally}, "config.json scales the sliding layers' RoPE"),
                            ({"model_type": "gemma3"}, "Gemma3ForConditionalGeneration's (Gemma 3 4B and larger"),
                            ({"hidden_activation": "silu"}, "the Gemma MLP here is GeGLU")]:
         with pytest.raises(UserError, match=re.escape(expected)):

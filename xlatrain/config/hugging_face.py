@@ -88,6 +88,17 @@ def _llama_shape(hf: dict, tied: bool, head_dim: int | None = None) -> dict[str,
             "norm_eps": hf["rms_norm_eps"], "tie_embeddings": bool(hf.get("tie_word_embeddings", tied))}
 
 
+HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _check_layer_types(types: list, layers: int, named: str) -> None:
+    unknown = sorted({str(kind) for kind in types if kind not in HF_LAYER_TYPES})
+    if unknown or len(types) != layers:
+        raise UserError(f"{named}: config.json's layer_types ({len(types)} of them) must name each of its {layers} "
+                        "layers full_attention or sliding_attention" +
+                        (f"; {', '.join(unknown)} is not built" if unknown else ""))
+
+
 GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096}
 """What Gemma2Config and Gemma3TextConfig take where a config.json leaves it out."""
 GEMMA2_DEFAULTS = {**GEMMA_DEFAULTS, "sliding_window_pattern": 2, "rope_theta": 10_000.0,
@@ -109,11 +120,7 @@ def _gemma(hf: dict, named: str, defaults: dict) -> dict[str, Any]:
     pattern = hf.get("sliding_window_pattern") or defaults["sliding_window_pattern"]
     types = hf.get("layer_types") or ["sliding_attention" if (layer + 1) % pattern else "full_attention"
                                       for layer in range(layers)]
-    unknown = sorted({kind for kind in types if kind not in HF_LAYER_TYPES})
-    if unknown or len(types) != layers:
-        raise UserError(f"{named}: config.json's layer_types ({len(types)} of them) must name each of its {layers} "
-                        "layers full_attention or sliding_attention" +
-                        (f"; {', '.join(map(str, unknown))} is not built" if unknown else ""))
+    _check_layer_types(types, layers, named)
     sliding = "sliding_attention" in types
     attention_bias = bool(hf.get("attention_bias", False))
     caps = {ours: hf.get(theirs, defaults[theirs]) for ours, theirs in (("attn_softcap", "attn_logit_softcapping"),
@@ -154,9 +161,6 @@ def _gemma3(hf: dict, named: str) -> dict[str, Any]:
             if keys["sliding_window"] is not None else None}
 
 
-HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
-
-
 def _windows(hf: dict, model_type: str, named: str) -> dict[str, Any]:
     """model.sliding_window and model.layer_types as transformers 5 reads a config.json: Mistral's window on every
     layer (layer_types are Ministral's, not Mistral's); Qwen's with use_sliding_window, on the layers layer_types
@@ -165,11 +169,7 @@ def _windows(hf: dict, model_type: str, named: str) -> dict[str, Any]:
     window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
     types = hf.get("layer_types") if model_type != "mistral" else None
     if types is not None:
-        unknown = sorted({kind for kind in types if kind not in HF_LAYER_TYPES})
-        if unknown or len(types) != layers:
-            raise UserError(f"{named}: config.json's layer_types ({len(types)} of them) must name each of its "
-                            f"{layers} layers full_attention or sliding_attention" +
-                            (f"; {', '.join(map(str, unknown))} is not built" if unknown else ""))
+        _check_layer_types(types, layers, named)
     if window is None:
         return {"sliding_window": None, "layer_types": None}
     if types is None:
