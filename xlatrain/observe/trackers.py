@@ -34,11 +34,16 @@ def open_trackers(config: Config, run_dir: Path, hyperparameters: dict[str, Any]
     `hyperparameters`: hyperparameters_of(config)."""
     known = _read_known(run_dir)
     trackers: list[Tracker] = []
-    for name in config.trainer.loggers:
-        if name == "wandb":
-            trackers.append(WandbTracker(config.trainer.wandb, config.name, run_dir, known, hyperparameters))
-        elif name == "mlflow":
-            trackers.append(MlflowTracker(config.trainer.mlflow, config.name, run_dir, known, hyperparameters))
+    try:
+        for name in config.trainer.loggers:
+            if name == "wandb":
+                trackers.append(WandbTracker(config.trainer.wandb, config.name, run_dir, known, hyperparameters))
+            elif name == "mlflow":
+                trackers.append(MlflowTracker(config.trainer.mlflow, config.name, run_dir, known, hyperparameters))
+    except UserError:
+        for opened in trackers:  # one that refused ends the start: those opened before it end with it
+            opened.close()
+        raise
     return trackers
 
 
