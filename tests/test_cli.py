@@ -141,8 +141,9 @@ def test_train_help_names_the_sections_and_how_to_list_every_key(capsys):
 def test_config_keys_lists_the_keys_of_the_configs_own_kinds_with_values_and_meaning(capsys):
     assert main(["config", "model.name=llama", "model.kv_heads=2", "--keys", "model"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["model.name=llama", "A", "Llama-style", "decoder", "(Llama,", "Mistral,", "Qwen2):",
-                                "RoPE,", "RMSNorm,", "SwiGLU", "MLP,", "grouped-query", "attention."]
+    assert lines[0].split() == ["model.name=llama", "A", "Llama-style", "decoder", "(Llama,", "Mistral,", "Qwen2,",
+                                "Qwen3,", "Gemma", "2", "and", "3):", "RoPE,", "RMSNorm,", "a", "gated", "MLP,",
+                                "grouped-query", "attention."]
     assert any(line.startswith("model.kv_heads=2 ") and "Key/value heads" in line for line in lines)
     assert not any(line.startswith(("model.mlp_ratio", "trainer.")) for line in lines)  # the GPT's; another section
     assert main(["config", "--keys", "trainer.steps"]) == 0

@@ -105,8 +105,8 @@ def test_windows_only_some_layers_of_a_model_without_qwens_marks_have_no_hugging
     with pytest.raises(UserError, match="sliding-window layers in a model without Qwen's q, k and v biases or q/k "
                                         "norms export as Mistral, which windows every layer"):
         hugging_face_config(model, 256, 32)
-    with pytest.raises(UserError, match=r"Gemma 3 is the Hugging Face family with Gemma's layers, and it has "
-                                        r"model.norm_plus_one=true, model.embed_scale=true"):
+    with pytest.raises(UserError, match=r"Gemma 2 and 3 are the Hugging Face families with Gemma's layers, and they "
+                                        r"have model.norm_plus_one=true, model.embed_scale=true too"):
         hugging_face_config(load_config(None, [*QWEN3, "model.sandwich_norms=true", "model.mlp_activation=gelu_tanh"]
                                         ).model, 256, 32)
     qwen2 = hugging_face_config(load_config(None, [*LLAMA, "model.layers=2", "model.qkv_bias=true", *WINDOWS]).model,
@@ -241,10 +241,11 @@ def test_bad_checkpoints_prompts_and_outputs_are_one_line(checkpoint, llama_run,
         "shape": (broken_copy(checkpoint, tmp_path / "shape", edit_config={"intermediate_size": 128}),
                   ["tensor 'model.layers.0.mlp.down_proj.weight' is [64, 96]", "blocks.down.kernel needs [64, 128]"]),
         "architecture": (broken_copy(checkpoint, tmp_path / "bert", edit_config={"model_type": "bert"}),
-                         ["model_type='bert'", "llama, mistral, qwen2, qwen3, gpt2"]),
-        "sliding_window": (broken_copy(checkpoint, tmp_path / "mistral",
-                                       edit_config={"model_type": "mistral", "sliding_window": 4096}),
-                           ["sliding_window=4096", "sliding-window attention"]),
+                         ["model_type='bert'", "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2"]),
+        "layer_types": (broken_copy(checkpoint, tmp_path / "qwen2",
+                                    edit_config={"model_type": "qwen2", "use_sliding_window": True,
+                                                 "sliding_window": 4, "layer_types": ["sliding_attention"]}),
+                        ["layer_types (1 of them) must name each of its 2 layers"]),
     }
     damaged = broken_copy(checkpoint, tmp_path / "damaged")
     (damaged / "model.safetensors").write_bytes(b"not a safetensors file")

@@ -136,8 +136,8 @@ class RopeScaling(Strict):
 
 class LlamaConfig(DecoderConfig):
     name: Literal["llama"]
-    """A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3): RoPE, RMSNorm, a gated MLP, grouped-query
-    attention."""
+    """A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3): RoPE, RMSNorm, a gated MLP,
+    grouped-query attention."""
     kv_heads: PositiveInt | None = None
     """Key/value heads (grouped-query attention; 1: multi-query); must divide model.heads. null: model.heads."""
     head_dim: PositiveInt | None = None
