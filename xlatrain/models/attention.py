@@ -137,12 +137,16 @@ def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.
     keys = jax.lax.dynamic_update_slice(keys_BxSxGxK, k_BxTxGxK.astype(keys_BxSxGxK.dtype), (0, start, 0, 0))
     values = jax.lax.dynamic_update_slice(values_BxSxGxK, v_BxTxGxK.astype(values_BxSxGxK.dtype), (0, start, 0, 0))
     queries, length = q_BxTxHxK.shape[1], keys.shape[1]
-    position_T1, key_1xS = start + jnp.arange(queries)[:, None], jnp.arange(length)[None, :]
-    visible_TxS = key_1xS <= position_T1
-    if window is not None:
-        visible_TxS &= key_1xS > position_T1 - window
+    visible_TxS = sees(start + jnp.arange(queries)[:, None], jnp.arange(length)[None, :], window)
     attended = dot_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None], scale=scale, softcap=softcap)
     return attended, keys, values
+
+
+def sees(query_Qx1: jax.Array, key_1xK: jax.Array, window: int | None) -> jax.Array:
+    """[Q, K]: whether a query at each position sees a key at each position: an earlier one or itself, and with a
+    sliding window one of its `window` latest (i - window < j <= i)."""
+    visible_QxK = key_1xK <= query_Qx1
+    return visible_QxK if window is None else visible_QxK & (key_1xK > query_Qx1 - window)
 
 
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,
@@ -156,11 +160,7 @@ def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, b
     for block in range(blocks):
         start, end = block * rows, (block + 1) * rows
         first = 0 if window is None else max(0, start - window + 1)
-        query_Qx1, key_1xK = jnp.arange(start, end)[:, None], jnp.arange(first, end)[None, :]
-        sees_key = key_1xK <= query_Qx1
-        if window is not None:
-            sees_key &= key_1xK > query_Qx1 - window
-        sees_key = sees_key[None, None]
+        sees_key = sees(jnp.arange(start, end)[:, None], jnp.arange(first, end)[None, :], window)[None, None]
         if same_BxQxK is not None:
             sees_key = sees_key & same_BxQxK[:, None, start:end, first:end]
         outputs.append(dot_attention(q[:, start:end], k[:, first:end], v[:, first:end], mask=sees_key, scale=scale,
