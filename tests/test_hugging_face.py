@@ -147,6 +147,24 @@ def test_greedy_sampling_equals_transformers_generate(kind, tmp_path):
     assert compared >= 3
 
 
+def test_sampling_a_gemma_checkpoint_begins_the_prompt_with_its_tokenizers_bos(tmp_path):
+    """Gemma's tokenizer adds <bos>: `sample` encodes --prompt as transformers' tokenizer does and continues it as
+    transformers' generate does."""
+    from test_tokens import bos_tokenizer, write_corpus
+    from transformers import PreTrainedTokenizerFast
+
+    reference = hugging_face_model("gemma3")
+    directory, bos = bos_tokenizer(saved(reference, tmp_path / "gemma3"), write_corpus(tmp_path / "corpus", 40))
+    prompt = "the model trains on data"
+    ids = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))(prompt)["input_ids"]
+    assert ids[0] == bos
+    expected, margin = generated_by_transformers(reference, np.asarray([ids]), 8)
+    assert margin > 1e-4
+    _, new = sample(Request(f"hf:{directory}", prompt, max_new_tokens=8, temperature=0.0))
+    np.testing.assert_array_equal(new, expected[0][:len(new)])
+    assert len(new) == 8 or expected[0][len(new)] == load_tokenizer(str(directory)).end_of_text
+
+
 def test_the_decode_loop_is_traced_once_for_any_number_of_tokens(llama_run, monkeypatch):
     traced = []
     original = decoder.Decoder.decode

@@ -20,7 +20,7 @@ from xlatrain.cli import main
 from xlatrain.commands.prepare import Request, prepare
 from xlatrain.config import load_config
 from xlatrain.data.shards import MANIFEST, open_shards
-from xlatrain.data.sources import open_dataset
+from xlatrain.data.sources import open_dataset, run_tokenizer
 from xlatrain.data.tokenizers import byte_tokenizer, load_tokenizer, rounded_vocab, train_bpe
 from xlatrain.data.tokens import PackedRows, ShardWindows
 from xlatrain.errors import UserError
@@ -67,6 +67,72 @@ def tokens_run(shards, *overrides):
 
 # --- tokenizers ---
 
+def bos_tokenizer(directory, corpus, *, add_bos_token=None):
+    """A byte-level BPE learned from the corpus whose template begins every text with `<bos>`, as Llama's and
+    Gemma's tokenizer.json do; `add_bos_token`: what a tokenizer_config.json beside it says (None: there is none)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    tokenizer = HFTokenizer.from_str(train_bpe([p.read_text() for p in sorted(corpus.iterdir())], 300).serialized)
+    tokenizer.add_special_tokens(["<bos>"])
+    bos = tokenizer.token_to_id("<bos>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if add_bos_token is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": add_bos_token,
+                                                                     "bos_token": "<bos>"}))
+    return directory, bos
+
+
+def test_a_tokenizer_begins_texts_with_its_bos_as_transformers_encodes_them(corpus, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    directory, bos = bos_tokenizer(tmp_path / "bos", corpus)
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
+    ours = load_tokenizer(str(directory))
+    expected = reference("the model trains")["input_ids"]
+    assert ours.bos == bos == expected[0]
+    assert [ours.bos, *ours.encode_batch(["the model trains"])[0].tolist()] == expected
+    assert load_tokenizer(str(bos_tokenizer(tmp_path / "off", corpus, add_bos_token=False)[0])).bos is None
+    assert byte_tokenizer().bos is None and train_bpe(["a b c"], 300).bos is None
+
+
+def test_prepared_and_text_documents_begin_with_the_bos_the_data_chooses(corpus, tmp_path):
+    directory, bos = bos_tokenizer(tmp_path / "bos", corpus)
+    for flag, begins in (([], True), (["--no-bos"], False)):
+        out = tmp_path / ("without" if flag else "with")
+        assert main(["data", "prepare", str(corpus), "--out", str(out), "--tokenizer", str(directory), *flag]) == 0
+        opened = open_shards(out)
+        firsts = {int(shard.tokens[start]) for shard in opened.train for start in shard.bounds[:-1]}
+        assert (firsts == {bos}) == begins and (bos in firsts) == begins
+        assert opened.manifest["tokenizer"].get("bos") == (bos if begins else None)
+        assert run_tokenizer(load_config(None, tokens_run(out)).data, tmp_path).bos == (bos if begins else None)
+    text = [*TINY_MODEL, "data.source=text", f"data.path={corpus}", "data.glob='*.txt'", f"data.tokenizer={directory}"]
+    for add_bos, begins in (("null", True), ("false", False)):
+        dataset = open_dataset(load_config(None, [*text, f"data.add_bos={add_bos}"]).data)
+        assert (int(dataset.train[0]["inputs"][0]) == bos) == begins
+        assert dataset.spec.tokenizer.get("bos") == (bos if begins else None)
+
+
+def test_a_text_run_started_before_add_bos_existed_resumes_without_one(corpus, tmp_path):
+    """Older versions tokenized text without a BOS: their saved config (no data.add_bos) reads as false, and the
+    same config file, whose add_bos is null, resumes that run as it was."""
+    from xlatrain.config import config_to_yaml
+    from xlatrain.run.directory import check_run_dir, open_run_dir
+
+    directory, _ = bos_tokenizer(tmp_path / "bos", corpus)
+    config = load_config(None, [*TINY_MODEL, "data.source=text", f"data.path={corpus}", "data.glob='*.txt'",
+                                f"data.tokenizer={directory}", f"trainer.run_dir={tmp_path / 'run'}"])
+    assert config.data.add_bos is None
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(config_to_yaml(config).replace("  add_bos: null\n", ""))
+    assert check_run_dir(config).data.add_bos is False
+    resumed = open_run_dir(config, echo=lambda _: None)
+    assert resumed.data.add_bos is False and run_tokenizer(resumed.data, tmp_path / "run").bos is None
+    with pytest.raises(UserError, match=r"holds a run with a different config \(data.add_bos differ\)"):
+        check_run_dir(config.model_copy(update={"data": config.data.model_copy(update={"add_bos": True})}))
+
 def test_the_byte_tokenizer_adds_an_end_of_text_past_the_bytes():
     tokenizer = byte_tokenizer()
     assert (tokenizer.vocab_size, tokenizer.end_of_text) == (257, 256)
@@ -93,6 +159,9 @@ def test_a_sentencepiece_model_loads_through_the_optional_package(tmp_path):
     tokenizer = load_tokenizer(str(tmp_path / "sp.model"))
     assert tokenizer.vocab_size == 60 and tokenizer.end_of_text == 2  # sentencepiece's </s>
     assert tokenizer.decode(tokenizer.encode_batch(["the model"])[0]) == "the model"
+    assert tokenizer.bos is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>"}))
+    assert load_tokenizer(str(tmp_path / "sp.model")).bos == 1  # sentencepiece's <s>, as its tokenizer_config says
 
 
 def test_the_vocabulary_defaults_to_the_tokenizers_rounded_up_and_a_smaller_one_is_refused(shards):
@@ -257,8 +326,8 @@ def test_a_torch_model_gets_segment_ids_when_its_forward_takes_them_and_is_refus
 
 # --- bad input: one line, exit 2, nothing overwritten ---
 
-@pytest.mark.parametrize("case", ["empty", "glob", "utf8", "json_field", "not_json", "tokenizer", "parquet_field",
-                                  "not_a_shard_dir", "other_inputs"])
+@pytest.mark.parametrize("case", ["empty", "glob", "utf8", "json_field", "not_json", "tokenizer", "tokenizer_config",
+                                  "parquet_field", "not_a_shard_dir", "other_inputs"])
 def test_bad_prepare_input_is_one_line_naming_the_file(case, tmp_path):
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -283,6 +352,12 @@ def test_bad_prepare_input_is_one_line_naming_the_file(case, tmp_path):
         (inputs / "a.txt").write_text("text")
         (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
         extra, expected = ["--tokenizer", str(tmp_path / "tokenizer.json")], "is not a Hugging Face tokenizer.json"
+    elif case == "tokenizer_config":
+        (inputs / "a.txt").write_text("text")
+        (tmp_path / "tok").mkdir()
+        (tmp_path / "tok" / "tokenizer.json").write_text(train_bpe(["a b c"], 300).serialized)
+        (tmp_path / "tok" / "tokenizer_config.json").write_text('{"add_bos_token": true, "bos_token": "<bos>"}')
+        extra, expected = ["--tokenizer", str(tmp_path / "tok")], "sets add_bos_token, but its bos_token '<bos>' is not"
     elif case == "parquet_field":
         pyarrow = pytest.importorskip("pyarrow")
         import pyarrow.parquet as parquet
@@ -305,7 +380,8 @@ def test_bad_prepare_input_is_one_line_naming_the_file(case, tmp_path):
     assert (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before
 
 
-@pytest.mark.parametrize("case", ["vocab_huge", "vocab_one", "glob_outside", "refused_midway"])
+@pytest.mark.parametrize("case", ["vocab_huge", "vocab_one", "glob_outside", "refused_midway", "bos_of_bytes",
+                                  "bos_of_a_trained_bpe"])
 def test_prepare_options_out_of_range_are_one_line_and_a_refusal_leaves_no_out(case, tmp_path, capsys):
     """--train-tokenizer 1099511627776 ended in SIGABRT (a 72 TB allocation), 1 made a 257-id BPE silently,
     --glob '../*' read files outside the input directory, and a refusal while reading left its new, empty --out
@@ -318,7 +394,10 @@ def test_prepare_options_out_of_range_are_one_line_and_a_refusal_leaves_no_out(c
                "vocab_one": (["--train-tokenizer", "1"], "--train-tokenizer 1 is outside 257..1,048,576"),
                "glob_outside": (["--glob", "../*"], "--glob '../*' must be a non-empty pattern relative to each INPUT "
                                                     "directory, without `..`"),
-               "refused_midway": (["--field", "id"], "field 'id' holds int, not text")}[case]
+               "refused_midway": (["--field", "id"], "field 'id' holds int, not text"),
+               "bos_of_bytes": (["--bos"], "data prepare --bos: the tokenizer bytes has no BOS token"),
+               "bos_of_a_trained_bpe": (["--bos", "--train-tokenizer", "300"], "the byte-level BPE trained here has "
+                                                                                 "no BOS token")}[case]
     assert main(["data", "prepare", str(inputs), "--out", str(out), *options[0]]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and options[1] in lines[0], lines

@@ -232,6 +232,9 @@ def _parser() -> argparse.ArgumentParser:
                          "evaluation, every k-th (default 0.01)")
     prepare.add_argument("--shard-tokens", type=_positive, default=1 << 28, metavar="N",
                          help="tokens per shard file, about (default 2**28)")
+    prepare.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                         help="begin every document with the tokenizer's BOS token, or not (default: as the "
+                         "tokenizer's add_bos_token says: Llama's and Gemma's do, bytes and trained BPEs do not)")
     prepare.set_defaults(command=_prepare, args=[])
     return parser
 
@@ -372,7 +375,7 @@ def _prepare(_config_path: str | None, _overrides: list[str], args: argparse.Nam
     from xlatrain.commands.prepare import Request, prepare
 
     prepare(Request(tuple(args.inputs), args.out, args.tokenizer, args.train_tokenizer, args.field, args.glob,
-                    args.holdout, args.shard_tokens))
+                    args.holdout, args.shard_tokens, args.bos))
     return 0
 
 

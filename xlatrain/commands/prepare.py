@@ -65,6 +65,8 @@ class Request:
     holdout: float = 0.01
     shard_tokens: int = 1 << 28
     """Tokens per shard file, about (a shard ends after the document that reaches it)."""
+    bos: bool | None = None
+    """Whether each document begins with the tokenizer's BOS token (None: where the tokenizer adds one)."""
 
     def fingerprint(self, files: list[Path], tokenizer: Tokenizer | None) -> str:
         """Inputs by name, size and modification time (not read), and every option that changes the shards.
@@ -72,6 +74,8 @@ class Request:
         described = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
         which = f"train:{self.train_vocab}" if tokenizer is None else tokenizer.fingerprint
         body = [described, which, self.field, self.holdout, self.shard_tokens]
+        if tokenizer is not None and tokenizer.bos is not None:  # before --bos existed, documents began with none
+            body.append(["bos", tokenizer.bos])
         return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:16]
 
 
@@ -83,14 +87,18 @@ class ShardWriter:
     split: str
     dtype: np.dtype
     shard_tokens: int
+    bos: int | None
+    """What each document begins with (None: its own ids)."""
     shards: list[dict[str, Any]] = field(default_factory=list)
     _pieces: list[np.ndarray] = field(default_factory=list)
     _bounds: list[int] = field(default_factory=lambda: [0])
 
     def add(self, ids: np.ndarray, end: np.ndarray) -> None:
-        """One document: its ids, then the end-of-text token `end` ([1])."""
-        self._pieces += (ids, end)
-        self._bounds.append(self._bounds[-1] + len(ids) + 1)
+        """One document: the BOS token where documents begin with one, its ids, then the end-of-text token `end`
+        ([1])."""
+        begin = () if self.bos is None else (np.asarray([self.bos], np.uint32),)
+        self._pieces += (*begin, ids, end)
+        self._bounds.append(self._bounds[-1] + len(begin) + len(ids) + 1)
         if self._bounds[-1] >= self.shard_tokens:
             self.close()
 
@@ -117,7 +125,8 @@ def prepare(request: Request) -> dict[str, Any]:
     check_options(request)
     every = holdout_stride(request.holdout)
     files = input_files(request.inputs, request.glob)
-    given = None if request.train_vocab else load_tokenizer(request.tokenizer, "--tokenizer")
+    given = None if request.train_vocab else load_tokenizer(request.tokenizer, "--tokenizer").beginning_documents(
+        request.bos, "data prepare --bos")
     asked = request.fingerprint(files, given)
     existing = _existing_manifest(request.out)
     if existing is not None and existing.get("request") == asked:
@@ -141,7 +150,8 @@ def _write_shards(request: Request, files: list[Path], given: Tokenizer | None, 
                   every: int) -> dict[str, Any]:
     tokenizer = given or _trained_tokenizer(request, files)
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {split: ShardWriter(request.out, split, dtype, request.shard_tokens) for split in SPLITS}
+    writers = {split: ShardWriter(request.out, split, dtype, request.shard_tokens, tokenizer.bos)
+               for split in SPLITS}
     end = np.asarray([tokenizer.end_of_text], np.uint32)
     total = sum(p.stat().st_size for p in files)
     index = 0
@@ -172,6 +182,9 @@ def _write_shards(request: Request, files: list[Path], given: Tokenizer | None, 
 
 def check_options(request: Request) -> None:
     """The options that need no file read, each refused in one line naming it."""
+    if request.bos and request.train_vocab is not None:
+        raise UserError("data prepare: --bos with --train-tokenizer: the byte-level BPE trained here has no BOS token; "
+                        "leave --bos out")
     low, high = BPE_VOCAB
     if request.train_vocab is not None and not low <= request.train_vocab <= high:
         raise UserError(f"data prepare: --train-tokenizer {request.train_vocab} is outside {low}..{high:,}: a "

@@ -45,13 +45,16 @@ def trained_decoder(source: str, step: int | None) -> TrainedDecoder:
 
 
 def prompt_ids(trained: TrainedDecoder, request: Request) -> tuple[np.ndarray, int]:
-    """The prompt's ids and how many tokens may follow them, checked against the model's context."""
+    """The prompt's ids (after the BOS token where the tokenizer, or the run's data, begins texts with one) and how
+    many tokens may follow them, checked against the model's context."""
     if trained.tokenizer is None:
         raise UserError(f"sample: {trained.source} has no tokenizer to encode --prompt with (a run on "
                         "data.source=arrays, or shards prepared without one)")
     ids = trained.tokenizer.encode_batch([utf8_text(request.prompt, "--prompt")])[0].astype(np.int32)
     if not len(ids):
         raise UserError("sample: --prompt is empty; give the text to continue")
+    if trained.tokenizer.bos is not None:
+        ids = np.concatenate([[trained.tokenizer.bos], ids]).astype(np.int32)
     if ids.max() >= trained.model.vocab:
         raise UserError(f"sample: the tokenizer gives --prompt the id {ids.max()}, past the model's vocabulary of "
                         f"{trained.model.vocab}: {trained.source}'s tokenizer is not its model's")

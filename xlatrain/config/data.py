@@ -80,6 +80,10 @@ class TextData(DataBase):
     """bytes (ids 0..255); a Hugging Face tokenizer.json, a sentencepiece .model (needs the sentencepiece
     package) or a directory holding one; or train: {vocab_size: N}. Files are tokenized at the start, joined
     by the tokenizer's end-of-text token."""
+    add_bos: bool | None = None
+    """Whether each file's ids begin with the tokenizer's BOS token. null: as the tokenizer does (its add_bos_token:
+    Llama's and Gemma's tokenizer.json add one; bytes and the BPEs trained here add none); true: refused for a
+    tokenizer without a BOS token; false: none. A run keeps what it started with."""
 
     _tokenizer_exists = field_validator("tokenizer")(check_tokenizer)
 
@@ -103,6 +107,9 @@ class TextData(DataBase):
             if self.tokenizer != "bytes":
                 raise ValueError("data.buckets cuts paragraphs of bytes; with data.tokenizer, prepare shards "
                                  "(xlatrain data prepare) and use data.source=tokens with data.packing=true")
+        if self.add_bos and (self.tokenizer == "bytes" or isinstance(self.tokenizer, TrainedTokenizer)):
+            raise ValueError("data.add_bos=true: bytes and the BPEs trained here have no BOS token; leave "
+                             "data.add_bos out, or give a tokenizer that has one")
         return self
 
 

@@ -72,7 +72,8 @@ def upgraded_saved_config(data: dict) -> dict:
     older run resumed with the defaults is not refused as a different config. Before model.vocab followed the
     tokenizer (and model.vocab_multiple existed), a GPT trained on bytes saved its default vocab, 256, which is
     what null gives bytes now. Before mesh.tensor existed, the default parallel.logical_rules named `data` alone;
-    those defaults are today's (the same layout while mesh.tensor is 1)."""
+    those defaults are today's (the same layout while mesh.tensor is 1). Before data.add_bos existed, text was
+    tokenized without a BOS token, which is what false says."""
     model = data.get("model")
     if isinstance(model, dict) and model.get("name") == "gpt" and "vocab_multiple" not in model \
             and model.get("vocab") == 256:
@@ -83,6 +84,9 @@ def upgraded_saved_config(data: dict) -> dict:
         rules = {name: list(DEFAULT_LOGICAL_RULES[name]) if axes == "data" and name in DEFAULT_LOGICAL_RULES
                  else axes for name, axes in parallel["logical_rules"].items()}
         data = {**data, "parallel": {**parallel, "logical_rules": rules}}
+    source = data.get("data")
+    if isinstance(source, dict) and source.get("source") == "text" and "add_bos" not in source:
+        data = {**data, "data": {**source, "add_bos": False}}
     return data
 
 

@@ -101,6 +101,10 @@ def read_manifest(directory: Path, named: str = "data.path") -> dict[str, Any]:
         raise UserError(f"{path} does not match its own fingerprint (edited or damaged); {prepare}")
     if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)) or vocab > np.iinfo(dtype).max + 1:
         raise UserError(f"{path}: a vocabulary of {vocab} ids does not fit the shards' dtype {dtype}; {prepare}")
+    bos = manifest["tokenizer"].get("bos", 0)
+    if not (isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < vocab):
+        raise UserError(f"{path}: its documents' BOS id {bos!r} lies outside its vocabulary of {vocab} ids (damaged "
+                        f"or edited); {prepare}")
     if not 0 <= end_of_text < vocab:
         raise UserError(f"{path}: its tokenizer's end-of-text id {end_of_text} lies outside its vocabulary of {vocab} "
                         f"ids (damaged or edited); {prepare}")

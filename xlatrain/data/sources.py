@@ -10,7 +10,7 @@ import gzip
 import importlib.util
 import sysconfig
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -166,7 +166,7 @@ def _text(config: TextData, run_dir: Path | None) -> Dataset:
         tokens, vocab, described = read_text_corpus(directory, config.glob, config.max_bytes), 256, None
     else:
         texts = [decoded(path, data) for path, data in read_text_files(directory, config.glob, config.max_bytes)]
-        tokenizer = _text_tokenizer(config, texts, run_dir)
+        tokenizer = _text_tokenizer(config, texts, run_dir).beginning_documents(config.add_bos, "data.add_bos=true")
         tokens, vocab, described = tokenize_documents(texts, tokenizer), tokenizer.vocab_size, tokenizer.describe()
     windows = (len(tokens) - 1) // config.seq_len
     held_out = max(1, int(windows * config.holdout))
@@ -200,10 +200,12 @@ def _text_tokenizer(config: TextData, texts: list[str], run_dir: Path | None) ->
 
 
 def tokenize_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
-    """The texts' ids, each text followed by end-of-text, as one stream of the smallest dtype that holds them."""
+    """The texts' ids, each text after the tokenizer's BOS (where it has one) and followed by end-of-text, as one
+    stream of the smallest dtype that holds them."""
+    begin = np.asarray([] if tokenizer.bos is None else [tokenizer.bos], np.uint32)
     end = np.asarray([tokenizer.end_of_text], np.uint32)
     ids = tokenizer.encode_batch(texts)
-    return np.concatenate([part for text_ids in ids for part in (text_ids.astype(np.uint32), end)]).astype(
+    return np.concatenate([part for text_ids in ids for part in (begin, text_ids.astype(np.uint32), end)]).astype(
         token_dtype(tokenizer.vocab_size))
 
 
@@ -355,14 +357,20 @@ def run_tokenizer(config: DataConfig, run_dir: Path) -> Tokenizer | None:
             if not path.is_file():
                 raise UserError(f"{run_dir}: the tokenizer this run trained ({path.name}) is gone; restore it from "
                                 "the run's first start")
-            return load_tokenizer(str(path), named=f"the trained tokenizer {path}")
-        return load_tokenizer(config.tokenizer)
+            tokenizer = load_tokenizer(str(path), named=f"the trained tokenizer {path}")
+        else:
+            tokenizer = load_tokenizer(config.tokenizer)
+        return tokenizer.beginning_documents(config.add_bos, "data.add_bos=true")
     if isinstance(config, TokensData):
-        if config.tokenizer is not None:
-            return load_tokenizer(config.tokenizer)
         made_with = read_manifest(Path(config.path))["tokenizer"]
-        if made_with["name"] == "bytes":
-            return byte_tokenizer()
         saved = Path(config.path) / TOKENIZER_FILE
-        return load_tokenizer(str(saved), named=f"data.path's {TOKENIZER_FILE}") if saved.is_file() else None
+        if config.tokenizer is not None:
+            tokenizer = load_tokenizer(config.tokenizer)
+        elif made_with["name"] == "bytes":
+            tokenizer = byte_tokenizer()
+        elif saved.is_file():
+            tokenizer = load_tokenizer(str(saved), named=f"data.path's {TOKENIZER_FILE}")
+        else:
+            return None
+        return replace(tokenizer, bos=made_with.get("bos"))
     return None

@@ -3,12 +3,16 @@ byte-level BPE trained here with Hugging Face `tokenizers`. Nothing is fetched f
 
 Documents are separated by the tokenizer's end-of-text token. A tokenizer that has none (bytes, or a file whose
 special tokens include none of END_OF_TEXT_NAMES) gets one from xlatrain: the id one past its own, so that its
-vocabulary grows by one.
+vocabulary grows by one. A tokenizer that begins every text with a BOS token when a model's special tokens are added
+(Hugging Face's `add_bos_token`: Llama's and Gemma's tokenizer.json templates, or a tokenizer_config.json beside the
+file that sets it) says so in `bos`; whether a run's documents and prompts begin with it is the data's choice
+(data.add_bos, `data prepare --bos`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,10 +44,21 @@ class Tokenizer:
     decode: Callable[[Sequence[int]], str]
     serialized: str | None = None
     """The Hugging Face tokenizer.json text, to save beside what it tokenized; None for bytes and sentencepiece."""
+    bos: int | None = None
+    """The id this tokenizer puts before a text when a model's special tokens are added (None: it adds none)."""
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "vocab_size": self.vocab_size, "end_of_text": self.end_of_text,
-                "fingerprint": self.fingerprint}
+        described = {"name": self.name, "vocab_size": self.vocab_size, "end_of_text": self.end_of_text,
+                     "fingerprint": self.fingerprint}
+        return described if self.bos is None else {**described, "bos": self.bos}
+
+    def beginning_documents(self, add_bos: bool | None, option: str) -> Tokenizer:
+        """This tokenizer as the data uses it: `bos` kept where documents begin with it (add_bos true, or None and
+        the tokenizer adds one), else None. `option`: what asked for it, for the refusal of true without a BOS."""
+        if add_bos and self.bos is None:
+            raise UserError(f"{option}: the tokenizer {self.name} has no BOS token to begin documents with; leave "
+                            "it out")
+        return self if add_bos is not False else replace(self, bos=None)
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -111,7 +126,8 @@ def _hugging_face(path: Path, named: str) -> Tokenizer:
                         "give the tokenizer.json a model ships with, or `bytes`") from None
     if loaded.to_str() == bytes_as_hugging_face():  # what `export --hf` writes for bytes: the same ids, the same name
         return replace(byte_tokenizer(), name=str(path), serialized=loaded.to_str())
-    return hugging_face_tokenizer(loaded, str(path))
+    tokenizer = hugging_face_tokenizer(loaded, str(path))
+    return replace(tokenizer, bos=_configured_bos(path, named, loaded.token_to_id, tokenizer.bos))
 
 
 def hugging_face_tokenizer(tokenizer: Any, name: str, at_least: int = 0) -> Tokenizer:
@@ -128,7 +144,39 @@ def hugging_face_tokenizer(tokenizer: Any, name: str, at_least: int = 0) -> Toke
         return tokenizer.decode([int(i) for i in ids if i < size], skip_special_tokens=False)
 
     return Tokenizer(name, max(size, end_of_text + 1, at_least), end_of_text,
-                     _digest(serialized.encode(), str(end_of_text).encode()), encode_batch, decode, serialized)
+                     _digest(serialized.encode(), str(end_of_text).encode()), encode_batch, decode, serialized,
+                     _template_bos(tokenizer))
+
+
+def _template_bos(tokenizer: Any) -> int | None:
+    """The one id the tokenizer's post-processor puts before a text's own ids, if it puts exactly one there."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    special = tokenizer.encode("a", add_special_tokens=True).ids
+    begin = next((k for k in range(len(special) - len(plain) + 1) if special[k:k + len(plain)] == plain), 0)
+    return special[0] if begin == 1 else None
+
+
+def _configured_bos(path: Path, named: str, token_to_id: Callable[[str], int | None],
+                    otherwise: int | None) -> int | None:
+    """What a tokenizer_config.json beside the tokenizer file says of its BOS: the id when it sets add_bos_token
+    true, None when false, `otherwise` when it does not say."""
+    config_path = path.parent / "tokenizer_config.json"
+    try:
+        settings = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    except (OSError, ValueError) as err:
+        raise UserError(f"{named}: {config_path} is not readable JSON ({first_line(err)[:120]}); repair it or remove "
+                        "it") from None
+    if not isinstance(settings, dict) or not isinstance(settings.get("add_bos_token"), bool):
+        return otherwise
+    if not settings["add_bos_token"]:
+        return None
+    token = settings.get("bos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    found = token_to_id(token) if isinstance(token, str) else None
+    if found is None:
+        raise UserError(f"{named}: {config_path} sets add_bos_token, but its bos_token {token!r} is not one of the "
+                        "tokenizer's tokens; name the tokenizer's BOS token there, or set add_bos_token false")
+    return found
 
 
 def _sentencepiece(path: Path, named: str) -> Tokenizer:
@@ -151,8 +199,10 @@ def _sentencepiece(path: Path, named: str) -> Tokenizer:
     def decode(ids: Sequence[int]) -> str:
         return processor.Decode([int(i) for i in ids if i < size])
 
+    bos = _configured_bos(path, named, lambda token: processor.PieceToId(token)
+                          if processor.PieceToId(token) != processor.unk_id() else None, None)
     return Tokenizer(str(path), max(size, end_of_text + 1), end_of_text, _digest(path.read_bytes()), encode_batch,
-                     decode)
+                     decode, bos=bos)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

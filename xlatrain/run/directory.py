@@ -124,7 +124,7 @@ def check_run_dir(config: Config) -> Config | None:
         raise UserError(f"trainer.run_dir={str(run_dir)!r} exists and is not an xlatrain run directory "
                         f"(no {CONFIG_FILE}); choose another trainer.run_dir so nothing there is overwritten")
     saved = _read_saved(saved_path)
-    _check_same_run(config, saved, saved_path)
+    _check_same_run(kept_choices(config, saved), saved, saved_path)
     return saved
 
 
@@ -136,6 +136,7 @@ def open_run_dir(config: Config, echo: Callable[[str], None]) -> Config:
     barrier("xlatrain-run-dir-checked")
     if saved is None:
         return _with_horizon(config, config.optimizer.decay_steps or config.trainer.steps)
+    config = kept_choices(config, saved)
     kept = saved.optimizer.decay_steps or saved.trainer.steps
     wanted = config.optimizer.decay_steps
     if wanted is None or wanted == kept:
@@ -195,6 +196,15 @@ def run_dir_gone(run_dir: Path, identity: tuple[int, int]) -> str:
         return "" if (run_dir / CONFIG_FILE).is_file() else f"lost its {CONFIG_FILE}"
     except FileNotFoundError:
         return "was removed"
+
+
+def kept_choices(config: Config, saved: Config) -> Config:
+    """`config` with what it leaves to a run's first start taken from the run's saved config: data.add_bos (null
+    follows the tokenizer; a run started before the key existed saved false)."""
+    data, then = config.data, saved.data
+    if getattr(data, "add_bos", True) is None and getattr(then, "add_bos", None) is not None:
+        return config.model_copy(update={"data": data.model_copy(update={"add_bos": then.add_bos})})
+    return config
 
 
 def _with_horizon(config: Config, steps: int) -> Config:
