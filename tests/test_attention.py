@@ -78,6 +78,30 @@ def test_a_gpu_run_without_cudnn_says_once_that_attention_falls_back_and_what_to
     assert attention_module.fused_attention_missing("gpu", jnp.bfloat16) is None
 
 
+def test_the_attention_traced_for_a_gpu_says_which_kernel_each_kind_of_layer_takes_and_why(monkeypatch):
+    """What `xlatrain lower --target` reports: cuDNN's fused kernel, or XLA's and why (no cuDNN, a soft cap, float32);
+    on a CPU, XLA's in query blocks."""
+    from xlatrain.runtime.platform import compiling_for
+
+    AttentionPath = attention_module.AttentionPath
+    q32 = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    q16 = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.bfloat16)
+    monkeypatch.setattr(attention_module, "cudnn_missing", lambda: "cuDNN not found")
+
+    def traced(platform, q, **options):
+        with compiling_for(platform), attention_module.attention_paths() as paths:
+            jax.make_jaxpr(lambda *qkv: causal_attention(*qkv, **options))(q, q, q)
+        return paths
+
+    assert traced("gpu", q16, window=16) == [AttentionPath(16, None, "XLA's", "cuDNN not found: pip install "
+                                                           "nvidia-cudnn-cu13 beside jax's CUDA plugin")]
+    [capped] = traced("gpu", q16, softcap=50.0)
+    assert (capped.window, capped.softcap, capped.kernel) == (None, 50.0, "XLA's")
+    assert "has no soft-capping" in capped.why
+    assert traced("gpu", q32)[0].why == "cuDNN's fused kernel takes bfloat16 and float16, not float32"
+    assert traced("cpu", q32, window=16) == [AttentionPath(16, None, "XLA's, in 2 query blocks")]
+
+
 def windowed_reference(q, k, v, window, segment_ids=None):
     """Softmax attention with transformers 5's sliding-window mask written out: key j is visible to query i when
     i - window < j <= i (and, with packed documents, j is in i's document)."""

@@ -164,6 +164,21 @@ def test_the_gpt_compiles_for_an_h100_and_its_memory_is_xlas(tmp_path):
 
 
 @needs_cuda_plugin
+def test_lower_names_the_kernel_of_sliding_window_and_soft_capped_layers():
+    """Sliding windows run in cuDNN's fused kernel (local_window_size) where it is installed; soft-capped scores,
+    which it cannot cap, in XLA's ops, and the report says so."""
+    gemma = ["model.name=llama", "model.kv_heads=1", "precision.policy=bf16", "model.sliding_window=8",
+             "model.layer_types=[sliding,full]"]
+    windowed = lower_for_gpus(*gemma)["attention"]
+    fused = "cuDNN's fused kernel" if cudnn_missing() is None else "XLA's"
+    assert {(p["window"], p["softcap"], p["kernel"]) for p in windowed} == {(8, None, fused), (None, None, fused)}
+    result = run_cli("lower", *TINY_GPT, *gemma, "model.attn_softcap=50", "--target", "h100", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("  attention        sliding-window layers (8), scores soft-capped at 50: XLA's (cuDNN's fused kernel has "
+            "no soft-capping: the scores are capped in XLA's ops)") in result.stdout.splitlines()
+
+
+@needs_cuda_plugin
 def test_on_a_gpu_unrolled_layers_launch_fewer_kernels_than_the_scan_and_move_fewer_bytes():
     """model.scan_layers=auto unrolls on GPUs: the scan copies each layer's saved activations out of their stack."""
     unrolled, scanned = (lower_for_gpus("model.layers=4", "precision.policy=bf16", *scan)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -20,6 +21,7 @@ from xlatrain.lowering import hlo_graph
 from xlatrain.lowering.inspect import axes_spanned, collectives, dump, peak_memory_bytes
 from xlatrain.lowering.kernels import kernel_split
 from xlatrain.mesh import TENSOR
+from xlatrain.models.attention import attention_paths
 from xlatrain.program import Program, build_program
 from xlatrain.runtime.gpu_targets import GpuTarget, resolve_target, target_devices
 
@@ -27,10 +29,11 @@ from xlatrain.runtime.gpu_targets import GpuTarget, resolve_target, target_devic
 def lower(config: Config, target: GpuTarget | None = None, devices: list | None = None, dump_to: Path | None = None,
           as_json: bool = False) -> None:
     """Prints the report (one JSON object with `as_json`); `devices`: the compile-only GPUs of `target`."""
-    with _refused_by_target(target):
+    with _refused_by_target(target), attention_paths() as paths:
         program = build_program(config, devices)
         step = program.train_step.first
         report = lower_report(program, step.compiled)
+    report["attention"] = [asdict(path) for path in paths]
     if target is not None:
         report["target"] = {"asked": target.label, "device_kind": target.device_kind, "devices": len(devices),
                             "memory_bytes": target.memory_bytes, "cudnn_missing": cudnn_missing()}
@@ -175,7 +178,8 @@ def format_report(report: dict, devices: int) -> str:
               f"peak memory        {report['peak_memory_bytes'] / 2**20:.2f} MiB per device ({devices} devices)"
               + _fits(report["peak_memory_bytes"], report["device_memory"]),
               _memory_line(report["memory"]),
-              _kernels_line(report["kernels"], target),
+              _kernels_line(report["kernels"]),
+              *_attention_lines(report["attention"] if target else []),
               "collectives        " + ("none" if not report["collectives"] else
                                        "(in the optimised HLO: a loop's body, e.g. a layer scan's, counted once)")]
     lines += [f"  {c['kind'] + (' over ' + c['over'] if c.get('over') else ''):<34} x{c['count']:<4} "
@@ -186,14 +190,21 @@ def format_report(report: dict, devices: int) -> str:
     return "\n".join(lines)
 
 
-def _kernels_line(kernels: dict, target: dict | None) -> str:
+def _kernels_line(kernels: dict) -> str:
     split = ", ".join(f"{kind} {c['kernels']} ({c['bytes'] / 1e9:.3g} GB)" for kind, c in kernels["by_class"].items())
-    line = (f"kernels            {kernels['kernels']} per step (a loop's body once per trip), moving "
+    return (f"kernels            {kernels['kernels']} per step (a loop's body once per trip), moving "
             f"{kernels['bytes'] / 1e9:.4g} GB, matmuls {kernels['matmul_flops']:.4g} FLOPs: {split}")
-    if target and target["cudnn_missing"] and "attention" not in kernels["by_class"]:
-        line += (f"\n  attention        XLA's, not cuDNN's fused kernel, which a GPU run with cuDNN uses "
-                 f"({target['cudnn_missing']}: pip install nvidia-cudnn-cu13 beside the CUDA plugin)")
-    return line
+
+
+def _attention_lines(paths: list[dict]) -> list[str]:
+    """On a GPU target: which kernel each kind of layer's attention runs, and why where it is not cuDNN's."""
+    lines = []
+    for path in paths:
+        layers = "full-attention layers" if path["window"] is None else f"sliding-window layers ({path['window']})"
+        capped = "" if path["softcap"] is None else f", scores soft-capped at {path['softcap']:g}"
+        lines.append(f"  attention        {layers}{capped}: {path['kernel']}" + (f" ({path['why']})" if path["why"]
+                                                                                 else ""))
+    return lines
 
 
 def _memory_line(memory: dict) -> str:

@@ -3,6 +3,7 @@ and the jaxlib release."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -76,6 +77,7 @@ def jaxlib_version() -> str:
     return jaxlib.__version__
 
 
+@functools.cache
 def cudnn_missing() -> str | None:
     """Why jax cannot use cuDNN here (its fused attention falls back to XLA's), or None where it can."""
     try:

@@ -29,10 +29,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator
+
 import jax
 import jax.numpy as jnp
 
 from xlatrain.compat.backends import cudnn_missing
+from xlatrain.errors import first_line
 from xlatrain.runtime.platform import lowering_platform
 
 QUERY_BLOCKS_AT_MOST = 4
@@ -51,6 +57,40 @@ def fused_attention_missing(platform: str, compute: jnp.dtype) -> str | None:
         return None
     return (f"attention falls back to XLA's, not cuDNN's fused kernel ({missing}): about 5x slower in the forward "
             "and backward (bench.gpu); pip install nvidia-cudnn-cu13 beside jax's CUDA plugin")
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    """Which kernel an attention of some layers was traced into, for `xlatrain lower`'s report."""
+
+    window: int | None
+    """The layers' sliding window (None: full attention)."""
+    softcap: float | None
+    kernel: str
+    """`cuDNN's fused kernel`, `XLA's` or `XLA's, in N query blocks` (CPU)."""
+    why: str = ""
+    """Why not cuDNN's, on a GPU ("" otherwise)."""
+
+
+_traced_paths: contextvars.ContextVar[list[AttentionPath] | None] = contextvars.ContextVar("attention_paths",
+                                                                                            default=None)
+
+
+@contextlib.contextmanager
+def attention_paths() -> Iterator[list[AttentionPath]]:
+    """The paths the attentions traced inside the block take, each once, in the order first traced."""
+    paths: list[AttentionPath] = []
+    token = _traced_paths.set(paths)
+    try:
+        yield paths
+    finally:
+        _traced_paths.reset(token)
+
+
+def _took(window: int | None, softcap: float | None, kernel: str, why: str = "") -> None:
+    paths, path = _traced_paths.get(), AttentionPath(window, softcap, kernel, why)
+    if paths is not None and path not in paths:
+        paths.append(path)
 
 
 WINDOWED_QUERY_BLOCKS_AT_MOST = 16
@@ -83,22 +123,38 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
     window = None if window is None or window >= k.shape[1] else window
     same_BxQxK = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
     band = None if window is None else (window - 1, 0)
-    if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and softcap is None:  # cuDNN's has no soft cap
-        try:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, implementation="cudnn",
-                                                mask=None if same_BxQxK is None else same_BxQxK[:, None],
-                                                local_window_size=band)
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass  # a shape, GPU or cuDNN version that cuDNN's kernel does not take: XLA's below
+    why = ""
+    if backend == "gpu":
+        why = _why_not_cudnn(q.dtype, softcap)
+        if not why:
+            try:
+                attended = jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                                        implementation="cudnn", local_window_size=band,
+                                                        mask=None if same_BxQxK is None else same_BxQxK[:, None])
+                _took(window, softcap, "cuDNN's fused kernel")
+                return attended
+            except (NotImplementedError, RuntimeError, ValueError) as err:  # a shape, GPU or cuDNN it does not take
+                why = f"cuDNN's kernel refused it: {first_line(err)[:160]}"
     if backend == "cpu" and q.dtype == jnp.float16:
         return attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale,
                          segment_ids=segment_ids, window=window, softcap=softcap).astype(q.dtype)
     causal_cpu = backend == "cpu" and is_causal and q.shape[1] == k.shape[1]
     blocks = query_blocks(q.shape[1], window) if causal_cpu else 1
+    _took(window, softcap, "XLA's" if blocks == 1 else f"XLA's, in {blocks} query blocks", why)
     if blocks > 1:
         return causal_attention_in_query_blocks(q, k, v, blocks, scale, same_BxQxK, window, softcap)
     return dot_attention(q, k, v, is_causal=is_causal, scale=scale,
                          mask=None if same_BxQxK is None else same_BxQxK[:, None], band=band, softcap=softcap)
+
+
+def _why_not_cudnn(dtype: jnp.dtype, softcap: float | None) -> str:
+    """Why a GPU's attention of these inputs cannot be cuDNN's fused kernel ("" where it may be)."""
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN's fused kernel takes bfloat16 and float16, not {jnp.dtype(dtype).name}"
+    if softcap is not None:
+        return "cuDNN's fused kernel has no soft-capping: the scores are capped in XLA's ops"
+    missing = cudnn_missing()
+    return "" if missing is None else f"{missing}: pip install nvidia-cudnn-cu13 beside jax's CUDA plugin"
 
 
 def dot_attention(q_BxQxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *, mask: jax.Array | None = None,
