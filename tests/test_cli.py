@@ -74,7 +74,7 @@ def test_lower_json_is_one_object():
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)) == {"params", "flops", "bytes_accessed", "kernels", "peak_memory_bytes",
                                              "memory", "device_memory", "collectives", "model_flops", "amp_order",
-                                             "loss_scaled", "gradients_synchronised"}
+                                             "loss_scaled", "gradients_synchronised", "attention"}
 
 
 def test_overrides_may_stand_between_a_commands_options():

@@ -23,7 +23,7 @@ def test_data_parallel_step_all_reduces_gradients(capsys, devices):
     report = lower_json(capsys, *DIGITS_MLP)
     assert set(report) == {"params", "flops", "bytes_accessed", "kernels", "peak_memory_bytes", "memory",
                            "device_memory", "collectives", "model_flops", "amp_order", "loss_scaled",
-                           "gradients_synchronised"}
+                           "gradients_synchronised", "attention"}
     assert report["device_memory"]["bytes"] > report["peak_memory_bytes"]
     assert report["device_memory"]["of"].startswith("a CPU device's share of the host's")
     assert report["amp_order"] == []
