@@ -2,6 +2,7 @@
 attention, and how many blocks a length gets."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -114,21 +115,61 @@ def windowed_reference(q, k, v, window, segment_ids=None):
                                         else jnp.asarray(visible)[None, None])
 
 
-@pytest.mark.parametrize("length, window, packed", [(16, 4, False), (16, 4, True), (128, 32, True), (256, 32, False)])
+@pytest.mark.parametrize("length, window, packed", [(16, 4, False), (16, 4, True), (128, 32, True), (256, 32, False),
+                                                    (2048, 300, True)])
 def test_a_sliding_window_with_packed_documents_equals_the_exact_mask(length, window, packed):
+    """2048 tokens run blockwise (xlatrain/models/blockwise.py), the shorter ones in query blocks or whole."""
     q, k, v = qkv(length)
     segment_ids = None
     if packed:
         cuts = np.sort(np.random.default_rng(length).choice(np.arange(1, length), 3, replace=False))
         segment_ids = jnp.asarray(np.stack([np.searchsorted(cuts, np.arange(length), side="right") + 1] * 2))
     ours = causal_attention(q, k, v, segment_ids, window)
-    np.testing.assert_allclose(ours, windowed_reference(q, k, v, window, segment_ids), rtol=1e-5, atol=1e-6)
     grads = jax.grad(lambda *a: jnp.sum(causal_attention(*a, segment_ids, window) ** 2), argnums=(0, 1, 2))(q, k, v)
     expected = jax.grad(lambda *a: jnp.sum(windowed_reference(*a, window, segment_ids) ** 2), argnums=(0, 1, 2))(
         q, k, v)
-    for got, want in zip(grads, expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip((ours, *grads), (windowed_reference(q, k, v, window, segment_ids), *expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
     assert np.array_equal(causal_attention(q, k, v, segment_ids, length), causal_attention(q, k, v, segment_ids))
+
+
+def test_blockwise_attention_equals_the_dense_one_with_grouped_heads_soft_caps_and_documents():
+    """Values and gradients of the online softmax over block pairs against the scores written out whole."""
+    from xlatrain.models.attention import dot_attention
+    from xlatrain.models.blockwise import Visibility, blockwise_attention
+
+    q = jax.random.normal(jax.random.PRNGKey(0), (2, 256, 4, 8))
+    k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 256, 2, 8)) for i in (1, 2))
+    segments = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 5, (2, 256)), axis=1), jnp.int32)
+    same = (segments[:, :, None] == segments[:, None, :])[:, None]
+    weights = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    for causal, window, softcap in ((True, None, None), (True, 40, 2.0), (False, None, 2.0)):
+        ours = jax.value_and_grad(lambda *a: jnp.sum(blockwise_attention(
+            *a, 64, Visibility(causal, window, 0.3, softcap), segments) * weights), argnums=(0, 1, 2))(q, k, v)
+        band = None if window is None else (window - 1, 0)
+        dense = jax.value_and_grad(lambda *a: jnp.sum(dot_attention(
+            *a, mask=same, scale=0.3, is_causal=causal, band=band, softcap=softcap) * weights), argnums=(0, 1, 2))(
+            q, k, v)
+        for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(dense), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+
+
+def test_a_long_attention_holds_no_length_by_length_array_forward_or_backward():
+    """At 8192 packed tokens, no value in the jaxpr of the loss and its gradients (scan bodies included) is as
+    large as an eighth of a [length, length] mask: a pair of blocks' scores is the largest."""
+    length = 8192
+    q = jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32)
+    segments = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q, k, v, s: jnp.sum(causal_attention(q, k, v, s, window=None)),
+                                    argnums=(0, 1, 2)))(q, q, q, segments)
+
+    def sizes(jaxpr):
+        for equation in jaxpr.eqns:
+            yield from (int(np.prod(var.aval.shape)) for var in equation.outvars)
+            for inner in jax.extend.core.jaxprs_in_params(equation.params):
+                yield from sizes(inner)
+
+    assert max(sizes(jaxpr.jaxpr)) < length * length // 8
 
 
 def test_a_windowed_layer_computes_at_most_six_tenths_of_a_full_causal_layers_products():

@@ -553,7 +553,7 @@ def test_attention_with_segments_in_query_blocks_equals_the_dense_mask():
     segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], 16, axis=1), jnp.int32)
     same = segments[:, :, None] == segments[:, None, :]
     dense = jax.nn.dot_product_attention(q, k, v, is_causal=True, mask=same[:, None])
-    np.testing.assert_allclose(causal_attention_in_query_blocks(q, k, v, 2, None, same), dense, atol=1e-6)
+    np.testing.assert_allclose(causal_attention_in_query_blocks(q, k, v, 2, None, segments), dense, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -14,10 +14,15 @@
   the AMD host; dense 0.98-1.01x four blocks on the Intel host).
 - CPU, float16: float32 and back, since XLA:CPU has no float16 x float16 -> float32 dot (the precision jax asks
   for with f16 inputs).
-- Packed documents (segment ids): a position attends only the earlier positions of its own document. The mask is
-  [batch, length, length] booleans, given to cuDNN's fused attention as a mask (jax turns it into the bias that
-  kernel takes: the fused path stays, at the cost of reading that bias) and to XLA's; on CPU the query blocks
-  cut it as they cut the causal one.
+- Packed documents (segment ids): a position attends only the earlier positions of its own document. Each block's
+  mask is built from its slice of the segment ids: on CPU each query block's; up to BLOCKWISE_AFTER tokens the
+  whole [batch, length, length] one, given to cuDNN's fused attention (jax turns it into the bias that kernel
+  takes: the fused path stays, at the cost of reading that bias) and to XLA's.
+- Longer self-attention (past BLOCKWISE_AFTER tokens, a length that 128 divides) on XLA's path runs blockwise
+  (xlatrain/models/blockwise.py: pairs of query and key blocks with an online softmax, FlashAttention's forward and
+  backward written in XLA's ops), so that no [length, length] array of scores or mask exists; on GPUs cuDNN's
+  fused kernel (which holds no such array either) where it takes the inputs, and blockwise for packed documents,
+  whose mask it would take whole.
 - Sliding windows (a query at i attends the keys j with i - W < j <= i, as transformers 5 defines them): cuDNN's
   fused attention takes the window (`local_window_size`); on CPU the query blocks are at least a window long and
   each reads only the keys its window reaches, so the products wholly outside every window are never computed;
@@ -39,6 +44,7 @@ import jax.numpy as jnp
 
 from xlatrain.compat.backends import cudnn_missing
 from xlatrain.errors import first_line
+from xlatrain.models.blockwise import Visibility, blockwise_attention
 from xlatrain.runtime.platform import lowering_platform
 
 QUERY_BLOCKS_AT_MOST = 4
@@ -93,6 +99,11 @@ def _took(window: int | None, softcap: float | None, kernel: str, why: str = "")
         paths.append(path)
 
 
+BLOCKWISE_AFTER = 1024
+"""Self-attention over more tokens runs blockwise (xlatrain/models/blockwise.py): no array of [length, length]
+scores or mask; up to it, one block of scores of at most 1024 x 1024 per head is the largest."""
+BLOCKWISE_BLOCKS = (512, 256, 128)
+"""Queries and keys per block of the blockwise attention, the first that divides the length."""
 WINDOWED_QUERY_BLOCKS_AT_MOST = 16
 """Sliding windows: blocks of at least a window's length, each reading under two windows of keys, up to this many."""
 
@@ -121,16 +132,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
               ) -> jax.Array:
     backend = lowering_platform()
     window = None if window is None or window >= k.shape[1] else window
-    same_BxQxK = None if segment_ids is None else segment_ids[:, :, None] == segment_ids[:, None, :]
     band = None if window is None else (window - 1, 0)
+    block = blockwise_block(q.shape[1], k.shape[1])
     why = ""
     if backend == "gpu":
-        why = _why_not_cudnn(q.dtype, softcap)
+        why = _why_not_cudnn(q.dtype, softcap, packed_long=segment_ids is not None and block is not None)
         if not why:
             try:
                 attended = jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                                         implementation="cudnn", local_window_size=band,
-                                                        mask=None if same_BxQxK is None else same_BxQxK[:, None])
+                                                        mask=None if segment_ids is None else
+                                                        _same_segment(segment_ids, segment_ids)[:, None])
                 _took(window, softcap, "cuDNN's fused kernel")
                 return attended
             except (NotImplementedError, RuntimeError, ValueError) as err:  # a shape, GPU or cuDNN it does not take
@@ -138,21 +150,46 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
     if backend == "cpu" and q.dtype == jnp.float16:
         return attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale,
                          segment_ids=segment_ids, window=window, softcap=softcap).astype(q.dtype)
+    if block is not None:
+        _took(window, softcap, f"XLA's, in blocks of {block} queries and keys", why)
+        return blockwise_attention(q, k, v, block, Visibility(is_causal, window, _scale(q, scale), softcap),
+                                   segment_ids)
     causal_cpu = backend == "cpu" and is_causal and q.shape[1] == k.shape[1]
     blocks = query_blocks(q.shape[1], window) if causal_cpu else 1
     _took(window, softcap, "XLA's" if blocks == 1 else f"XLA's, in {blocks} query blocks", why)
     if blocks > 1:
-        return causal_attention_in_query_blocks(q, k, v, blocks, scale, same_BxQxK, window, softcap)
-    return dot_attention(q, k, v, is_causal=is_causal, scale=scale,
-                         mask=None if same_BxQxK is None else same_BxQxK[:, None], band=band, softcap=softcap)
+        return causal_attention_in_query_blocks(q, k, v, blocks, scale, segment_ids, window, softcap)
+    return dot_attention(q, k, v, is_causal=is_causal, scale=scale, band=band, softcap=softcap,
+                         mask=None if segment_ids is None else _same_segment(segment_ids, segment_ids)[:, None])
 
 
-def _why_not_cudnn(dtype: jnp.dtype, softcap: float | None) -> str:
+def blockwise_block(queries: int, keys: int) -> int | None:
+    """The block of the blockwise attention (xlatrain/models/blockwise.py) for a self-attention longer than
+    BLOCKWISE_AFTER: the largest of BLOCKWISE_BLOCKS that divides the length; None: the attentions below, whose
+    largest array is one [length, length] block of scores."""
+    if queries != keys or queries <= BLOCKWISE_AFTER:
+        return None
+    return next((block for block in BLOCKWISE_BLOCKS if queries % block == 0), None)
+
+
+def _scale(q: jax.Array, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _same_segment(query_segments_BxQ: jax.Array, key_segments_BxK: jax.Array) -> jax.Array:
+    """[B, Q, K]: whether each query and key lie in the same packed document."""
+    return query_segments_BxQ[:, :, None] == key_segments_BxK[:, None, :]
+
+
+def _why_not_cudnn(dtype: jnp.dtype, softcap: float | None, packed_long: bool) -> str:
     """Why a GPU's attention of these inputs cannot be cuDNN's fused kernel ("" where it may be)."""
     if dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN's fused kernel takes bfloat16 and float16, not {jnp.dtype(dtype).name}"
     if softcap is not None:
         return "cuDNN's fused kernel has no soft-capping: the scores are capped in XLA's ops"
+    if packed_long:
+        return (f"packed documents longer than {BLOCKWISE_AFTER} tokens: cuDNN's kernel would take their mask as "
+                "one [length, length] array")
     missing = cudnn_missing()
     return "" if missing is None else f"{missing}: pip install nvidia-cudnn-cu13 beside jax's CUDA plugin"
 
@@ -206,19 +243,19 @@ def sees(query_Qx1: jax.Array, key_1xK: jax.Array, window: int | None) -> jax.Ar
 
 
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,
-                                     scale: float | None = None, same_BxQxK: jax.Array | None = None,
+                                     scale: float | None = None, segment_ids: jax.Array | None = None,
                                      window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Causal attention as `blocks` attentions of consecutive queries, each over the keys from its first query's
     window (the first key without one) up to its last query (the same result; each query's softmax runs over
-    the same keys). `same_BxQxK`: which keys are in each query's document, when rows pack several."""
+    the same keys). `segment_ids` [B, L]: packed documents, each block's mask built from its slice of them."""
     rows = q.shape[1] // blocks
     outputs = []
     for block in range(blocks):
         start, end = block * rows, (block + 1) * rows
         first = 0 if window is None else max(0, start - window + 1)
         sees_key = sees(jnp.arange(start, end)[:, None], jnp.arange(first, end)[None, :], window)[None, None]
-        if same_BxQxK is not None:
-            sees_key = sees_key & same_BxQxK[:, None, start:end, first:end]
+        if segment_ids is not None:
+            sees_key = sees_key & _same_segment(segment_ids[:, start:end], segment_ids[:, first:end])[:, None]
         outputs.append(dot_attention(q[:, start:end], k[:, first:end], v[:, first:end], mask=sees_key, scale=scale,
                                      softcap=softcap))
     return jnp.concatenate(outputs, axis=1)
