@@ -1,0 +1,153 @@
+"""Context parallelism's attention: a sequence split over the `context` mesh axis, each device holding the
+queries, keys and values of its part, attending over every part.
+
+Balance: the row is cut into 2C chunks and device d holds chunks d and 2C-1-d (`balanced_order`), an early and a
+late one, so that under causal attention every device has the same work: 2C+1 pairs of (query chunk, key chunk)
+with a visible key, two of them on the diagonal. Positions and segment ids travel with the tokens, and each
+pair's mask is built from them (xlatrain/models/blockwise.py), so packed documents, sliding windows and soft caps
+hold across the split; a chunk pair is run in blocks of at most BLOCK_AT_MOST queries and keys.
+
+- `all_gather`: every device gathers all keys and values (only the key/value heads travel) and runs its queries
+  over the chunk pairs it sees. Simple, one collective per layer, but each device holds the whole K/V.
+- `ring`: the keys and values go round the devices in C - 1 steps (a collective permute each, issued before the
+  step's computation so that the transfer overlaps it), each device folding the chunks it receives into an online
+  softmax; the backward sends them round again, with their gradients travelling beside them and arriving home
+  after the last step. No device holds more than two chunks of K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlatrain.models.blockwise import (
+    Tokens,
+    Visibility,
+    attention_over_pairs,
+    backward_pairs,
+    finished,
+    forward_pairs,
+    no_gradient,
+    output_gradient_terms,
+    start,
+    visible_pairs,
+)
+
+ContextAttention = Literal["all_gather", "ring"]
+BLOCK_AT_MOST = 512
+"""Queries and keys per block of a chunk pair: the largest of 512, 256, 128 that divides the chunk, else the
+chunk."""
+
+
+def balanced_order(length: int, size: int) -> np.ndarray:
+    """The row order under context parallelism of `size`: device d's part (the d-th of `size` equal parts) holds
+    chunks d and 2 size - 1 - d of the 2 size chunks of the row. The identity for size 1."""
+    chunk = length // (2 * size)
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for d in range(size)
+                           for c in (d, 2 * size - 1 - d)]) if size > 1 else np.arange(length)
+
+
+def block_of(chunk: int) -> int:
+    return next((b for b in (BLOCK_AT_MOST, 256, 128) if b <= chunk and chunk % b == 0), chunk)
+
+
+def _expanded(chunk_pairs: list[tuple[int, int, bool]], blocks: int, block: int, visibility: Visibility,
+              ) -> list[tuple[int, int]]:
+    """(query chunk, key chunk, on the diagonal) -> (query block, key block) pairs; a diagonal chunk pair keeps
+    the blocks its causal order and window reach."""
+    diagonal = visible_pairs(blocks, blocks, block, 0, visibility).tolist()
+    full = [(m, n) for m in range(blocks) for n in range(blocks)]
+    return [(a * blocks + m, b * blocks + n) for a, b, on_diagonal in chunk_pairs
+            for m, n in (diagonal if on_diagonal else full)]
+
+
+def gathered_pairs(size: int, blocks: int, block: int, visibility: Visibility) -> np.ndarray:
+    """[size, pairs, 2]: per device, (query block of its two chunks, key block of the gathered keys, which hold
+    device d's chunks d and 2 size - 1 - d at chunk places 2d and 2d + 1) with a visible key under causal order."""
+    table = []
+    for r in range(size):
+        chunks = [(0, 2 * j, False) for j in range(r)] + [(0, 2 * r, True)]
+        chunks += [(1, 2 * j, False) for j in range(size)] + [(1, 2 * d + 1, False) for d in range(r + 1, size)]
+        chunks += [(1, 2 * r + 1, True)]
+        table.append(_expanded(chunks, blocks, block, visibility))
+    return np.asarray(table, np.int32)
+
+
+def ring_pairs(size: int, step: int, blocks: int, block: int, visibility: Visibility) -> np.ndarray:
+    """[size, pairs, 2]: per device, at ring step `step` (holding the keys of device r - step), (query block, key
+    block of the two chunks held) with a visible key under causal order."""
+    table = []
+    for r in range(size):
+        source = (r - step) % size
+        if step == 0:
+            chunks = [(0, 0, True), (1, 0, False), (1, 1, True)]
+        else:
+            chunks = [(1, 0, False), (0, 0, False) if source < r else (1, 1, False)]
+        table.append(_expanded(chunks, blocks, block, visibility))
+    return np.asarray(table, np.int32)
+
+
+def local_attention(q, k, v, queries: Tokens, keys: Tokens, visibility: Visibility, size: int, axis: str,
+                    kind: ContextAttention) -> jax.Array:
+    """One device's attention inside shard_map over `axis` (context parallelism of `size`, the row in
+    balanced_order): q [B, 2c, H, K], k and v [B, 2c, G, K], the Tokens of both [B, 2c]."""
+    if not visibility.causal:
+        raise ValueError("context parallelism balances causal attention; this one is not causal")
+    chunk = q.shape[1] // 2
+    block = block_of(chunk)
+    if kind == "all_gather":
+        gathered = [jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, *keys)]
+        pairs = jnp.asarray(gathered_pairs(size, chunk // block, block, visibility))[jax.lax.axis_index(axis)]
+        return attention_over_pairs(q, gathered[0], gathered[1], queries, Tokens(*gathered[2:]), pairs, block,
+                                    visibility)
+    return ring_attention(q, k, v, queries, keys, block, visibility, size, axis)
+
+
+def _shifted(tree, size: int, axis: str):
+    """Each device's `tree` sent to the next along `axis` (the last to the first)."""
+    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % size) for i in range(size)])
+
+
+def _pairs_at(size: int, step: int, chunk: int, block: int, visibility: Visibility, axis: str) -> jax.Array:
+    return jnp.asarray(ring_pairs(size, step, chunk // block, block, visibility))[jax.lax.axis_index(axis)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def ring_attention(q, k, v, queries: Tokens, keys: Tokens, block: int, visibility: Visibility, size: int,
+                   axis: str) -> jax.Array:
+    return _ring_forward(q, k, v, queries, keys, block, visibility, size, axis)[0]
+
+
+def _ring_forward(q, k, v, queries, keys, block, visibility, size, axis):
+    running, held = start(q, k.shape[2]), (k, v, keys)
+    for step in range(size):
+        arriving = _shifted(held, size, axis) if step < size - 1 else None  # in flight during this step's work
+        pairs = _pairs_at(size, step, q.shape[1] // 2, block, visibility, axis)
+        running = forward_pairs(running, q, held[0], held[1], queries, held[2], pairs, block, visibility)
+        held = arriving
+    attended, log_sum_exp = finished(running, q)
+    return attended, (q, k, v, queries, keys, attended, log_sum_exp)
+
+
+def _ring_backward(block, visibility, size, axis, saved, d_attended):
+    q, k, v, queries, keys, attended, log_sum_exp = saved
+    d_out, delta = output_gradient_terms(attended, d_attended, k.shape[2])
+    held, d_held = (k, v, keys), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dq = 0.0
+    for step in range(size):
+        arriving = _shifted(held, size, axis) if step < size - 1 else None
+        pairs = _pairs_at(size, step, q.shape[1] // 2, block, visibility, axis)
+        dq_step, dk, dv = backward_pairs(q, held[0], held[1], queries, held[2], pairs, block, visibility,
+                                         log_sum_exp, d_out, delta)
+        dq = dq + dq_step
+        d_held = _shifted((d_held[0] + dk, d_held[1] + dv), size, axis)  # after the last step: home
+        held = arriving
+    return (dq.reshape(q.shape).astype(q.dtype), d_held[0].astype(k.dtype), d_held[1].astype(v.dtype),
+            *no_gradient(queries, keys))
+
+
+ring_attention.defvjp(_ring_forward, _ring_backward)
