@@ -120,7 +120,8 @@ class DataParallel:
         """How the step's replicas meet (lowering/grad_sync.py): XLA's partitioner (parallel.mode=jit), or
         written out in the per-device program; `params`: the abstract params."""
         if self.config.parallel.mode == "jit":
-            return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree))
+            return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree),
+                                       DATA if self.config.mesh.context > 1 else None)
         c, strategy = self.config.collectives, self.config.parallel.strategy
         complete = None
         if self.tensor_inside:
@@ -157,14 +158,17 @@ class DataParallel:
     def eval_step(self, specs: TrainState, params: Any) -> Callable[[TrainState, dict], dict]:
         """One global program over the whole eval batch."""
         return self._laid_out(make_eval_step(self.model, self.config.model.loss, self.policy,
-                                             self.gather_params(params)))
+                                             self.gather_params(params)), rows_on=DATA)
 
-    def _laid_out(self, step: Callable) -> Callable:
+    def _laid_out(self, step: Callable, rows_on: str | None = None) -> Callable:
         """One global program's step with its activations split over `tensor` as the rules (and
-        parallel.sequence_parallel) say, while it is traced; the step as it is without a tensor axis."""
-        if tensor_size(self.mesh) == 1:
+        parallel.sequence_parallel) say, and along the sequence over `context`, while it is traced; the step as it
+        is without either axis. `rows_on`: the mesh axis the activations' rows are on where no vmap over replicas
+        places them (the eval step's)."""
+        if tensor_size(self.mesh) == 1 and self.config.mesh.context == 1:
             return step
-        layout = ActivationLayout.of(self.mesh, self._rules(), self.config.parallel.sequence_parallel)
+        layout = ActivationLayout.of(self.mesh, self._rules(), self.config.parallel.sequence_parallel,
+                                     self.config.parallel.context_attention, rows_on)
         return _traced_within(lambda: activations_laid_out(layout), step)
 
     def _in_tensor_group(self, step: Callable) -> Callable:

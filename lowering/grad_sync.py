@@ -23,13 +23,16 @@ class PartitionedReplicas:
     replicas: int
     pin: Callable[[Tree], Tree]
     """Lays a tree with a leading replica axis out one replica per data shard."""
+    spmd_axis: str | None = None
+    """The mesh axis the vmap over replicas names (jax.vmap's spmd_axis_name), so that a shard_map inside a
+    replica (context parallelism's attention) keeps each replica on its `data` shard; None: not named."""
 
     def split(self, batch: dict) -> dict:
         return self.pin(jax.tree.map(lambda x: split_replicas(x, self.replicas), batch))
 
     def each(self, per_replica: Callable) -> Callable:
         """per_replica(params, model_state, batch, key, *shared) over the leading replica axis of batch and keys."""
-        return jax.vmap(per_replica, in_axes=(None, None, 0, 0, None, None))
+        return jax.vmap(per_replica, in_axes=(None, None, 0, 0, None, None), spmd_axis_name=self.spmd_axis)
 
     def indices(self) -> jax.Array:
         return self.pin(jnp.arange(self.replicas))

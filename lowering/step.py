@@ -22,8 +22,11 @@ import jax.numpy as jnp
 import optax
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas
 
+from xlatrain.errors import UserError
+from xlatrain.models.context import balanced_order
 from xlatrain.models.interface import Documents, documents_of
 from xlatrain.precision import Policy, cast_floats, next_loss_scale
+from xlatrain.sharding import context_split
 from xlatrain.state import ModelDef, TrainState
 from xlatrain.tensor_group import current_group, group_maximum, group_total, part_offset
 
@@ -187,6 +190,7 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
         return *gradients(compute_params(params), batch, key, scale, total_weight), model_state
 
     def gradient_step(state: TrainState, batch: dict) -> tuple[Tree, Metrics, Tree]:
+        batch = in_context_order(batch)
         step_key = jax.random.fold_in(state.rng, state.step)
         scale = loss_scale(state, policy)
         total_weight = replicas.total(jnp.sum(per_position_weights(batch)))
@@ -275,10 +279,29 @@ def make_eval_step(model: ModelDef, loss: str, policy: Policy,
     forward = make_forward(model, policy, compute_params)
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
+        batch = in_context_order(batch)
         outputs = forward(state.params, state.model_state, batch["inputs"], None, documents_of(batch))[0]
         return eval_metrics(loss_sums(outputs, batch, loss))
 
     return eval_step
+
+
+def in_context_order(batch: dict) -> dict:
+    """With context parallelism (the traced step splits the sequence over `context`): every entry's sequence in
+    balanced_order (xlatrain/models/context.py), the tokens' positions and segment ids among them (positions 0,
+    1, ... and one segment where the data does not pack documents), which attention and RoPE read; the loss,
+    a mean over the tokens, is the same in any order. The batch as it is otherwise."""
+    layout = context_split()
+    if layout is None:
+        return batch
+    shape = batch["inputs"].shape
+    if shape[-1] % (2 * layout.context):
+        raise UserError(f"mesh.context={layout.context} cuts each row into {2 * layout.context} equal chunks, and "
+                        f"the data's rows hold {shape[-1]} tokens: give rows of a multiple of {2 * layout.context}")
+    order = balanced_order(shape[-1], layout.context)
+    whole = {"positions": jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape),
+             "segment_ids": jnp.ones(shape, jnp.int32), **batch}
+    return {key: jnp.take(value, order, axis=-1) for key, value in whole.items()}
 
 
 def eval_metrics(sums: Metrics) -> Metrics:

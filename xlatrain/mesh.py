@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlatrain.config import Config, resolve_data_parallel
+from xlatrain.config.parallel import CONTEXT
 from xlatrain.errors import UserError
 from xlatrain.sharding import TENSOR
 
@@ -18,25 +19,24 @@ STAGE = "stage"
 
 
 def build_mesh(config: Config, devices: list | None = None) -> Mesh:
-    """A mesh over every device, with axis `data` (and `stage` for a pipeline, `tensor` innermost for tensor
-    parallelism); fails clearly when config and devices disagree. Within one process neighbouring stages sit on
+    """A mesh over every device, with axis `data` (and `stage` for a pipeline, `context` for context parallelism,
+    `tensor` innermost for tensor parallelism, in that order); fails clearly when config and devices disagree. Within one process neighbouring stages sit on
     consecutive devices, and a tensor group on consecutive devices inside a stage (the fastest links); over several
     processes the stages are spread over the processes, each process holding whole stages of every data replica
     (the pipeline sends only activations between processes, each stage's gradient all-reduce stays inside one),
     and every tensor group lies inside one process."""
     devices = jax.devices() if devices is None else devices
     data = resolve_data_parallel(config.mesh, devices)
-    stages, tensor = config.mesh.stage, config.mesh.tensor
+    stages, context, tensor = config.mesh.stage, config.mesh.context, config.mesh.tensor
     check_tensor_groups_inside_processes(devices, tensor)
     in_order = np.asarray(devices)
     if stages > 1 and len({d.process_index for d in devices}) > 1:
-        grid = in_order.reshape(stages, data, tensor).transpose(1, 0, 2)
+        grid = in_order.reshape(stages, data, context, tensor).transpose(1, 0, 2, 3)
     else:
-        grid = in_order.reshape(data, stages, tensor)
-    kept = [i for i, (axis, size) in enumerate(((DATA, data), (STAGE, stages), (TENSOR, tensor)))
-            if axis == DATA or size > 1]
-    names = tuple((DATA, STAGE, TENSOR)[i] for i in kept)
-    return Mesh(grid.reshape([grid.shape[i] for i in kept]), names)
+        grid = in_order.reshape(data, stages, context, tensor)
+    axes = ((DATA, data), (STAGE, stages), (CONTEXT, context), (TENSOR, tensor))
+    kept = [i for i, (axis, size) in enumerate(axes) if axis == DATA or size > 1]
+    return Mesh(grid.reshape([grid.shape[i] for i in kept]), tuple(axes[i][0] for i in kept))
 
 
 def check_tensor_groups_inside_processes(devices: list, tensor: int) -> None:

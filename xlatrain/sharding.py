@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 Rules = Mapping[str, tuple[str, ...]]
 """Logical name -> the mesh axes its dimension is split over (parallel.logical_rules)."""
 TENSOR = "tensor"
+CONTEXT = "context"
 
 
 def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> P:
@@ -114,23 +115,44 @@ def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 
 
-BATCH, LENGTH = "batch", "length"
-"""Logical names of activation dimensions beside the parameters' (heads, kv_heads, mlp, vocab)."""
+BATCH, LENGTH, SEQUENCE = "batch", "length", "sequence"
+"""Logical names of activation dimensions beside the parameters' (heads, kv_heads, mlp, vocab): the sequence of the
+residual stream (LENGTH, split over `tensor` too with sequence parallelism) and of the activations inside the
+tensor-parallel regions (SEQUENCE); both split over `context` with context parallelism."""
 
 
 @dataclass(frozen=True)
 class ActivationLayout:
-    """Which activation dimensions are split over `tensor` in one global program (parallel.mode=jit)."""
+    """Which activation dimensions are split over `tensor` and `context` in one global program (parallel.mode=jit)."""
 
     mesh: Mesh
     split: frozenset[str]
     """Logical names split over `tensor`: those the rules split (heads, mlp, vocab...), and LENGTH with
     sequence parallelism."""
+    context_attention: str = "ring"
+    """How attention meets over `context` (parallel.context_attention), where the mesh has that axis."""
+    rows_on: str | None = None
+    """The mesh axis the activations' rows are on where nothing else places them (the eval step's; the train
+    step's vmap over replicas puts them on `data` itself)."""
 
     @staticmethod
-    def of(mesh: Mesh, rules: Rules, sequence_parallel: bool) -> ActivationLayout:
-        split = {name for name, axes in rules.items() if TENSOR in axes}
-        return ActivationLayout(mesh, frozenset(split | ({LENGTH} if sequence_parallel else set())))
+    def of(mesh: Mesh, rules: Rules, sequence_parallel: bool, context_attention: str = "ring",
+           rows_on: str | None = None) -> ActivationLayout:
+        split = {name for name, axes in rules.items() if TENSOR in axes} if TENSOR in mesh.shape else set()
+        return ActivationLayout(mesh, frozenset(split | ({LENGTH} if sequence_parallel else set())),
+                                context_attention, rows_on)
+
+    @property
+    def context(self) -> int:
+        return self.mesh.shape.get(CONTEXT, 1)
+
+    def axes_of(self, name: str | None) -> Any:
+        """The mesh axes a dimension of logical `name` is split over (P.UNCONSTRAINED for the batch)."""
+        if name == BATCH:
+            return P.UNCONSTRAINED
+        over = ((CONTEXT,) if name in (LENGTH, SEQUENCE) and self.context > 1 else ()) + (
+            (TENSOR,) if name in self.split else ())
+        return over[0] if len(over) == 1 else over or None
 
 
 _LAYOUT: ContextVar[ActivationLayout | None] = ContextVar("activation_layout", default=None)
@@ -147,11 +169,16 @@ def activations_laid_out(layout: ActivationLayout | None) -> Iterator[None]:
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
-    """`x` with each dimension named: split over `tensor` where the traced step's layout says so, whole where it
-    does not, the batch left to the partitioner (the data axis, and the replicas' vmap, place it). Outside a
-    tensor-parallel step, `x` as it is."""
+    """`x` with each dimension named: split over `tensor` and `context` where the traced step's layout says so,
+    whole where it does not, the batch left to the partitioner (the data axis, and the replicas' vmap, place it).
+    Outside a tensor- or context-parallel step, `x` as it is."""
     layout = _LAYOUT.get()
     if layout is None:
         return x
-    spec = P(*(P.UNCONSTRAINED if name == BATCH else TENSOR if name in layout.split else None for name in names))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, P(*map(layout.axes_of, names))))
+
+
+def context_split() -> ActivationLayout | None:
+    """The traced step's layout where it splits the sequence over `context` (None elsewhere)."""
+    layout = _LAYOUT.get()
+    return layout if layout is not None and layout.context > 1 else None

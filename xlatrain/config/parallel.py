@@ -20,6 +20,10 @@ class MeshConfig(Strict):
     """Data-parallel size; -1 uses every device present (divided by mesh.stage x mesh.tensor)."""
     stage: PositiveInt = 1
     """Pipeline stages; more than 1 runs the model as a pipeline (parallel.pipeline) on a data x stage mesh."""
+    context: PositiveInt = 1
+    """Context-parallel size: every layer's activations split along the sequence over this many devices (the
+    `context` axis, between `stage` and `tensor`), attention by parallel.context_attention; each device holds an
+    early and a late chunk of the row, so that causal attention's work is balanced (docs/parallelism.md)."""
     tensor: PositiveInt = 1
     """Tensor-parallel size: each layer split over this many devices (the innermost mesh axis, neighbouring
     devices), Megatron-style by the default parallel.logical_rules: attention heads and the MLP's hidden
@@ -47,11 +51,12 @@ class MeshConfig(Strict):
         return self
 
     def per_replica(self) -> int:
-        """Devices that hold one data replica: mesh.stage x mesh.tensor."""
-        return self.stage * self.tensor
+        """Devices that hold one data replica: mesh.stage x mesh.context x mesh.tensor."""
+        return self.stage * self.context * self.tensor
 
 
 TENSOR = "tensor"
+CONTEXT = "context"
 MESH_AXES = ("data", TENSOR)
 """Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
 MeshAxes = tuple[str, ...]
@@ -162,6 +167,10 @@ class ParallelConfig(Strict):
     all-reduce. shard_map: a per-device program whose gradient sync is written out (balanced buckets,
     collectives.impl). pmap: the same per-device program through the legacy jax.pmap API."""
     pipeline: PipelineConfig = PipelineConfig()
+    context_attention: Literal["ring", "all_gather"] = "ring"
+    """With mesh.context > 1: ring passes each device's keys and values round the context group, step by step,
+    into an online softmax (no device holds more than its own share of them); all_gather gathers every layer's
+    keys and values whole on each device."""
 
     @field_validator("logical_rules", mode="before")
     @classmethod

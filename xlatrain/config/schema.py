@@ -102,6 +102,34 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _context_parallel_fits(self) -> Config:
+        context = self.mesh.context
+        if context == 1:
+            return self
+        if not isinstance(self.model, DECODERS):
+            raise ValueError(f"mesh.context={context} splits the sequence of the built-in decoders' attention (gpt, "
+                             f"llama); model.name={self.model.name} has none to split: set mesh.context=1")
+        seq_len = getattr(self.data, "seq_len", None)
+        if seq_len is not None and seq_len % (2 * context):
+            raise ValueError(f"mesh.context={context} cuts each row into 2 x mesh.context = {2 * context} equal "
+                             f"chunks (each device an early and a late one), and data.seq_len={seq_len} is not a "
+                             f"multiple of {2 * context}: choose a data.seq_len that is")
+        if getattr(self.data, "buckets", None) is not None:
+            raise ValueError(f"mesh.context={context} splits rows of one length, data.seq_len; data.buckets pads "
+                             "batches to other lengths: drop data.buckets, or set mesh.context=1")
+        mode = self.parallel.mode
+        chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
+        if mode == "pmap":
+            raise ValueError(f"mesh.context={context} with parallel.mode=pmap: pmap maps the step over `data` alone, "
+                             "with no axis to split the sequence over; use parallel.mode=jit")
+        if mode != "jit" or self.mesh.tensor > 1:
+            what = f"parallel.mode={mode}{chosen}" if mode != "jit" else f"mesh.tensor={self.mesh.tensor}"
+            raise ValueError(f"mesh.context={context} runs in one global program (parallel.mode=jit) without a "
+                             f"tensor axis; {what} is not supported with it: use parallel.mode=jit, mesh.stage=1, "
+                             "mesh.tensor=1 and collectives.impl=xla, or set mesh.context=1")
+        return self
+
+    @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> Config:
         tensor = self.mesh.tensor
         if self.model.name == "torch" and self.model.tensor_dims and tensor == 1:

@@ -45,7 +45,9 @@ import jax.numpy as jnp
 from xlatrain.compat.backends import cudnn_missing
 from xlatrain.errors import first_line
 from xlatrain.models.blockwise import Visibility, blockwise_attention
+from xlatrain.models.context import sequence_split_attention
 from xlatrain.runtime.platform import lowering_platform
+from xlatrain.sharding import context_split
 
 QUERY_BLOCKS_AT_MOST = 4
 """More blocks skip more products but run more, smaller kernels; past 4 the step got no faster on CPU."""
@@ -120,18 +122,28 @@ def query_blocks(length: int, window: int | None = None) -> int:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
                      window: int | None = None, scale: float | None = None, softcap: float | None = None,
-                     ) -> jax.Array:
+                     positions: jax.Array | None = None) -> jax.Array:
     """`segment_ids` [batch, length]: packed documents, each attending only itself (None: one sequence per row).
     `window`: each query attends its `window` latest keys, itself included (None: every earlier key). `scale`: of
-    the scores (None: 1 / sqrt(head width)). `softcap`: scores soft-capped to (-c, c) as tanh(s / c) c (Gemma 2)."""
-    return attention(q, k, v, is_causal=True, segment_ids=segment_ids, window=window, scale=scale, softcap=softcap)
+    the scores (None: 1 / sqrt(head width)). `softcap`: scores soft-capped to (-c, c) as tanh(s / c) c (Gemma 2).
+    `positions` [batch, length]: each token's position in its document, which orders attention where the row is
+    not in the tokens' order (context parallelism's balanced chunks); unused otherwise."""
+    return attention(q, k, v, is_causal=True, segment_ids=segment_ids, window=window, scale=scale, softcap=softcap,
+                     positions=positions)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
               segment_ids: jax.Array | None = None, window: int | None = None, softcap: float | None = None,
-              ) -> jax.Array:
-    backend = lowering_platform()
+              positions: jax.Array | None = None) -> jax.Array:
     window = None if window is None or window >= k.shape[1] else window
+    split = context_split()
+    if split is not None:
+        if not is_causal or positions is None:
+            raise ValueError("context parallelism splits causal self-attention whose tokens carry their positions")
+        _took(window, softcap, f"{split.context_attention} over mesh.context={split.context}, blockwise")
+        return sequence_split_attention(q, k, v, positions, segment_ids,
+                                        Visibility(True, window, _scale(q, scale), softcap), split)
+    backend = lowering_platform()
     band = None if window is None else (window - 1, 0)
     block = blockwise_block(q.shape[1], k.shape[1])
     why = ""

@@ -23,7 +23,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from xlatrain.compat.mapping import shard_map
 from xlatrain.models.blockwise import (
     Tokens,
     Visibility,
@@ -36,6 +38,7 @@ from xlatrain.models.blockwise import (
     start,
     visible_pairs,
 )
+from xlatrain.sharding import CONTEXT, ActivationLayout
 
 ContextAttention = Literal["all_gather", "ring"]
 BLOCK_AT_MOST = 512
@@ -89,6 +92,25 @@ def ring_pairs(size: int, step: int, blocks: int, block: int, visibility: Visibi
             chunks = [(1, 0, False), (0, 0, False) if source < r else (1, 1, False)]
         table.append(_expanded(chunks, blocks, block, visibility))
     return np.asarray(table, np.int32)
+
+
+def sequence_split_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array,
+                             positions_BxL: jax.Array, segments_BxL: jax.Array | None, visibility: Visibility,
+                             layout: ActivationLayout) -> jax.Array:
+    """Inside one global program whose rows are in balanced_order and split over `context` (the traced step's
+    `layout`): attention through shard_map over that axis, each device running local_attention on its part; the
+    rows on layout.rows_on, or (the train step) where the replicas' vmap places them."""
+    positions = jnp.broadcast_to(positions_BxL, q_BxLxHxK.shape[:2]).astype(jnp.int32)
+    segments = jnp.zeros_like(positions) if segments_BxL is None else segments_BxL.astype(jnp.int32)
+    split = P(layout.rows_on, CONTEXT)
+
+    def local(q, k, v, positions, segments):
+        tokens = Tokens(positions, segments)
+        return local_attention(q, k, v, tokens, tokens, visibility, layout.context, CONTEXT,
+                               layout.context_attention)
+
+    return shard_map(local, layout.mesh, in_specs=(split,) * 5, out_specs=split)(
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, segments)
 
 
 def local_attention(q, k, v, queries: Tokens, keys: Tokens, visibility: Visibility, size: int, axis: str,

@@ -18,7 +18,7 @@ from flax.nnx.nn.dtypes import promote_dtype
 from xlatrain.models.blocks import BLOCKS, BlockStack, layer_numbers
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import dense_dot_general
-from xlatrain.sharding import BATCH, LENGTH, constrain
+from xlatrain.sharding import BATCH, LENGTH, SEQUENCE, constrain
 from xlatrain.tensor_group import enter_region, leave_region
 
 
@@ -55,7 +55,7 @@ class Decoder(BlockStack):
         logits_BxLxV = self.embed.attend(x_BxLxD) if self.head is None else self.head(x_BxLxD)
         if self.logit_softcap is not None:
             logits_BxLxV = jnp.tanh(logits_BxLxV / self.logit_softcap) * self.logit_softcap
-        return constrain(logits_BxLxV, BATCH, None, "vocab")
+        return constrain(logits_BxLxV, BATCH, SEQUENCE, "vocab")
 
     def empty_cache(self, batch: int, length: int, dtype: jnp.dtype) -> KVCache:
         layers = jax.tree.leaves(nnx.state(getattr(self, BLOCKS), nnx.Param))[0].shape[0]
@@ -98,7 +98,7 @@ def row_parallel(layer: nnx.Linear, x: jax.Array) -> jax.Array:
 
 def by_heads(x_BxLxHxK: jax.Array, heads: str = "heads") -> jax.Array:
     """Attention's queries, keys, values and outputs: split by whole heads over a tensor group."""
-    return constrain(x_BxLxHxK, BATCH, None, heads, None)
+    return constrain(x_BxLxHxK, BATCH, SEQUENCE, heads, None)
 
 
 def dropout_keys(rngs: jax.Array | None) -> tuple:

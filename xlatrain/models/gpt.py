@@ -15,7 +15,7 @@ from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_st
 from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import GroupedLinear, linear
-from xlatrain.sharding import BATCH, constrain
+from xlatrain.sharding import BATCH, SEQUENCE, constrain
 from xlatrain.tensor_group import dropped, enter_region, sequence_part
 
 
@@ -60,7 +60,8 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None):
         keys = dropout_keys(rngs)
         q, k, v = self._qkv(x_BxLxD)
-        attended_BxLxHxK = by_heads(causal_attention(q, k, v, None if documents is None else documents.segment_ids))
+        segment_ids, positions = (None, None) if documents is None else documents
+        attended_BxLxHxK = by_heads(causal_attention(q, k, v, segment_ids, positions=positions))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, keys)
 
     def decode(self, x_BxTxD, keys_BxSxHxK, values_BxSxHxK, start):
@@ -78,7 +79,7 @@ class Block(nnx.Module):
         batch, length = attended_BxLxHxK.shape[:2]
         attended_BxLxD = row_parallel(self.attn_out, attended_BxLxHxK.reshape(batch, length, -1))
         x_BxLxD = residual_stream(x_BxLxD + self._drop(attended_BxLxD, keys[0]))
-        hidden_BxLxF = constrain(jax.nn.gelu(self.mlp_in(enter_region(self.ln_mlp(x_BxLxD)))), BATCH, None, "mlp")
+        hidden_BxLxF = constrain(jax.nn.gelu(self.mlp_in(enter_region(self.ln_mlp(x_BxLxD)))), BATCH, SEQUENCE, "mlp")
         return residual_stream(x_BxLxD + self._drop(row_parallel(self.mlp_out, hidden_BxLxF), keys[1]))
 
     def _drop(self, x, key):

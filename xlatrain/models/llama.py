@@ -22,7 +22,7 @@ from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import linear
 from xlatrain.models.rope import inverse_frequencies, rotate
-from xlatrain.sharding import BATCH, constrain
+from xlatrain.sharding import BATCH, SEQUENCE, constrain
 from xlatrain.tensor_group import dropped, enter_region, kv_heads_for_local_queries
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -155,7 +155,7 @@ class LlamaBlock(nnx.Module):
 
         def attend(kind: LayerKind):
             return causal_attention(*self._rotated(q, k, positions, kind), v, segment_ids, kind.window,
-                                    scale=self.score_scale, softcap=self.softcap)
+                                    scale=self.score_scale, softcap=self.softcap, positions=positions)
 
         attended_BxLxHxK = by_heads(self._by_kind(layer, attend))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
@@ -210,7 +210,7 @@ class LlamaBlock(nnx.Module):
         x_BxLxD = residual_stream(x_BxLxD + self._drop(attended, keys[0]))
         normed = enter_region(self.mlp_norm(x_BxLxD))
         gated = ACTIVATIONS[self.activation](self.gate(normed)) * self.up(normed)
-        hidden_BxLxF = constrain(gated, BATCH, None, "mlp")
+        hidden_BxLxF = constrain(gated, BATCH, SEQUENCE, "mlp")
         out = self._sandwiched(self.post_mlp_norm, row_parallel(self.down, hidden_BxLxF))
         return residual_stream(x_BxLxD + self._drop(out, keys[1]))
 
