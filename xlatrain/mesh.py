@@ -20,15 +20,17 @@ STAGE = "stage"
 
 def build_mesh(config: Config, devices: list | None = None) -> Mesh:
     """A mesh over every device, with axis `data` (and `stage` for a pipeline, `context` for context parallelism,
-    `tensor` innermost for tensor parallelism, in that order); fails clearly when config and devices disagree. Within one process neighbouring stages sit on
-    consecutive devices, and a tensor group on consecutive devices inside a stage (the fastest links); over several
-    processes the stages are spread over the processes, each process holding whole stages of every data replica
-    (the pipeline sends only activations between processes, each stage's gradient all-reduce stays inside one),
-    and every tensor group lies inside one process."""
+    `tensor` innermost for tensor parallelism, in that order); fails clearly when config and devices disagree.
+    Within one process neighbouring stages sit on consecutive devices, and a context and a tensor group on
+    consecutive devices inside a stage (the fastest links); over several processes the stages are spread over the
+    processes, each process holding whole stages of every data replica (the pipeline sends only activations
+    between processes, each stage's gradient all-reduce stays inside one), and every context x tensor group lies
+    inside one process."""
     devices = jax.devices() if devices is None else devices
     data = resolve_data_parallel(config.mesh, devices)
     stages, context, tensor = config.mesh.stage, config.mesh.context, config.mesh.tensor
     check_tensor_groups_inside_processes(devices, tensor)
+    check_tensor_groups_inside_processes(devices, context * tensor, "mesh.context x mesh.tensor")
     in_order = np.asarray(devices)
     if stages > 1 and len({d.process_index for d in devices}) > 1:
         grid = in_order.reshape(stages, data, context, tensor).transpose(1, 0, 2, 3)
@@ -39,16 +41,17 @@ def build_mesh(config: Config, devices: list | None = None) -> Mesh:
     return Mesh(grid.reshape([grid.shape[i] for i in kept]), tuple(axes[i][0] for i in kept))
 
 
-def check_tensor_groups_inside_processes(devices: list, tensor: int) -> None:
-    """A tensor group talks at every layer: its devices must share a process (and its fast links)."""
-    if tensor == 1:
+def check_tensor_groups_inside_processes(devices: list, size: int, named: str = "mesh.tensor") -> None:
+    """A tensor group (and a context group) talks at every layer: its devices must share a process (and its fast
+    links). `named`: the mesh keys whose product `size` is."""
+    if size == 1:
         return
     per_process = collections.Counter(d.process_index for d in devices)
-    if any(count % tensor for count in per_process.values()):
+    if any(count % size for count in per_process.values()):
         counts = sorted(set(per_process.values()))
-        raise UserError(f"config: mesh.tensor={tensor} splits every layer over devices that talk at each layer, so a "
-                        f"tensor group stays inside one process, but the processes hold {counts} devices each; set "
-                        "mesh.tensor to a divisor of each process's device count")
+        raise UserError(f"config: {named}={size} splits every layer over devices that talk at each layer, so such a "
+                        f"group stays inside one process, but the processes hold {counts} devices each; set {named} "
+                        "to a divisor of each process's device count")
 
 
 def tensor_size(mesh: Mesh) -> int:

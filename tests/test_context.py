@@ -1,0 +1,131 @@
+"""Context parallelism: the sequence split over `mesh.context`, attention by ring or all-gather (docs/parallelism.md).
+Each composition once, on a tiny Llama with packed documents, grouped-query heads and a sliding window, against
+one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import DIGITS_MLP, TINY_GPT, token_batch
+from test_tensor_parallel import TP_GPT, assert_leaves_close
+from test_tokens import write_corpus
+
+from xlatrain.commands.prepare import Request, prepare
+from xlatrain.config import load_config
+from xlatrain.models.attention import causal_attention
+from xlatrain.models.blockwise import Tokens, Visibility
+from xlatrain.models.context import balanced_order, local_attention
+from xlatrain.program import build_program
+from xlatrain.trainer import train
+
+LLAMA = [*[o for o in TP_GPT if not o.startswith("data.")], "model.name=llama", "model.heads=4", "model.kv_heads=2",
+         "model.sliding_window=12", "model.layer_types=[sliding,full]"]
+
+
+def gradients_and_losses(overrides, devices, steps=3):
+    """The first batch's gradients and loss sum, and the losses of `steps` steps on it."""
+    program = build_program(load_config(None, overrides), devices)
+    state, batch = program.create_state(), token_batch(program)
+    grads, sums = jax.device_get(program.gradients(state, batch))
+    losses = []
+    for _ in range(steps):
+        state, metrics = program.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return program, grads, float(sums["loss"]), losses
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """Token shards whose documents are shorter and longer than a row: packed rows hold several."""
+    out = tmp_path_factory.mktemp("shards") / "bpe"
+    prepare(Request((write_corpus(tmp_path_factory.mktemp("corpus"), documents=120),), out, train_vocab=300,
+                    holdout=0.05))
+    return [*LLAMA, "data.source=tokens", f"data.path={out}", "data.packing=true", "data.seq_len=32"]
+
+
+@pytest.fixture(scope="module")
+def one_device(packed):
+    return gradients_and_losses([*packed, "mesh.data=1"], jax.devices()[:1])
+
+
+@pytest.mark.parametrize("split", [["mesh.context=2", "mesh.data=2"],
+                                   ["mesh.context=2", "mesh.data=2", "parallel.context_attention=all_gather"],
+                                   ["mesh.context=4", "mesh.data=2", "parallel.strategy=fsdp"]],
+                         ids=["ring-c2", "all_gather-c2", "ring-c4-fsdp"])
+def test_context_parallel_loss_and_every_gradient_equal_one_device(split, packed, one_device, devices):
+    _, reference, reference_loss, reference_losses = one_device
+    context = int(split[0][-1])
+    program, grads, loss, losses = gradients_and_losses([*packed, *split], devices[:2 * context])
+    assert dict(program.mesh.shape) == {"data": 2, "context": context}
+    np.testing.assert_allclose(loss, reference_loss, rtol=1e-5)
+    assert_leaves_close(grads, reference)
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+
+
+def test_balanced_order_gives_each_device_an_early_and_a_late_chunk():
+    assert balanced_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert balanced_order(8, 1).tolist() == list(range(8))
+
+
+def test_each_device_runs_its_share_of_the_attention_products(devices):
+    """Forward and backward of one attention at 2048 tokens, compiled: the matmul FLOPs of each device's program
+    under mesh.context=2 (its chunks' 2C+1 pairs of 512 x 512) are at most 1.05x the one-device program's (its
+    10 visible pairs of 16 blocks of 512, blockwise too) divided by 2. (At 64 tokens, where one device keeps its
+    scores for the backward instead of recomputing them, the ratio is 1.17.)"""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    from xlatrain.lowering.kernels import kernel_split
+
+    from xlatrain.compat.mapping import shard_map
+
+    q = jax.ShapeDtypeStruct((1, 2048, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 2048, 2, 16), jnp.float32)
+    positions = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+
+    def loss(attend):
+        return jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(attend(q, k, v, p)), argnums=(0, 1, 2)))
+
+    one = loss(lambda q, k, v, p: causal_attention(q, k, v)).lower(q, kv, kv, positions).compile()
+    mesh = Mesh(np.asarray(devices[:2]), ("context",))
+    visibility = Visibility(True, None, 0.25, None)
+
+    def split(q, k, v, p):
+        tokens = Tokens(p, jnp.zeros_like(p))
+        return local_attention(q, k, v, tokens, tokens, visibility, 2, "context", "ring")
+
+    spec = P(None, "context")
+    ring = loss(shard_map(split, mesh, in_specs=(spec,) * 4, out_specs=spec)).lower(q, kv, kv, positions).compile()
+    flops = [kernel_split(compiled.as_text())["matmul_flops"] for compiled in (one, ring)]
+    assert flops[1] <= 1.05 * flops[0] / 2, flops
+
+
+def test_a_run_resumes_on_another_context_size_as_if_uninterrupted(packed, tmp_path):
+    """3 steps at mesh.context=2, then 2 more at mesh.context=4: the losses of one uninterrupted context=2 run."""
+    common = [*packed, "batch.global_size=8", "trainer.checkpoint_every=3", "trainer.progress=false"]
+    for steps, context in ((3, 2), (5, 4)):
+        train(load_config(None, [*common, f"mesh.context={context}", f"trainer.steps={steps}",
+                                 f"trainer.run_dir={tmp_path / 'elastic'}"]), echo=lambda _: None)
+    from xlatrain.run.metrics import read_metrics
+
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "elastic" / "metrics.jsonl") if "loss" in r}
+    straight = train(load_config(None, [*common, "mesh.context=2", "trainer.steps=5",
+                                        f"trainer.run_dir={tmp_path / 'straight'}"]), echo=lambda _: None).losses
+    np.testing.assert_allclose([resumed[s] for s in range(1, 6)], [straight[s] for s in range(1, 6)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([*DIGITS_MLP, "mesh.context=2"], "mesh.context=2 splits the sequence of the built-in "
+                                                                 "decoders' attention (gpt, llama); model.name=mlp"),
+    ([*TINY_GPT, "mesh.context=4", "data.seq_len=36"], "data.seq_len=36 is not a multiple of 8"),
+    ([*TINY_GPT, "mesh.context=2", "parallel.mode=pmap"], "pmap maps the step over `data` alone, with no axis to "
+                                                          "split the sequence over"),
+    ([*TINY_GPT, "mesh.context=2", "mesh.stage=2"], "parallel.mode=shard_map (chosen by parallel.mode=auto for a "
+                                                    "pipeline"),
+    ([*TINY_GPT, "mesh.context=2", "mesh.tensor=2"], "mesh.tensor=2 is not supported with it"),
+])
+def test_what_context_parallelism_cannot_run_is_one_line(overrides, message, capsys):
+    from xlatrain.cli import main
+
+    assert main(["config", *overrides]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
