@@ -12,12 +12,12 @@ from xlatrain.config.precision import FloatDtype
 
 
 class MeshConfig(Strict):
-    """The device mesh: a `data` axis, a `stage` axis for a pipeline and a `tensor` axis that splits the layers;
-    mesh.data x mesh.stage x mesh.tensor must be the devices present, or the run stops before compiling, naming
-    them (docs/parallelism.md)."""
+    """The device mesh: a `data` axis, a `stage` axis for a pipeline, a `context` axis that splits the sequence and a
+    `tensor` axis that splits the layers, in that order; mesh.data x mesh.stage x mesh.context x mesh.tensor must
+    be the devices present, or the run stops before compiling, naming them (docs/parallelism.md)."""
 
     data: Annotated[int, Field(ge=-1)] = -1
-    """Data-parallel size; -1 uses every device present (divided by mesh.stage x mesh.tensor)."""
+    """Data-parallel size; -1 uses every device present (divided by mesh.stage x mesh.context x mesh.tensor)."""
     stage: PositiveInt = 1
     """Pipeline stages; more than 1 runs the model as a pipeline (parallel.pipeline) on a data x stage mesh."""
     context: PositiveInt = 1
