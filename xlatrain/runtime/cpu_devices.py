@@ -69,8 +69,8 @@ def plan_cpu_devices(config: Config, cores: int, available_bytes: int | None, re
         return CpuDevicePlan(wanted, "as asked", asked=True)
     if multi_process:
         return CpuDevicePlan(None, "JAX's default: a multi-process run (`xlatrain launch --devices-per-proc K` sets K)")
-    replica = " x ".join(f"mesh.{axis}={size}" for axis, size in (("stage", mesh.stage), ("context", mesh.context),
-                                                                   ("tensor", mesh.tensor)) if size > 1 or axis == "stage")
+    axes = (("stage", mesh.stage), ("context", mesh.context), ("tensor", mesh.tensor))
+    replica = " x ".join(f"mesh.{axis}={size}" for axis, size in axes if size > 1 or axis == "stage")
     if mesh.data != -1:
         return CpuDevicePlan(mesh.data * mesh.per_replica(), f"mesh.data={mesh.data} x {replica}")
     if mesh.per_replica() > 1:
