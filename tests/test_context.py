@@ -12,6 +12,7 @@ from test_tokens import write_corpus
 
 from xlatrain.commands.prepare import Request, prepare
 from xlatrain.config import load_config
+from xlatrain.mesh import eval_batch_sharding
 from xlatrain.models.attention import causal_attention
 from xlatrain.models.blockwise import Tokens, Visibility
 from xlatrain.models.context import balanced_order, local_attention
@@ -23,11 +24,14 @@ LLAMA = [*[o for o in TP_GPT if not o.startswith("data.")], "model.name=llama", 
 
 
 def gradients_and_losses(overrides, devices, steps=3):
-    """The first batch's gradients and loss sum, and the losses of `steps` steps on it."""
+    """The first batch's gradients and loss sum, the eval step's loss on the first held-out rows, and the losses
+    of `steps` steps on the batch."""
     program = build_program(load_config(None, overrides), devices)
     state, batch = program.create_state(), token_batch(program)
     grads, sums = jax.device_get(program.gradients(state, batch))
-    losses = []
+    rows = [program.dataset.eval[i] for i in range(program.derived.global_batch)]
+    held_out = jax.device_put({k: np.stack([r[k] for r in rows]) for k in rows[0]}, eval_batch_sharding(program.mesh))
+    losses = [float(program.eval_step(state, held_out)["eval_loss"])]
     for _ in range(steps):
         state, metrics = program.train_step(state, batch)
         losses.append(float(metrics["loss"]))
@@ -59,7 +63,7 @@ def test_context_parallel_loss_and_every_gradient_equal_one_device(split, packed
     assert dict(program.mesh.shape) == {"data": 2, "context": context}
     np.testing.assert_allclose(loss, reference_loss, rtol=1e-5)
     assert_leaves_close(grads, reference)
-    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)  # the eval step's, then the train steps'
 
 
 def test_balanced_order_gives_each_device_an_early_and_a_late_chunk():
