@@ -159,11 +159,11 @@ def test_sizes_in_messages_are_in_the_unit_that_keeps_a_digit_before_the_point(c
 
 
 def test_a_step_too_large_for_memory_is_refused_before_the_run_directory_holds_anything(tmp_path):
-    """XLA's memory analysis of the compiled step (here about 90 GiB per device: attention over 32768 tokens)
-    against a device's memory: the step would have run into an out-of-memory kill. Refused before config.yaml is
-    written, so that a corrected config can start in the same run directory."""
+    """XLA's memory analysis of the compiled step (here the activations of 128 rows of 32768 tokens, hundreds of GiB
+    per device) against a device's memory: the step would have run into an out-of-memory kill. Refused before
+    config.yaml is written, so that a corrected config can start in the same run directory."""
     run_dir = tmp_path / "run"
-    result = run_cli("train", "data.seq_len=32768", "batch.global_size=8", f"trainer.run_dir={run_dir}")
+    result = run_cli("train", "data.seq_len=32768", "batch.global_size=128", f"trainer.run_dir={run_dir}")
     assert_one_line_error(result, "config: the train_step needs", "GiB per device by XLA's memory analysis",
                           "raise batch.microbatches")
     assert not (run_dir / "config.yaml").exists() and not (run_dir / "metrics.jsonl").exists()
