@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from xlatrain.compat.backends import cudnn_missing
 from xlatrain.errors import first_line
-from xlatrain.models.blockwise import Visibility, blockwise_attention
+from xlatrain.models.blockwise import Visibility, blockwise_attention, sees
 from xlatrain.models.context import sequence_split_attention
 from xlatrain.runtime.platform import lowering_platform
 from xlatrain.sharding import context_split
@@ -53,6 +53,9 @@ QUERY_BLOCKS_AT_MOST = 4
 """More blocks skip more products but run more, smaller kernels; past 4 the step got no faster on CPU."""
 QUERY_BLOCK_ROWS_AT_LEAST = 32
 """Blocks of 16 queries were slower than blocks of 32 at length 64: their kernels are too small (module doc)."""
+
+
+INSTALL_CUDNN = "pip install nvidia-cudnn-cu13 beside jax's CUDA plugin"
 
 
 def fused_attention_missing(platform: str, compute: jnp.dtype) -> str | None:
@@ -64,7 +67,7 @@ def fused_attention_missing(platform: str, compute: jnp.dtype) -> str | None:
     if missing is None:
         return None
     return (f"attention falls back to XLA's, not cuDNN's fused kernel ({missing}): about 5x slower in the forward "
-            "and backward (bench.gpu); pip install nvidia-cudnn-cu13 beside jax's CUDA plugin")
+            f"and backward (bench.gpu); {INSTALL_CUDNN}")
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,7 @@ def _why_not_cudnn(dtype: jnp.dtype, softcap: float | None, packed_long: bool) -
         return (f"packed documents longer than {BLOCKWISE_AFTER} tokens: cuDNN's kernel would take their mask as "
                 "one [length, length] array")
     missing = cudnn_missing()
-    return "" if missing is None else f"{missing}: pip install nvidia-cudnn-cu13 beside jax's CUDA plugin"
+    return "" if missing is None else f"{missing}: {INSTALL_CUDNN}"
 
 
 def dot_attention(q_BxQxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, *, mask: jax.Array | None = None,
@@ -217,7 +220,7 @@ def dot_attention(q_BxQxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Arr
                                             is_causal=is_causal, local_window_size=band)
     heads, groups = q_BxQxHxK.shape[2], k_BxSxGxK.shape[2]
     k_BxSxHxK, v_BxSxHxK = (jnp.repeat(x, heads // groups, axis=2) for x in (k_BxSxGxK, v_BxSxGxK))
-    scale = q_BxQxHxK.shape[-1] ** -0.5 if scale is None else scale
+    scale = _scale(q_BxQxHxK, scale)
     scores_BxHxQxS = jnp.einsum("bqhk,bshk->bhqs", q_BxQxHxK, k_BxSxHxK, preferred_element_type=jnp.float32) * scale
     scores_BxHxQxS = jnp.tanh(scores_BxHxQxS / softcap) * softcap
     queries, keys = q_BxQxHxK.shape[1], k_BxSxGxK.shape[1]
@@ -245,13 +248,6 @@ def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.
     visible_TxS = sees(start + jnp.arange(queries)[:, None], jnp.arange(length)[None, :], window)
     attended = dot_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None], scale=scale, softcap=softcap)
     return attended, keys, values
-
-
-def sees(query_Qx1: jax.Array, key_1xK: jax.Array, window: int | None) -> jax.Array:
-    """[Q, K]: whether a query at each position sees a key at each position: an earlier one or itself, and with a
-    sliding window one of its `window` latest (i - window < j <= i)."""
-    visible_QxK = key_1xK <= query_Qx1
-    return visible_QxK if window is None else visible_QxK & (key_1xK > query_Qx1 - window)
 
 
 def causal_attention_in_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: int,

@@ -31,7 +31,8 @@ class Visibility(NamedTuple):
 
     causal: bool
     window: int | None
-    """A query at i sees the keys j with i - window < j <= i (None: every earlier key, or every key)."""
+    """A query at i sees the keys j with i - window < j <= i, in causal order as jax's local_window_size (window -
+    1, 0) has it (None: every earlier key, or every key)."""
     scale: float
     softcap: float | None
 
@@ -54,6 +55,13 @@ class Running(NamedTuple):
     out: jax.Array
     maximum: jax.Array
     total: jax.Array
+
+
+def sees(query_Qx1: jax.Array, key_1xK: jax.Array, window: int | None) -> jax.Array:
+    """[Q, K]: whether a query at each position sees a key at each position: an earlier one or itself, and with a
+    sliding window one of its `window` latest (i - window < j <= i)."""
+    visible_QxK = key_1xK <= query_Qx1
+    return visible_QxK if window is None else visible_QxK & (key_1xK > query_Qx1 - window)
 
 
 def visible_pairs(query_blocks: int, key_blocks: int, block: int, offset: int, visibility: Visibility,
@@ -120,12 +128,9 @@ def _scores(q_blk, k_blk, queries: Tokens, keys: Tokens, visibility: Visibility)
     if visibility.softcap is not None:
         capped = jnp.tanh(scores / visibility.softcap)
         scores = capped * visibility.softcap
-    query_at, key_at = queries.positions[:, :, None], keys.positions[:, None, :]
     visible = queries.segments[:, :, None] == keys.segments[:, None, :]
-    if visibility.causal:
-        visible &= key_at <= query_at
-    if visibility.window is not None:
-        visible &= key_at > query_at - visibility.window
+    if visibility.causal or visibility.window is not None:
+        visible &= sees(queries.positions[:, :, None], keys.positions[:, None, :], visibility.window)
     visible = visible[:, None, None]
     return jnp.where(visible, scores, NEGATIVE), visible, capped
 
