@@ -87,18 +87,15 @@ class ShardWriter:
     split: str
     dtype: np.dtype
     shard_tokens: int
-    bos: int | None
-    """What each document begins with (None: its own ids)."""
     shards: list[dict[str, Any]] = field(default_factory=list)
     _pieces: list[np.ndarray] = field(default_factory=list)
     _bounds: list[int] = field(default_factory=lambda: [0])
 
-    def add(self, ids: np.ndarray, end: np.ndarray) -> None:
-        """One document: the BOS token where documents begin with one, its ids, then the end-of-text token `end`
-        ([1])."""
-        begin = () if self.bos is None else (np.asarray([self.bos], np.uint32),)
-        self._pieces += (*begin, ids, end)
-        self._bounds.append(self._bounds[-1] + len(begin) + len(ids) + 1)
+    def add(self, begin: np.ndarray, ids: np.ndarray, end: np.ndarray) -> None:
+        """One document: `begin` (the BOS token where documents begin with one, else empty), its ids, then the
+        end-of-text token `end` (Tokenizer.around_documents)."""
+        self._pieces += (begin, ids, end)
+        self._bounds.append(self._bounds[-1] + len(begin) + len(ids) + len(end))
         if self._bounds[-1] >= self.shard_tokens:
             self.close()
 
@@ -150,9 +147,8 @@ def _write_shards(request: Request, files: list[Path], given: Tokenizer | None, 
                   every: int) -> dict[str, Any]:
     tokenizer = given or _trained_tokenizer(request, files)
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {split: ShardWriter(request.out, split, dtype, request.shard_tokens, tokenizer.bos)
-               for split in SPLITS}
-    end = np.asarray([tokenizer.end_of_text], np.uint32)
+    writers = {split: ShardWriter(request.out, split, dtype, request.shard_tokens) for split in SPLITS}
+    begin, end = tokenizer.around_documents()
     total = sum(p.stat().st_size for p in files)
     index = 0
     with tqdm(total=total, unit="B", unit_scale=True, desc="xlatrain data prepare", file=sys.stderr,
@@ -160,7 +156,7 @@ def _write_shards(request: Request, files: list[Path], given: Tokenizer | None, 
         read = _read_ahead(_batches(files, request.field))
         for encoded, size in _read_ahead((tokenizer.encode_batch(texts), size) for texts, size in read):
             for ids in encoded:
-                writers["eval" if index % every == 0 else "train"].add(ids, end)
+                writers["eval" if index % every == 0 else "train"].add(begin, ids, end)
                 index += 1
             progress.update(min(size, total - progress.n))
         progress.update(total - progress.n)

@@ -202,8 +202,7 @@ def _text_tokenizer(config: TextData, texts: list[str], run_dir: Path | None) ->
 def tokenize_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
     """The texts' ids, each text after the tokenizer's BOS (where it has one) and followed by end-of-text, as one
     stream of the smallest dtype that holds them."""
-    begin = np.asarray([] if tokenizer.bos is None else [tokenizer.bos], np.uint32)
-    end = np.asarray([tokenizer.end_of_text], np.uint32)
+    begin, end = tokenizer.around_documents()
     ids = tokenizer.encode_batch(texts)
     return np.concatenate([part for text_ids in ids for part in (begin, text_ids.astype(np.uint32), end)]).astype(
         token_dtype(tokenizer.vocab_size))

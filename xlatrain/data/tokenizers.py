@@ -52,6 +52,11 @@ class Tokenizer:
                      "fingerprint": self.fingerprint}
         return described if self.bos is None else {**described, "bos": self.bos}
 
+    def around_documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """(what each document begins with: [bos] or nothing, what ends it: [end_of_text]) as uint32 ids."""
+        return (np.asarray([] if self.bos is None else [self.bos], np.uint32),
+                np.asarray([self.end_of_text], np.uint32))
+
     def beginning_documents(self, add_bos: bool | None, option: str) -> Tokenizer:
         """This tokenizer as the data uses it: `bos` kept where documents begin with it (add_bos true, or None and
         the tokenizer adds one), else None. `option`: what asked for it, for the refusal of true without a BOS."""
