@@ -10,9 +10,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xlatrain.config import Config, resolve_data_parallel
-from xlatrain.config.parallel import CONTEXT
 from xlatrain.errors import UserError
-from xlatrain.sharding import TENSOR
+from xlatrain.sharding import CONTEXT, TENSOR
 
 DATA = "data"
 STAGE = "stage"

@@ -56,7 +56,6 @@ class MeshConfig(Strict):
 
 
 TENSOR = "tensor"
-CONTEXT = "context"
 MESH_AXES = ("data", TENSOR)
 """Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
 MeshAxes = tuple[str, ...]
