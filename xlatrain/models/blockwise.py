@@ -104,7 +104,7 @@ def blockwise_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: j
 def attention_over_pairs(q, k, v, queries: Tokens, keys: Tokens, pairs, block, visibility):
     """Attention of the queries over the keys of the listed [pairs, 2] (query block, key block) pairs (each query
     sees no others): one device's whole attention, or (context.py) its queries over gathered keys."""
-    return finished(forward_pairs(start(q, k.shape[2]), q, k, v, queries, keys, pairs, block, visibility), q)[0]
+    return _over_pairs_forward(q, k, v, queries, keys, pairs, block, visibility)[0]
 
 
 def grouped(q_BxLxHxK: jax.Array, groups: int) -> jax.Array:
