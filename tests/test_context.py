@@ -15,7 +15,7 @@ from xlatrain.config import load_config
 from xlatrain.mesh import eval_batch_sharding
 from xlatrain.models.attention import causal_attention
 from xlatrain.models.blockwise import Tokens, Visibility
-from xlatrain.models.context import balanced_order, local_attention
+from xlatrain.models.context import balanced_order, gathered_pairs, local_attention, ring_pairs
 from xlatrain.program import build_program
 from xlatrain.trainer import train
 
@@ -69,6 +69,31 @@ def test_context_parallel_loss_and_every_gradient_equal_one_device(split, packed
 def test_balanced_order_gives_each_device_an_early_and_a_late_chunk():
     assert balanced_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
     assert balanced_order(8, 1).tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("size, window", [(2, None), (4, None), (4, 12), (4, 5)])
+def test_each_device_reads_exactly_the_block_pairs_that_hold_a_visible_key(size, window):
+    """Every device, by ring steps and with gathered keys: the (query block, key block) pairs it reads are those
+    where some query's window (causal order, `window` latest keys) reaches some key, by their places in the row."""
+    length, block = 64, 4
+    visibility = Visibility(True, window, 1.0, None)
+    row = balanced_order(length, size).reshape(size, -1)  # each device's tokens' places in the row
+    chunk = length // (2 * size)
+
+    def visible(queries, keys):  # block pairs of a device's queries over `keys` (places) with a visible key
+        q, k = queries.reshape(-1, block), keys.reshape(-1, block)
+        return {(i, j) for i in range(len(q)) for j in range(len(k))
+                if any(b <= a and (window is None or b > a - window) for a in q[i] for b in k[j])}
+
+    def listed(table):
+        return {(int(i), int(j)) for i, j, counts in table if counts}
+
+    for r in range(size):
+        assert listed(gathered_pairs(size, chunk, block, visibility)[r]) == visible(row[r], row.reshape(-1))
+        for step in range(size):
+            assert listed(ring_pairs(size, step, chunk, block, visibility)[r]) == visible(row[r], row[r - step])
+    if window is not None and window < 2 * chunk:
+        assert len(listed(ring_pairs(size, 1, chunk, block, visibility)[0])) < (chunk // block) ** 2
 
 
 def test_each_device_runs_its_share_of_the_attention_products(devices):

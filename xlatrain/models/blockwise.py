@@ -102,7 +102,7 @@ def blockwise_attention(q_BxLxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: j
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def attention_over_pairs(q, k, v, queries: Tokens, keys: Tokens, pairs, block, visibility):
-    """Attention of the queries over the keys of the listed [pairs, 2] (query block, key block) pairs (each query
+    """Attention of the queries over the keys of the listed [pairs, 2 or 3] (query block, key block) pairs (each query
     sees no others): one device's whole attention, or (context.py) its queries over gathered keys."""
     return _over_pairs_forward(q, k, v, queries, keys, pairs, block, visibility)[0]
 
@@ -120,9 +120,10 @@ def start(q_BxLxHxK: jax.Array, groups: int) -> Running:
                    jnp.full(shape, NEGATIVE, jnp.float32), jnp.zeros(shape, jnp.float32))
 
 
-def _scores(q_blk, k_blk, queries: Tokens, keys: Tokens, visibility: Visibility):
+def _scores(q_blk, k_blk, queries: Tokens, keys: Tokens, visibility: Visibility, pair):
     """One pair's capped scores [B, G, R, Qb, Kb] in float32 (masked keys at NEGATIVE), its mask, and the tanh of
-    the soft cap (for its derivative; None without one)."""
+    the soft cap (for its derivative; None without one). A pair's third entry, where given, is 0 for a pair that
+    only pads a list (context.py) and sees nothing."""
     scores = jnp.einsum("bqgrk,bsgk->bgrqs", q_blk, k_blk, preferred_element_type=jnp.float32) * visibility.scale
     capped = None
     if visibility.softcap is not None:
@@ -131,6 +132,8 @@ def _scores(q_blk, k_blk, queries: Tokens, keys: Tokens, visibility: Visibility)
     visible = queries.segments[:, :, None] == keys.segments[:, None, :]
     if visibility.causal or visibility.window is not None:
         visible &= sees(queries.positions[:, :, None], keys.positions[:, None, :], visibility.window)
+    if pair.shape[0] > 2:
+        visible &= pair[2] > 0
     visible = visible[:, None, None]
     return jnp.where(visible, scores, NEGATIVE), visible, capped
 
@@ -151,7 +154,7 @@ def forward_pairs(running: Running, q, k, v, queries: Tokens, keys: Tokens, pair
     def step(state: Running, pair):
         i, j = pair[0], pair[1]
         scores, visible, _ = _scores(_blocks(q_g, i, block), _blocks(k, j, block), queries.block(i, block),
-                                     keys.block(j, block), visibility)
+                                     keys.block(j, block), visibility, pair)
         before = _blocks(state.maximum, i, block, axis=3)
         now = jnp.maximum(before, scores.max(axis=-1))
         weights = jnp.where(visible, jnp.exp(scores - now[..., None]), 0.0)
@@ -189,7 +192,8 @@ def backward_pairs(q, k, v, queries: Tokens, keys: Tokens, pairs, block: int, vi
         dq, dk, dv = carry
         i, j = pair[0], pair[1]
         q_blk, k_blk, v_blk = _blocks(q_g, i, block), _blocks(k, j, block), _blocks(v, j, block)
-        scores, visible, capped = _scores(q_blk, k_blk, queries.block(i, block), keys.block(j, block), visibility)
+        scores, visible, capped = _scores(q_blk, k_blk, queries.block(i, block), keys.block(j, block), visibility,
+                                          pair)
         weights = jnp.where(visible, jnp.exp(scores - _blocks(log_sum_exp, i, block, axis=3)[..., None]), 0.0)
         d_out_blk = _blocks(d_out, i, block)
         dv_blk = jnp.einsum("bgrqs,bqgrk->bsgk", weights, d_out_blk)

@@ -58,40 +58,43 @@ def block_of(chunk: int) -> int:
     return next((b for b in (BLOCK_AT_MOST, 256, 128) if b <= chunk and chunk % b == 0), chunk)
 
 
-def _expanded(chunk_pairs: list[tuple[int, int, bool]], blocks: int, block: int, visibility: Visibility,
-              ) -> list[tuple[int, int]]:
-    """(query chunk, key chunk, on the diagonal) -> (query block, key block) pairs; a diagonal chunk pair keeps
-    the blocks its causal order and window reach."""
-    diagonal = visible_pairs(blocks, blocks, block, 0, visibility).tolist()
-    full = [(m, n) for m in range(blocks) for n in range(blocks)]
-    return [(a * blocks + m, b * blocks + n) for a, b, on_diagonal in chunk_pairs
-            for m, n in (diagonal if on_diagonal else full)]
+def chunk_pairs(query_chunks: list[int], key_chunks: list[int], chunk: int, block: int,
+                visibility: Visibility) -> list[tuple[int, int]]:
+    """(query block, key block) pairs holding a visible key, for queries and keys held as the listed chunks of
+    the row (by their index among the row's chunks, in the order held): a pair of chunks is read only as far as
+    causal order and the window reach, whatever device holds it. Packed documents' positions restart at each
+    document, but within one document they advance as the row does, so what the row's order rules out holds for
+    them too."""
+    blocks = chunk // block
+    return [(a * blocks + m, b * blocks + n) for a, query in enumerate(query_chunks)
+            for b, key in enumerate(key_chunks)
+            for m, n in visible_pairs(blocks, blocks, block, (query - key) * chunk, visibility).tolist()]
 
 
-def gathered_pairs(size: int, blocks: int, block: int, visibility: Visibility) -> np.ndarray:
-    """[size, pairs, 2]: per device, (query block of its two chunks, key block of the gathered keys, which hold
-    device d's chunks d and 2 size - 1 - d at chunk places 2d and 2d + 1) with a visible key under causal order."""
-    table = []
-    for r in range(size):
-        chunks = [(0, 2 * j, False) for j in range(r)] + [(0, 2 * r, True)]
-        chunks += [(1, 2 * j, False) for j in range(size)] + [(1, 2 * d + 1, False) for d in range(r + 1, size)]
-        chunks += [(1, 2 * r + 1, True)]
-        table.append(_expanded(chunks, blocks, block, visibility))
-    return np.asarray(table, np.int32)
+def _held(device: int, size: int) -> list[int]:
+    return [device, 2 * size - 1 - device]
 
 
-def ring_pairs(size: int, step: int, blocks: int, block: int, visibility: Visibility) -> np.ndarray:
-    """[size, pairs, 2]: per device, at ring step `step` (holding the keys of device r - step), (query block, key
-    block of the two chunks held) with a visible key under causal order."""
-    table = []
-    for r in range(size):
-        source = (r - step) % size
-        if step == 0:
-            chunks = [(0, 0, True), (1, 0, False), (1, 1, True)]
-        else:
-            chunks = [(1, 0, False), (0, 0, False) if source < r else (1, 1, False)]
-        table.append(_expanded(chunks, blocks, block, visibility))
-    return np.asarray(table, np.int32)
+def _per_device(tables: list[list[tuple[int, int]]]) -> np.ndarray:
+    """[devices, pairs, 3] (query block, key block, 1), each device's list padded to the longest with (0, 0, 0),
+    pairs that count for nothing (sliding windows give the devices unequal lists; one program runs the most)."""
+    longest = max(map(len, tables))
+    return np.asarray([[(*pair, 1) for pair in table] + [(0, 0, 0)] * (longest - len(table)) for table in tables],
+                      np.int32).reshape(len(tables), longest, 3)
+
+
+def gathered_pairs(size: int, chunk: int, block: int, visibility: Visibility) -> np.ndarray:
+    """[size, pairs, 3]: per device, (query block of its two chunks, key block of the gathered keys, which hold
+    device d's chunks d and 2 size - 1 - d at chunk places 2d and 2d + 1, counts) with a visible key."""
+    gathered = [c for d in range(size) for c in _held(d, size)]
+    return _per_device([chunk_pairs(_held(r, size), gathered, chunk, block, visibility) for r in range(size)])
+
+
+def ring_pairs(size: int, step: int, chunk: int, block: int, visibility: Visibility) -> np.ndarray:
+    """[size, pairs, 3]: per device, at ring step `step` (holding the keys of device r - step), (query block, key
+    block of the two chunks held, counts) with a visible key."""
+    return _per_device([chunk_pairs(_held(r, size), _held((r - step) % size, size), chunk, block, visibility)
+                        for r in range(size)])
 
 
 def sequence_split_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array,
@@ -123,7 +126,7 @@ def local_attention(q, k, v, queries: Tokens, keys: Tokens, visibility: Visibili
     block = block_of(chunk)
     if kind == "all_gather":
         gathered = [jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, *keys)]
-        pairs = jnp.asarray(gathered_pairs(size, chunk // block, block, visibility))[jax.lax.axis_index(axis)]
+        pairs = jnp.asarray(gathered_pairs(size, chunk, block, visibility))[jax.lax.axis_index(axis)]
         return attention_over_pairs(q, gathered[0], gathered[1], queries, Tokens(*gathered[2:]), pairs, block,
                                     visibility)
     return ring_attention(q, k, v, queries, keys, block, visibility, size, axis)
@@ -135,7 +138,7 @@ def _shifted(tree, size: int, axis: str):
 
 
 def _pairs_at(size: int, step: int, chunk: int, block: int, visibility: Visibility, axis: str) -> jax.Array:
-    return jnp.asarray(ring_pairs(size, step, chunk // block, block, visibility))[jax.lax.axis_index(axis)]
+    return jnp.asarray(ring_pairs(size, step, chunk, block, visibility))[jax.lax.axis_index(axis)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
