@@ -34,6 +34,7 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DIMS = re.compile(r"\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Kernel:
     trips: int
     bytes: int
     flops: int
+    op_name: str = ""
+    """The traced operation it came from (jax's name stack, named scopes included)."""
 
 
 @dataclass
@@ -85,6 +88,14 @@ def kernel_split(hlo_text: str) -> dict:
     return split.as_record()
 
 
+def matmul_flops_in(hlo_text: str, scope: str) -> int:
+    """The matmul FLOPs per step of an optimised module's kernels traced under jax.named_scope(`scope`), forward
+    (`jvp(scope)`) and backward (`transpose(jvp(scope))`) alike."""
+    computations, entry = parse_computations(hlo_text)
+    inside = re.compile(rf"(^|[/(]){re.escape(scope)}\)*(/|$)")
+    return sum(kernel.trips * kernel.flops for kernel in kernels(computations, entry) if inside.search(kernel.op_name))
+
+
 def kernels(computations: dict[str, list[Line]], name: str, trips: int = 1) -> list[Kernel]:
     """The kernels of computation `name`, run `trips` times, and of the loops and branches it runs."""
     found = []
@@ -108,8 +119,23 @@ def kernels(computations: dict[str, list[Line]], name: str, trips: int = 1) -> l
         ran = inner or [line]
         seen = {**shapes, **{i.name: i.shape for i in ran}}
         found.append(Kernel(line.name, _kind(line, inner), trips, _bytes(line, shapes, inner),
-                            sum(_dot_flops(i, seen) for i in ran if i.opcode == "dot")))
+                            sum(_dot_flops(i, seen) for i in ran if i.opcode == "dot"), _op_name(line, lines)))
     return found
+
+
+def _op_name(line: Line, lines: list[Line]) -> str:
+    """The operation `line` was traced from; where XLA left it none (XNNPACK's dot fusions on CPU), that of its
+    nearest operands that have one, as a dot's inputs come from the same scope as the dot."""
+    by_name, pending, seen = {i.name: i for i in lines}, [line], set()
+    while pending:
+        current = pending.pop(0)
+        found = _OP_NAME.search(current.text)
+        if found:
+            return found.group(1)
+        fresh = [by_name[o] for o in current.operands if o in by_name and o not in seen]
+        seen.update(o.name for o in fresh)
+        pending += fresh
+    return ""
 
 
 def parse_computations(hlo_text: str) -> tuple[dict[str, list[Line]], str]:

@@ -138,6 +138,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None = None,
               segment_ids: jax.Array | None = None, window: int | None = None, softcap: float | None = None,
               positions: jax.Array | None = None) -> jax.Array:
+    """Under jax.named_scope('attention'): the compiled step's attention kernels carry its name (profiles' traces;
+    lowering.kernels.matmul_flops_in counts their FLOPs)."""
+    with jax.named_scope("attention"):
+        return _attention(q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids, window=window,
+                          softcap=softcap, positions=positions)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None,
+               segment_ids: jax.Array | None, window: int | None, softcap: float | None,
+               positions: jax.Array | None) -> jax.Array:
     window = None if window is None or window >= k.shape[1] else window
     split = context_split()
     if split is not None:
@@ -163,8 +173,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
             except (NotImplementedError, RuntimeError, ValueError) as err:  # a shape, GPU or cuDNN it does not take
                 why = f"cuDNN's kernel refused it: {first_line(err)[:160]}"
     if backend == "cpu" and q.dtype == jnp.float16:
-        return attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale,
-                         segment_ids=segment_ids, window=window, softcap=softcap).astype(q.dtype)
+        return _attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal, scale=scale,
+                          segment_ids=segment_ids, window=window, softcap=softcap, positions=None).astype(q.dtype)
     if block is not None:
         _took(window, softcap, f"XLA's, in blocks of {block} queries and keys", why)
         return blockwise_attention(q, k, v, block, Visibility(is_causal, window, _scale(q, scale), softcap),
