@@ -52,13 +52,15 @@ def one_device(packed):
 
 @pytest.mark.parametrize("split", [["mesh.context=2", "mesh.data=2"],
                                    ["mesh.context=2", "mesh.data=2", "parallel.context_attention=all_gather"],
-                                   ["mesh.context=4", "mesh.data=2", "parallel.strategy=fsdp"]],
-                         ids=["ring-c2", "all_gather-c2", "ring-c4-fsdp"])
+                                   ["mesh.context=4", "mesh.data=2", "parallel.strategy=fsdp"],
+                                   ["mesh.context=2", "mesh.data=1", "mesh.tensor=2",
+                                    "parallel.sequence_parallel=true"]],
+                         ids=["ring-c2", "all_gather-c2", "ring-c4-fsdp", "ring-c2-t2-sp"])
 def test_context_parallel_loss_and_every_gradient_equal_one_device(split, packed, one_device, devices):
     _, reference, reference_loss, reference_losses = one_device
-    context = int(split[0][-1])
-    program, grads, loss, losses = gradients_and_losses([*packed, *split], devices[:2 * context])
-    assert dict(program.mesh.shape) == {"data": 2, "context": context}
+    mesh = {o.split("=")[0].removeprefix("mesh."): int(o.split("=")[1]) for o in split if o.startswith("mesh.")}
+    program, grads, loss, losses = gradients_and_losses([*packed, *split], devices[:int(np.prod([*mesh.values()]))])
+    assert {k: v for k, v in program.mesh.shape.items() if v > 1} == {k: v for k, v in mesh.items() if v > 1}
     np.testing.assert_allclose(loss, reference_loss, rtol=1e-5)
     assert_leaves_close(grads, reference)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)  # the eval step's, then the train steps'
@@ -129,7 +131,6 @@ def test_a_run_resumes_on_another_context_size_as_if_uninterrupted(packed, tmp_p
                                                           "split the sequence over"),
     ([*TINY_GPT, "mesh.context=2", "mesh.stage=2"], "parallel.mode=shard_map (chosen by parallel.mode=auto for a "
                                                     "pipeline"),
-    ([*TINY_GPT, "mesh.context=2", "mesh.tensor=2"], "mesh.tensor=2 is not supported with it"),
 ])
 def test_what_context_parallelism_cannot_run_is_one_line(overrides, message, capsys):
     from xlatrain.cli import main

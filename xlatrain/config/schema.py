@@ -122,11 +122,10 @@ class Config(Strict):
         if mode == "pmap":
             raise ValueError(f"mesh.context={context} with parallel.mode=pmap: pmap maps the step over `data` alone, "
                              "with no axis to split the sequence over; use parallel.mode=jit")
-        if mode != "jit" or self.mesh.tensor > 1:
-            what = f"parallel.mode={mode}{chosen}" if mode != "jit" else f"mesh.tensor={self.mesh.tensor}"
-            raise ValueError(f"mesh.context={context} runs in one global program (parallel.mode=jit) without a "
-                             f"tensor axis; {what} is not supported with it: use parallel.mode=jit, mesh.stage=1, "
-                             "mesh.tensor=1 and collectives.impl=xla, or set mesh.context=1")
+        if mode != "jit":
+            raise ValueError(f"mesh.context={context} runs in one global program (parallel.mode=jit); "
+                             f"parallel.mode={mode}{chosen} is not supported with it: use parallel.mode=jit, "
+                             "mesh.stage=1 and collectives.impl=xla, or set mesh.context=1")
         return self
 
     @model_validator(mode="after")

@@ -106,13 +106,14 @@ def sequence_split_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxG
     positions = jnp.broadcast_to(positions_BxL, q_BxLxHxK.shape[:2]).astype(jnp.int32)
     segments = jnp.zeros_like(positions) if segments_BxL is None else segments_BxL.astype(jnp.int32)
     split = P(layout.rows_on, CONTEXT)
+    heads, kv_heads = (P(layout.rows_on, CONTEXT, layout.axes_of(name)) for name in ("heads", "kv_heads"))
 
     def local(q, k, v, positions, segments):
         tokens = Tokens(positions, segments)
         return local_attention(q, k, v, tokens, tokens, visibility, layout.context, CONTEXT,
                                layout.context_attention)
 
-    return shard_map(local, layout.mesh, in_specs=(split,) * 5, out_specs=split)(
+    return shard_map(local, layout.mesh, in_specs=(heads, kv_heads, kv_heads, split, split), out_specs=heads)(
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, segments)
 
 
