@@ -39,7 +39,8 @@ LONGEST_TRIED = (131072, 196608, 262144)
 
 def lower(overrides: list[str], devices: int, target: str | None) -> dict:
     flags = ["--target", target, "--devices", str(devices)] if target else []
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ,
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
     result = subprocess.run([sys.executable, "-m", "xlatrain.cli", "lower", *overrides, "--json", *flags], cwd=REPO,
                             capture_output=True, text=True, env=env)
     if result.returncode != 0:

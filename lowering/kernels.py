@@ -101,6 +101,7 @@ def kernels(computations: dict[str, list[Line]], name: str, trips: int = 1) -> l
     found = []
     lines = computations[name]
     shapes = {line.name: line.shape for line in lines}
+    by_name = {line.name: line for line in lines}
     for line in lines:
         if line.opcode == "while":
             body = _BODY.search(line.text)
@@ -119,14 +120,14 @@ def kernels(computations: dict[str, list[Line]], name: str, trips: int = 1) -> l
         ran = inner or [line]
         seen = {**shapes, **{i.name: i.shape for i in ran}}
         found.append(Kernel(line.name, _kind(line, inner), trips, _bytes(line, shapes, inner),
-                            sum(_dot_flops(i, seen) for i in ran if i.opcode == "dot"), _op_name(line, lines)))
+                            sum(_dot_flops(i, seen) for i in ran if i.opcode == "dot"), _op_name(line, by_name)))
     return found
 
 
-def _op_name(line: Line, lines: list[Line]) -> str:
+def _op_name(line: Line, by_name: dict[str, Line]) -> str:
     """The operation `line` was traced from; where XLA left it none (XNNPACK's dot fusions on CPU), that of its
     nearest operands that have one, as a dot's inputs come from the same scope as the dot."""
-    by_name, pending, seen = {i.name: i for i in lines}, [line], set()
+    pending, seen = [line], set()
     while pending:
         current = pending.pop(0)
         found = _OP_NAME.search(current.text)

@@ -78,8 +78,9 @@ def _held(device: int, size: int) -> list[int]:
 
 
 def _per_device(tables: list[list[tuple[int, int]]]) -> np.ndarray:
-    """[devices, pairs, 3] (query block, key block, 1), each device's list padded to the longest with (0, 0, 0),
-    pairs that count for nothing (sliding windows give the devices unequal lists; one program runs the most)."""
+    """[lists, pairs, 3] (query block, key block, 1), each list padded to the longest with (0, 0, 0), pairs that
+    count for nothing (sliding windows give the devices, and the ring's steps, unequal lists; one program, and one
+    loop, runs the most)."""
     longest = max(map(len, tables))
     return np.asarray([[(*pair, 1) for pair in table] + [(0, 0, 0)] * (longest - len(table)) for table in tables],
                       np.int32).reshape(len(tables), longest, 3)
@@ -92,11 +93,15 @@ def gathered_pairs(size: int, chunk: int, block: int, visibility: Visibility) ->
     return _per_device([chunk_pairs(_held(r, size), gathered, chunk, block, visibility) for r in range(size)])
 
 
+def _ring_lists(size: int, step: int, chunk: int, block: int, visibility: Visibility) -> list:
+    return [chunk_pairs(_held(r, size), _held((r - step) % size, size), chunk, block, visibility)
+            for r in range(size)]
+
+
 def ring_pairs(size: int, step: int, chunk: int, block: int, visibility: Visibility) -> np.ndarray:
     """[size, pairs, 3]: per device, at ring step `step` (holding the keys of device r - step), (query block, key
     block of the two chunks held, counts) with a visible key."""
-    return _per_device([chunk_pairs(_held(r, size), _held((r - step) % size, size), chunk, block, visibility)
-                        for r in range(size)])
+    return _per_device(_ring_lists(size, step, chunk, block, visibility))
 
 
 def sequence_split_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array,
@@ -147,10 +152,8 @@ def _pairs_at(size: int, step: int, chunk: int, block: int, visibility: Visibili
 def _remote_pairs(size: int, chunk: int, block: int, visibility: Visibility, axis: str) -> jax.Array:
     """[size - 1, pairs, 3]: this device's pairs at ring steps 1 .. size - 1 (the keys of other devices), each
     step's list padded to the longest, so that one loop runs every step."""
-    tables = [ring_pairs(size, step, chunk, block, visibility) for step in range(1, size)]
-    longest = max(table.shape[1] for table in tables)
-    padded = np.stack([np.pad(table, ((0, 0), (0, longest - table.shape[1]), (0, 0))) for table in tables])
-    return jnp.asarray(padded)[:, jax.lax.axis_index(axis)]
+    lists = [pairs for step in range(1, size) for pairs in _ring_lists(size, step, chunk, block, visibility)]
+    return jnp.asarray(_per_device(lists).reshape(size - 1, size, -1, 3))[:, jax.lax.axis_index(axis)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -163,17 +166,14 @@ def _ring_forward(q, k, v, queries, keys, block, visibility, size, axis):
     """Step 0 on the device's own keys, then one loop over the others' as they arrive: one loop's buffers,
     whatever the ring's size (unrolled, each step's held their own: 1.6x one device's temporaries at C = 8)."""
     chunk = q.shape[1] // 2
-    held = (k, v, keys)
-    arriving = _shifted(held, size, axis)  # in flight during step 0's work
-    running = forward_pairs(start(q, k.shape[2]), q, k, v, queries, keys,
-                            _pairs_at(size, 0, chunk, block, visibility, axis), block, visibility)
 
-    def remote(carry, pairs):
+    def step(carry, pairs):
         running, held = carry
-        onward = _shifted(held, size, axis)  # the last step's brings the keys home, unused
+        onward = _shifted(held, size, axis)  # in flight during this step's work; the last step's, home, unused
         return (forward_pairs(running, q, held[0], held[1], queries, held[2], pairs, block, visibility), onward), None
 
-    running = jax.lax.scan(remote, (running, arriving), _remote_pairs(size, chunk, block, visibility, axis))[0][0]
+    carry = step((start(q, k.shape[2]), (k, v, keys)), _pairs_at(size, 0, chunk, block, visibility, axis))[0]
+    running = jax.lax.scan(step, carry, _remote_pairs(size, chunk, block, visibility, axis))[0][0]
     attended, log_sum_exp = finished(running, q)
     return attended, (q, k, v, queries, keys, attended, log_sum_exp)
 
