@@ -4,6 +4,7 @@ pmap) x parallel.strategy (replicated, zero1, fsdp) over the `data` axis. A pipe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -13,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from xlatrain.lowering.context_link import context_group
 from xlatrain.lowering.grad_sync import (
     ExplicitReplicas,
     PartitionedReplicas,
@@ -31,6 +33,7 @@ from xlatrain.mesh import (
     tensor_size,
     train_batch_sharding,
 )
+from xlatrain.models.context import inside_context_group
 from xlatrain.models.interface import ModelDef
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
@@ -131,7 +134,7 @@ class DataParallel:
         return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s,
                                  self._split_dims(params) if strategy in ("zero1", "fsdp") else None,
                                  across_processes=c.impl == "custom" and self._data_axis_processes() > 1,
-                                 params_split=strategy == "fsdp", complete=complete)
+                                 params_split=strategy == "fsdp", complete=complete, context=self.config.mesh.context)
 
     def per_device(self, step: Any, specs: TrainState, out_specs: Any = None, steps: int | None = None,
                    batch_spec: P | None = None) -> Any:
@@ -139,7 +142,7 @@ class DataParallel:
         mode = self.config.parallel.mode
         batch_spec = batch_spec or train_batch_sharding(self.mesh, steps or self.config.trainer.steps_per_sync).spec
         if mode == "shard_map":
-            return shard_map(self._in_tensor_group(step), self.mesh, in_specs=(specs, batch_spec),
+            return shard_map(self._in_groups(step), self.mesh, in_specs=(specs, batch_spec),
                              out_specs=(specs, P()) if out_specs is None else out_specs)
         if mode == "pmap":
             return pmap_over_rows(step, DATA, list(self.mesh.devices.ravel()), rows_axis=len(batch_spec) - 1)
@@ -171,12 +174,24 @@ class DataParallel:
                                      self.config.parallel.context_attention, rows_on)
         return _traced_within(lambda: activations_laid_out(layout), step)
 
-    def _in_tensor_group(self, step: Callable) -> Callable:
-        """A per-device step whose models' regions meet through the tensor group while it is traced."""
-        if not self.tensor_inside:
+    def _in_groups(self, step: Callable) -> Callable:
+        """A per-device step whose models' regions meet through the tensor group, and whose attention meets the
+        rest of the sequence through the context group, while it is traced."""
+        tensor = self._tensor_group() if self.tensor_inside else None
+        context = self.config.mesh.context
+        group = None
+        if context > 1:
+            c = self.config.collectives
+            group = context_group(context, self.config.parallel.context_attention, c.impl, c.timeout_s)
+        if tensor is None and group is None:
             return step
-        group = self._tensor_group()
-        return _traced_within(lambda: inside_tensor_group(group), step)
+
+        @contextlib.contextmanager
+        def inside():
+            with inside_tensor_group(tensor), inside_context_group(group):
+                yield
+
+        return _traced_within(inside, step)
 
     def _tensor_group(self) -> TensorGroup:
         c = self.config.collectives

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from xlatrain.mesh import CONTEXT
+
 Tree = Any
 
 
@@ -76,6 +78,9 @@ class ExplicitReplicas:
     complete: Callable[[Tree], Tree] | None = None
     """Sums the gradients that each device of a tensor group holds a part of over the group, before the
     replicas meet (lowering/tensor_link.py)."""
+    context: int = 1
+    """Devices over CONTEXT that share this replica's rows, each holding a part of the sequence: its sums (the
+    gradients', the metrics', the loss weights') are summed over them too."""
 
     def split(self, batch: dict) -> dict:
         return jax.tree.map(lambda x: x[None], batch)
@@ -91,21 +96,27 @@ class ExplicitReplicas:
         return one
 
     def indices(self) -> jax.Array:
-        return jax.lax.axis_index(self.axis)[None]
+        """This device's place among every part of every replica (its replica's, where no context splits it):
+        what its random draws (dropout) fold in."""
+        index = jax.lax.axis_index(self.axis)
+        return (index if self.context == 1 else index + self.participants * jax.lax.axis_index(CONTEXT))[None]
 
     def total(self, local: jax.Array) -> jax.Array:
-        return self.all_reduce(local, self.axis)
+        return self._over_context(self.all_reduce(local, self.axis))
 
     def sum_gradients(self, grads_R: Tree, dtype: jnp.dtype) -> Tree:
         grads = jax.tree.map(lambda g: g[0], grads_R)
         if self.complete is not None:
             grads = self.complete(grads)
-        if self.participants == 1:
+        if self.participants * self.context == 1:
             # A pipeline over one data replica: nothing to sum, so no flat copy of the gradients and no rounding
             # to the communication dtype (XLA:CPU would keep the one-device collectives, and their copies).
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         def reduce_bucket(bucket: jax.Array) -> jax.Array:
+            bucket = self._over_context(bucket)
+            if self.participants == 1:
+                return bucket
             if self.buckets_by_all_reduce:
                 return self.all_reduce(bucket, self.axis)
             return self.all_gather(self.reduce_scatter(bucket, self.axis), self.axis)
@@ -113,11 +124,14 @@ class ExplicitReplicas:
         return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants, reduce_bucket)
 
     def sum_metrics(self, sums_R: Tree) -> Tree:
-        return jax.tree.map(lambda s: self.all_reduce(s[0], self.axis), sums_R)
+        return jax.tree.map(lambda s: self.total(s[0]), sums_R)
 
     def mean_model_state(self, model_state_R: Tree) -> Tree:
-        return jax.tree.map(
-            lambda x: mean_of_sum(self.all_reduce(widened(x[0]), self.axis), self.participants, x.dtype), model_state_R)
+        return jax.tree.map(lambda x: mean_of_sum(self.total(widened(x[0])), self.participants * self.context,
+                                                  x.dtype), model_state_R)
+
+    def _over_context(self, x: jax.Array) -> jax.Array:
+        return x if self.context == 1 else self.all_reduce(x, CONTEXT)
 
     def gather(self, params: Tree) -> Tree:
         """FSDP's whole params from this device's blocks; otherwise `params` as they are."""
@@ -163,7 +177,8 @@ def update(tx: optax.GradientTransformation, grads: Tree, opt_state: Tree, param
 
 def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str, timeout_s: float,
                       shard_dims: Tree | None = None, across_processes: bool = False,
-                      params_split: bool = False, complete: Callable[[Tree], Tree] | None = None) -> ExplicitReplicas:
+                      params_split: bool = False, complete: Callable[[Tree], Tree] | None = None,
+                      context: int = 1) -> ExplicitReplicas:
     if impl == "custom":
         from xlatrain import custom_calls as ops
 
@@ -172,12 +187,12 @@ def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str
             reduce_scatter=lambda x, a: ops.reduce_scatter(x, a, timeout_s=timeout_s),
             all_gather=lambda x, a: ops.all_gather(x, a, tiled=True, timeout_s=timeout_s),
             all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s), shard_dims=shard_dims,
-            params_split=params_split, buckets_by_all_reduce=across_processes, complete=complete)
+            params_split=params_split, buckets_by_all_reduce=across_processes, complete=complete, context=context)
     return ExplicitReplicas(axis, participants, bucket_bytes,
                             reduce_scatter=lambda x, a: jax.lax.psum_scatter(x, a, tiled=True),
                             all_gather=lambda x, a: jax.lax.all_gather(x, a, tiled=True),
                             all_reduce=jax.lax.psum, shard_dims=shard_dims, params_split=params_split,
-                            complete=complete)
+                            complete=complete, context=context)
 
 
 def bucket_bounds(total: int, itemsize: int, bucket_bytes: int, participants: int) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ import optax
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas
 
 from xlatrain.errors import UserError
-from xlatrain.models.context import balanced_order
+from xlatrain.models.context import balanced_order, current_context_group
 from xlatrain.models.interface import Documents, documents_of
 from xlatrain.precision import Policy, cast_floats, next_loss_scale
 from xlatrain.sharding import context_split
@@ -287,18 +287,22 @@ def make_eval_step(model: ModelDef, loss: str, policy: Policy,
 
 
 def in_context_order(batch: dict) -> dict:
-    """With context parallelism (the traced step splits the sequence over `context`): every entry's sequence in
-    balanced_order (xlatrain/models/context.py), the tokens' positions and segment ids among them (positions 0,
-    1, ... and one segment where the data does not pack documents), which attention and RoPE read; the loss,
-    a mean over the tokens, is the same in any order. The batch as it is otherwise."""
-    layout = context_split()
-    if layout is None:
+    """With context parallelism (the traced step splits the sequence over `context`, or is one device's program in
+    a context group): every entry's sequence in balanced_order (xlatrain/models/context.py), or in a per-device
+    program this device's part of it, the tokens' positions and segment ids among them (positions 0, 1, ... and
+    one segment where the data does not pack documents), which attention and RoPE read; the loss, a mean over the
+    tokens, is the same in any order. The batch as it is otherwise."""
+    layout, group = context_split(), current_context_group()
+    size = layout.context if layout is not None else group.size if group is not None else 1
+    if size == 1:
         return batch
     shape = batch["inputs"].shape
-    if shape[-1] % (2 * layout.context):
-        raise UserError(f"mesh.context={layout.context} cuts each row into {2 * layout.context} equal chunks, and "
-                        f"the data's rows hold {shape[-1]} tokens: give rows of a multiple of {2 * layout.context}")
-    order = balanced_order(shape[-1], layout.context)
+    if shape[-1] % (2 * size):
+        raise UserError(f"mesh.context={size} cuts each row into {2 * size} equal chunks, and the data's rows "
+                        f"hold {shape[-1]} tokens: give rows of a multiple of {2 * size}")
+    order = jnp.asarray(balanced_order(shape[-1], size))
+    if group is not None:
+        order = order.reshape(size, -1)[group.index()]
     whole = {"positions": jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape),
              "segment_ids": jnp.ones(shape, jnp.int32), **batch}
     return {key: jnp.take(value, order, axis=-1) for key, value in whole.items()}

@@ -8,6 +8,7 @@ import pytest
 from conftest import DIGITS_MLP, TINY_GPT, token_batch
 from test_tensor_parallel import TP_GPT, assert_leaves_close
 from test_tokens import write_corpus
+from xlatrain.lowering.inspect import collectives
 
 from xlatrain.commands.prepare import Request, prepare
 from xlatrain.config import load_config
@@ -26,7 +27,8 @@ def gradients_and_losses(overrides, devices, steps=3):
     of `steps` steps on the batch."""
     program = build_program(load_config(None, overrides), devices)
     state, batch = program.create_state(), token_batch(program)
-    grads, sums = jax.device_get(program.gradients(state, batch))
+    grads, sums = program.gradients(state, batch)
+    grads = jax.device_get(program.pipeline.layout.layer_params(grads) if program.pipeline else grads)
     rows = [program.dataset.eval[i] for i in range(program.derived.global_batch)]
     held_out = jax.device_put({k: np.stack([r[k] for r in rows]) for k in rows[0]}, eval_batch_sharding(program.mesh))
     losses = [float(program.eval_step(state, held_out)["eval_loss"])]
@@ -54,8 +56,18 @@ def one_device(packed):
                                    ["mesh.context=2", "mesh.data=2", "parallel.context_attention=all_gather"],
                                    ["mesh.context=4", "mesh.data=2", "parallel.strategy=fsdp"],
                                    ["mesh.context=2", "mesh.data=1", "mesh.tensor=2",
-                                    "parallel.sequence_parallel=true"]],
-                         ids=["ring-c2", "all_gather-c2", "ring-c4-fsdp", "ring-c2-t2-sp"])
+                                    "parallel.sequence_parallel=true"],
+                                   ["mesh.context=2", "mesh.data=2", "parallel.mode=shard_map", "batch.microbatches=2"],
+                                   ["mesh.context=2", "mesh.data=2", "parallel.mode=shard_map",
+                                    "parallel.context_attention=all_gather", "parallel.strategy=zero1"],
+                                   ["mesh.context=4", "mesh.data=1", "parallel.mode=shard_map",
+                                    "collectives.impl=custom"],
+                                   ["mesh.context=2", "mesh.data=1", "mesh.tensor=2", "parallel.mode=shard_map",
+                                    "parallel.sequence_parallel=true", "collectives.impl=custom"],
+                                   ["mesh.context=2", "mesh.stage=2", "mesh.data=1", "collectives.impl=custom"]],
+                         ids=["ring-c2", "all_gather-c2", "ring-c4-fsdp", "ring-c2-t2-sp",
+                              "shard_map-ring-c2-accumulated", "shard_map-all_gather-c2-zero1",
+                              "shard_map-custom-ring-c4", "shard_map-custom-c2-t2-sp", "pipeline-custom-ring-c2-s2"])
 def test_context_parallel_loss_and_every_gradient_equal_one_device(split, packed, one_device, devices):
     _, reference, reference_loss, reference_losses = one_device
     mesh = {o.split("=")[0].removeprefix("mesh."): int(o.split("=")[1]) for o in split if o.startswith("mesh.")}
@@ -64,6 +76,9 @@ def test_context_parallel_loss_and_every_gradient_equal_one_device(split, packed
     np.testing.assert_allclose(loss, reference_loss, rtol=1e-5)
     assert_leaves_close(grads, reference)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)  # the eval step's, then the train steps'
+    if "collectives.impl=custom" in split:  # the ring's transfers are xlatrain's ppermute calls, not XLA's
+        kinds = {c["kind"] for c in collectives(program.train_step.first.compiled.as_text())}
+        assert "xlatrain ppermute" in kinds and "collective-permute" not in kinds, kinds
 
 
 def test_balanced_order_gives_each_device_an_early_and_a_late_chunk():
@@ -110,7 +125,8 @@ def test_each_device_runs_its_share_of_the_attention_products():
 
 
 def test_a_run_resumes_on_another_context_size_as_if_uninterrupted(packed, tmp_path):
-    """3 steps at mesh.context=2, then 2 more at mesh.context=4: the losses of one uninterrupted context=2 run."""
+    """3 steps at mesh.context=2, then 2 more at mesh.context=4: the losses of one uninterrupted context=2 run
+    (its 5 steps fused into one program)."""
     common = [*packed, "batch.global_size=8", "trainer.checkpoint_every=3", "trainer.progress=false"]
     for steps, context in ((3, 2), (5, 4)):
         train(load_config(None, [*common, f"mesh.context={context}", f"trainer.steps={steps}",
@@ -118,8 +134,9 @@ def test_a_run_resumes_on_another_context_size_as_if_uninterrupted(packed, tmp_p
     from xlatrain.run.metrics import read_metrics
 
     resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "elastic" / "metrics.jsonl") if "loss" in r}
-    straight = train(load_config(None, [*common, "mesh.context=2", "trainer.steps=5",
-                                        f"trainer.run_dir={tmp_path / 'straight'}"]), echo=lambda _: None).losses
+    straight = train(load_config(None, [*common, "mesh.context=2", "trainer.steps=5", "trainer.steps_per_sync=5",
+                                        "trainer.checkpoint_every=5", f"trainer.run_dir={tmp_path / 'straight'}"]),
+                     echo=lambda _: None).losses
     np.testing.assert_allclose([resumed[s] for s in range(1, 6)], [straight[s] for s in range(1, 6)], rtol=1e-5)
 
 
@@ -129,8 +146,7 @@ def test_a_run_resumes_on_another_context_size_as_if_uninterrupted(packed, tmp_p
     ([*TINY_GPT, "mesh.context=4", "data.seq_len=36"], "data.seq_len=36 is not a multiple of 8"),
     ([*TINY_GPT, "mesh.context=2", "parallel.mode=pmap"], "pmap maps the step over `data` alone, with no axis to "
                                                           "split the sequence over"),
-    ([*TINY_GPT, "mesh.context=2", "mesh.stage=2"], "parallel.mode=shard_map (chosen by parallel.mode=auto for a "
-                                                    "pipeline"),
+    ([*TINY_GPT, "mesh.context=2", "mesh.stage=2"], "XLA's collective-permute waits for every device of the mesh"),
 ])
 def test_what_context_parallelism_cannot_run_is_one_line(overrides, message, capsys):
     from xlatrain.cli import main

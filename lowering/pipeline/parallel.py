@@ -16,7 +16,7 @@ from xlatrain.lowering.pipeline.evaluation import make_pipeline_eval
 from xlatrain.lowering.pipeline.gradients import make_pipeline_gradients
 from xlatrain.lowering.pipeline.stage_link import StageLink, stage_link
 from xlatrain.lowering.pipeline.work import pipeline_work, residual_bytes
-from xlatrain.lowering.step import eval_metrics
+from xlatrain.lowering.step import eval_metrics, in_context_order
 
 from xlatrain.config import Config, Derived
 from xlatrain.data.spec import DataSpec
@@ -126,7 +126,7 @@ class PipelineParallel(DataParallel):
         replicas, gather = self.replicas(params), self.gather_params(params)
 
         def eval_step(state: TrainState, batch: dict) -> dict:
-            return eval_metrics(jax.tree.map(replicas.total, evaluate(gather(state.params), batch)))
+            return eval_metrics(jax.tree.map(replicas.total, evaluate(gather(state.params), in_context_order(batch))))
 
         return self.per_device(eval_step, specs, out_specs=P(), batch_spec=eval_batch_sharding(self.mesh).spec)
 

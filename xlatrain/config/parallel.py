@@ -169,7 +169,8 @@ class ParallelConfig(Strict):
     context_attention: Literal["ring", "all_gather"] = "ring"
     """With mesh.context > 1: ring passes each device's keys and values round the context group, step by step,
     into an online softmax (no device holds more than its own share of them); all_gather gathers every layer's
-    keys and values whole on each device."""
+    keys and values whole on each device. In a pipeline the ring needs collectives.impl=custom (XLA's
+    collective-permute waits for every device of the mesh, and stages act at different times)."""
 
     @field_validator("logical_rules", mode="before")
     @classmethod

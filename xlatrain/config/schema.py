@@ -117,15 +117,14 @@ class Config(Strict):
         if getattr(self.data, "buckets", None) is not None:
             raise ValueError(f"mesh.context={context} splits rows of one length, data.seq_len; data.buckets pads "
                              "batches to other lengths: drop data.buckets, or set mesh.context=1")
-        mode = self.parallel.mode
-        chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
-        if mode == "pmap":
+        if self.parallel.mode == "pmap":
             raise ValueError(f"mesh.context={context} with parallel.mode=pmap: pmap maps the step over `data` alone, "
                              "with no axis to split the sequence over; use parallel.mode=jit")
-        if mode != "jit":
-            raise ValueError(f"mesh.context={context} runs in one global program (parallel.mode=jit); "
-                             f"parallel.mode={mode}{chosen} is not supported with it: use parallel.mode=jit, "
-                             "mesh.stage=1 and collectives.impl=xla, or set mesh.context=1")
+        if self.mesh.stage > 1 and self.parallel.context_attention == "ring" and self.collectives.impl == "xla":
+            raise ValueError(f"mesh.context={context} with mesh.stage={self.mesh.stage}: the ring's steps run inside "
+                             "each stage's own actions, and XLA's collective-permute waits for every device of the "
+                             "mesh (stages act at different times); set collectives.impl=custom (xlatrain's ppermute "
+                             "meets the context group alone) or parallel.context_attention=all_gather")
         return self
 
     @model_validator(mode="after")

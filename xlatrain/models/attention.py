@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from xlatrain.compat.backends import cudnn_missing
 from xlatrain.errors import first_line
 from xlatrain.models.blockwise import Visibility, blockwise_attention, sees
-from xlatrain.models.context import sequence_split_attention
+from xlatrain.models.context import current_context_group, local_attention, sequence_split_attention, token_places
 from xlatrain.runtime.platform import lowering_platform
 from xlatrain.sharding import context_split
 
@@ -148,14 +148,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scal
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: float | None,
                segment_ids: jax.Array | None, window: int | None, softcap: float | None,
                positions: jax.Array | None) -> jax.Array:
-    window = None if window is None or window >= k.shape[1] else window
-    split = context_split()
-    if split is not None:
+    split, group = context_split(), current_context_group()
+    parts = split.context if split is not None else group.size if group is not None else 1
+    window = None if window is None or window >= k.shape[1] * parts else window
+    if parts > 1:
         if not is_causal or positions is None:
             raise ValueError("context parallelism splits causal self-attention whose tokens carry their positions")
-        _took(window, softcap, f"{split.context_attention} over mesh.context={split.context}, blockwise")
-        return sequence_split_attention(q, k, v, positions, segment_ids,
-                                        Visibility(True, window, _scale(q, scale), softcap), split)
+        visibility = Visibility(True, window, _scale(q, scale), softcap)
+        kind = split.context_attention if split is not None else group.kind
+        _took(window, softcap, f"{kind} over mesh.context={parts}, blockwise")
+        if split is not None:
+            return sequence_split_attention(q, k, v, positions, segment_ids, visibility, split)
+        return local_attention(q, k, v, *[token_places(positions, segment_ids, q.shape[:2])] * 2, visibility, group)
     backend = lowering_platform()
     band = None if window is None else (window - 1, 0)
     block = blockwise_block(q.shape[1], k.shape[1])

@@ -18,8 +18,11 @@ hold across the split; a chunk pair is run in blocks of at most BLOCK_AT_MOST qu
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Literal
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +46,49 @@ from xlatrain.models.blockwise import (
 from xlatrain.sharding import CONTEXT, ActivationLayout
 
 ContextAttention = Literal["all_gather", "ring"]
+
+
+@dataclass(frozen=True, eq=False)
+class ContextGroup:
+    """The devices of one context group, seen from one of them: how its attention meets, and through which
+    collectives (XLA's inside the global program's shard_map region; in a per-device program, XLA's or xlatrain's
+    custom calls, lowering/context_link.py)."""
+
+    size: int
+    kind: ContextAttention
+    shift: Callable[[Any], Any]
+    """Each device's tree sent to the next device of the group (the last to the first)."""
+    gather: Callable[[jax.Array], jax.Array]
+    """The devices' arrays concatenated along axis 1 (the sequence)."""
+    index: Callable[[], jax.Array]
+    """This device's place in the group."""
+
+
+def xla_context_group(size: int, kind: ContextAttention, axis: str = CONTEXT) -> ContextGroup:
+    return ContextGroup(size, kind, lambda tree: jax.lax.ppermute(tree, axis, next_in_ring(size)),
+                        lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True), lambda: jax.lax.axis_index(axis))
+
+
+def next_in_ring(size: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % size) for i in range(size)]
+
+
+_GROUP: ContextVar[ContextGroup | None] = ContextVar("context_group", default=None)
+
+
+@contextlib.contextmanager
+def inside_context_group(group: ContextGroup | None) -> Iterator[None]:
+    """While a per-device step is traced: its attention meets the other parts of the sequence through `group`,
+    and its batch is this device's part (lowering/step.py's in_context_order)."""
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+def current_context_group() -> ContextGroup | None:
+    return _GROUP.get()
 BLOCK_AT_MOST = 512
 """Queries and keys per block of a chunk pair: the largest of 512, 256, 128 that divides the chunk, else the
 chunk."""
@@ -110,75 +156,76 @@ def sequence_split_attention(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxG
     """Inside one global program whose rows are in balanced_order and split over `context` (the traced step's
     `layout`): attention through shard_map over that axis, each device running local_attention on its part; the
     rows on layout.rows_on, or (the train step) where the replicas' vmap places them."""
-    positions = jnp.broadcast_to(positions_BxL, q_BxLxHxK.shape[:2]).astype(jnp.int32)
-    segments = jnp.zeros_like(positions) if segments_BxL is None else segments_BxL.astype(jnp.int32)
+    tokens = token_places(positions_BxL, segments_BxL, q_BxLxHxK.shape[:2])
     split = P(layout.rows_on, CONTEXT)
     heads, kv_heads = (P(layout.rows_on, CONTEXT, layout.axes_of(name)) for name in ("heads", "kv_heads"))
+    group = xla_context_group(layout.context, layout.context_attention)
 
     def local(q, k, v, positions, segments):
         tokens = Tokens(positions, segments)
-        return local_attention(q, k, v, tokens, tokens, visibility, layout.context, CONTEXT,
-                               layout.context_attention)
+        return local_attention(q, k, v, tokens, tokens, visibility, group)
 
     return shard_map(local, layout.mesh, in_specs=(heads, kv_heads, kv_heads, split, split), out_specs=heads)(
-        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions, segments)
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *tokens)
 
 
-def local_attention(q, k, v, queries: Tokens, keys: Tokens, visibility: Visibility, size: int, axis: str,
-                    kind: ContextAttention) -> jax.Array:
-    """One device's attention inside shard_map over `axis` (context parallelism of `size`, the row in
-    balanced_order): q [B, 2c, H, K], k and v [B, 2c, G, K], the Tokens of both [B, 2c]."""
+def token_places(positions_BxL: jax.Array, segments_BxL: jax.Array | None, rows_by_length: tuple[int, int]) -> Tokens:
+    """The Tokens of a batch's rows: positions for every row, segment ids (one segment where none are given)."""
+    positions = jnp.broadcast_to(positions_BxL, rows_by_length).astype(jnp.int32)
+    return Tokens(positions, jnp.zeros_like(positions) if segments_BxL is None else segments_BxL.astype(jnp.int32))
+
+
+def local_attention(q, k, v, queries: Tokens, keys: Tokens, visibility: Visibility, group: ContextGroup,
+                    ) -> jax.Array:
+    """One device's attention in its context group (the row in balanced_order): q [B, 2c, H, K], k and v
+    [B, 2c, G, K], the Tokens of both [B, 2c]."""
     if not visibility.causal:
         raise ValueError("context parallelism balances causal attention; this one is not causal")
     chunk = q.shape[1] // 2
     block = block_of(chunk)
-    if kind == "all_gather":
-        gathered = [jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, *keys)]
-        pairs = jnp.asarray(gathered_pairs(size, chunk, block, visibility))[jax.lax.axis_index(axis)]
+    if group.kind == "all_gather":
+        gathered = [group.gather(x) for x in (k, v, *keys)]
+        pairs = jnp.asarray(gathered_pairs(group.size, chunk, block, visibility))[group.index()]
         return attention_over_pairs(q, gathered[0], gathered[1], queries, Tokens(*gathered[2:]), pairs, block,
                                     visibility)
-    return ring_attention(q, k, v, queries, keys, block, visibility, size, axis)
+    return ring_attention(q, k, v, queries, keys, block, visibility, group)
 
 
-def _shifted(tree, size: int, axis: str):
-    """Each device's `tree` sent to the next along `axis` (the last to the first)."""
-    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % size) for i in range(size)])
+def _pairs_at(group: ContextGroup, step: int, chunk: int, block: int, visibility: Visibility) -> jax.Array:
+    return jnp.asarray(ring_pairs(group.size, step, chunk, block, visibility))[group.index()]
 
 
-def _pairs_at(size: int, step: int, chunk: int, block: int, visibility: Visibility, axis: str) -> jax.Array:
-    return jnp.asarray(ring_pairs(size, step, chunk, block, visibility))[jax.lax.axis_index(axis)]
-
-
-def _remote_pairs(size: int, chunk: int, block: int, visibility: Visibility, axis: str) -> jax.Array:
+def _remote_pairs(group: ContextGroup, chunk: int, block: int, visibility: Visibility) -> jax.Array:
     """[size - 1, pairs, 3]: this device's pairs at ring steps 1 .. size - 1 (the keys of other devices), each
     step's list padded to the longest, so that one loop runs every step."""
+    size = group.size
     lists = [pairs for step in range(1, size) for pairs in _ring_lists(size, step, chunk, block, visibility)]
-    return jnp.asarray(_per_device(lists).reshape(size - 1, size, -1, 3))[:, jax.lax.axis_index(axis)]
+    return jnp.asarray(_per_device(lists).reshape(size - 1, size, -1, 3))[:, group.index()]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def ring_attention(q, k, v, queries: Tokens, keys: Tokens, block: int, visibility: Visibility, size: int,
-                   axis: str) -> jax.Array:
-    return _ring_forward(q, k, v, queries, keys, block, visibility, size, axis)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def ring_attention(q, k, v, queries: Tokens, keys: Tokens, block: int, visibility: Visibility,
+                   group: ContextGroup) -> jax.Array:
+    return _ring_forward(q, k, v, queries, keys, block, visibility, group)[0]
 
 
-def _ring_forward(q, k, v, queries, keys, block, visibility, size, axis):
+def _ring_forward(q, k, v, queries, keys, block, visibility, group):
     """Step 0 on the device's own keys, then one loop over the others' as they arrive: one loop's buffers,
     whatever the ring's size (unrolled, each step's held their own: 1.6x one device's temporaries at C = 8)."""
     chunk = q.shape[1] // 2
 
     def step(carry, pairs):
         running, held = carry
-        onward = _shifted(held, size, axis)  # in flight during this step's work; the last step's, home, unused
+        onward = group.shift(held)  # in flight during this step's work; the last step's, home, unused
         return (forward_pairs(running, q, held[0], held[1], queries, held[2], pairs, block, visibility), onward), None
 
-    carry = step((start(q, k.shape[2]), (k, v, keys)), _pairs_at(size, 0, chunk, block, visibility, axis))[0]
-    running = jax.lax.scan(step, carry, _remote_pairs(size, chunk, block, visibility, axis))[0][0]
+    carry = step((start(q, k.shape[2]), (k, v, keys)), _pairs_at(group, 0, chunk, block, visibility))[0]
+    running = jax.lax.scan(step, carry, _remote_pairs(group, chunk, block, visibility))[0][0]
     attended, log_sum_exp = finished(running, q)
     return attended, (q, k, v, queries, keys, attended, log_sum_exp)
 
 
-def _ring_backward(block, visibility, size, axis, saved, d_attended):
+def _ring_backward(block, visibility, group, saved, d_attended):
     """The forward's ring again, each device's keys' gradients travelling beside them: after the last step they
     are home."""
     q, k, v, queries, keys, attended, log_sum_exp = saved
@@ -187,15 +234,15 @@ def _ring_backward(block, visibility, size, axis, saved, d_attended):
 
     def step(carry, pairs):
         dq, held, d_held = carry
-        onward = _shifted(held, size, axis)
+        onward = group.shift(held)
         dq_step, dk, dv = backward_pairs(q, held[0], held[1], queries, held[2], pairs, block, visibility,
                                          log_sum_exp, d_out, delta)
-        return (dq + dq_step, onward, _shifted((d_held[0] + dk, d_held[1] + dv), size, axis)), None
+        return (dq + dq_step, onward, group.shift((d_held[0] + dk, d_held[1] + dv))), None
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     carry = step((jnp.zeros(grouped(q, k.shape[2]).shape, jnp.float32), (k, v, keys), zeros),
-                 _pairs_at(size, 0, chunk, block, visibility, axis))[0]
-    dq, _, d_held = jax.lax.scan(step, carry, _remote_pairs(size, chunk, block, visibility, axis))[0]
+                 _pairs_at(group, 0, chunk, block, visibility))[0]
+    dq, _, d_held = jax.lax.scan(step, carry, _remote_pairs(group, chunk, block, visibility))[0]
     return (dq.reshape(q.shape).astype(q.dtype), d_held[0].astype(k.dtype), d_held[1].astype(v.dtype),
             *no_gradient(queries, keys))
 
