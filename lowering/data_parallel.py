@@ -27,6 +27,7 @@ from xlatrain.compat.mapping import pmap_over_rows, shard_map
 from xlatrain.config import Config, Derived
 from xlatrain.errors import UserError
 from xlatrain.mesh import (
+    CONTEXT,
     DATA,
     TENSOR,
     per_replica,
@@ -227,9 +228,14 @@ class DataParallel:
         return processes_along(self.mesh, DATA)
 
     def _rules(self) -> dict:
-        """parallel.logical_rules over the model's own, less `tensor` for the names a tensor group keeps whole."""
+        """parallel.logical_rules over the model's own, less `tensor` for the names a tensor group keeps whole; in
+        one global program with context parallelism, what they split over `data` split over `data` x `context`
+        (fsdp's params and zero1's and fsdp's optimizer state: the context group's devices hold the same
+        params, as a data replica's would)."""
         whole = self.derived.tensor_whole or ()
-        return {name: tuple(axis for axis in axes if name not in whole or axis != TENSOR)
+        over_context = self.config.parallel.mode == "jit" and self.config.mesh.context > 1
+        return {name: tuple(spread for axis in axes if name not in whole or axis != TENSOR
+                            for spread in ((DATA, CONTEXT) if axis == DATA and over_context else (axis,)))
                 for name, axes in self.model.rules(self.config.parallel.logical_rules).items()}
 
 

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import DIGITS_MLP, TINY_GPT, token_batch
+from jax.sharding import PartitionSpec as P
 from test_tensor_parallel import TP_GPT, assert_leaves_close
 from test_tokens import write_corpus
 from xlatrain.lowering.inspect import collectives
@@ -76,6 +77,9 @@ def test_context_parallel_loss_and_every_gradient_equal_one_device(split, packed
     np.testing.assert_allclose(loss, reference_loss, rtol=1e-5)
     assert_leaves_close(grads, reference)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)  # the eval step's, then the train steps'
+    if "parallel.strategy=fsdp" in split:  # the context group's devices hold each their block of the params
+        specs = jax.tree.leaves(program.specs.params, is_leaf=lambda x: isinstance(x, P))
+        assert all(("data", "context") in spec for spec in specs), specs
     if "collectives.impl=custom" in split:  # the ring's transfers are xlatrain's ppermute calls, not XLA's
         kinds = {c["kind"] for c in collectives(program.train_step.first.compiled.as_text())}
         assert "xlatrain ppermute" in kinds and "collective-permute" not in kinds, kinds
@@ -125,9 +129,10 @@ def test_each_device_runs_its_share_of_the_attention_products():
 
 
 def test_a_run_resumes_on_another_context_size_as_if_uninterrupted(packed, tmp_path):
-    """3 steps at mesh.context=2, then 2 more at mesh.context=4: the losses of one uninterrupted context=2 run
-    (its 5 steps fused into one program)."""
-    common = [*packed, "batch.global_size=8", "trainer.checkpoint_every=3", "trainer.progress=false"]
+    """3 steps at mesh.context=2, then 2 more at mesh.context=4 (fsdp: the state split over data x context, laid out
+    anew): the losses of one uninterrupted context=2 run (its 5 steps fused into one program)."""
+    common = [*packed, "batch.global_size=8", "trainer.checkpoint_every=3", "trainer.progress=false",
+              "parallel.strategy=fsdp"]
     for steps, context in ((3, 2), (5, 4)):
         train(load_config(None, [*common, f"mesh.context={context}", f"trainer.steps={steps}",
                                  f"trainer.run_dir={tmp_path / 'elastic'}"]), echo=lambda _: None)
