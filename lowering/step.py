@@ -293,9 +293,9 @@ def in_context_order(batch: dict) -> dict:
     one segment where the data does not pack documents), which attention and RoPE read; the loss, a mean over the
     tokens, is the same in any order. The batch as it is otherwise."""
     layout, group = context_split(), current_context_group()
-    size = layout.context if layout is not None else group.size if group is not None else 1
-    if size == 1:
+    if layout is None and group is None:
         return batch
+    size = layout.context if layout is not None else group.size
     shape = batch["inputs"].shape
     if shape[-1] % (2 * size):
         raise UserError(f"mesh.context={size} cuts each row into {2 * size} equal chunks, and the data's rows "

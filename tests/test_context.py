@@ -2,6 +2,8 @@
 Each composition once, on a tiny Llama with packed documents, grouped-query heads and a sliding window, against
 one device."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -159,3 +161,13 @@ def test_what_context_parallelism_cannot_run_is_one_line(overrides, message, cap
     assert main(["config", *overrides]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_lower_names_the_attention_the_train_step_runs(packed, capsys):
+    """`xlatrain lower` lists the compiled step's attention: the ring alone, not the one-device attention of the model
+    traced to count its FLOPs."""
+    from xlatrain.cli import main
+
+    assert main(["lower", *packed, "mesh.context=2", "mesh.data=4", "--json"]) == 0
+    kernels = {path["kernel"] for path in json.loads(capsys.readouterr().out)["attention"]}
+    assert kernels == {"ring over mesh.context=2, blockwise"}, kernels

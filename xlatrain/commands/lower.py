@@ -29,9 +29,10 @@ from xlatrain.runtime.gpu_targets import GpuTarget, resolve_target, target_devic
 def lower(config: Config, target: GpuTarget | None = None, devices: list | None = None, dump_to: Path | None = None,
           as_json: bool = False) -> None:
     """Prints the report (one JSON object with `as_json`); `devices`: the compile-only GPUs of `target`."""
-    with _refused_by_target(target), attention_paths() as paths:
+    with _refused_by_target(target):
         program = build_program(config, devices)
-        step = program.train_step.first
+        with attention_paths() as paths:  # the train step's, not those of the model traced to count its FLOPs
+            step = program.train_step.first
         report = lower_report(program, step.compiled)
     report["attention"] = [asdict(path) for path in paths]
     if target is not None:

@@ -149,15 +149,15 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, sca
                segment_ids: jax.Array | None, window: int | None, softcap: float | None,
                positions: jax.Array | None) -> jax.Array:
     split, group = context_split(), current_context_group()
-    parts = split.context if split is not None else group.size if group is not None else 1
-    window = None if window is None or window >= k.shape[1] * parts else window
-    if parts > 1:
+    whole = k.shape[1] if group is None else k.shape[1] * group.size  # a per-device program holds a part
+    window = None if window is None or window >= whole else window
+    if split is not None or group is not None:
         if not is_causal or positions is None:
             raise ValueError("context parallelism splits causal self-attention whose tokens carry their positions")
         visibility = Visibility(True, window, _scale(q, scale), softcap)
-        kind = split.context_attention if split is not None else group.kind
-        _took(window, softcap, f"{kind} over mesh.context={parts}, blockwise")
-        if split is not None:
+        kind, size = (group.kind, group.size) if group is not None else (split.context_attention, split.context)
+        _took(window, softcap, f"{kind} over mesh.context={size}, blockwise")
+        if group is None:
             return sequence_split_attention(q, k, v, positions, segment_ids, visibility, split)
         return local_attention(q, k, v, *[token_places(positions, segment_ids, q.shape[:2])] * 2, visibility, group)
     backend = lowering_platform()
