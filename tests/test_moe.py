@@ -1,0 +1,90 @@
+"""Mixture-of-Experts routing and experts (xlatrain/models/moe.py) against transformers' Mixtral block and its
+load-balancing loss, and the three formulations of the experts' matmuls against each other."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xlatrain.models.moe import load_balancing_loss, route, routed_experts, router_z_loss
+
+TOKENS, WIDTH, HIDDEN, EXPERTS, TOP_K = 24, 16, 32, 4, 2
+
+
+@pytest.fixture(scope="module")
+def weights():
+    keys = jax.random.split(jax.random.key(0), 5)
+    return {"x": jax.random.normal(keys[0], (TOKENS, WIDTH)),
+            "router": jax.random.normal(keys[1], (WIDTH, EXPERTS)),
+            "gate": jax.random.normal(keys[2], (EXPERTS, WIDTH, HIDDEN)) / 4,
+            "up": jax.random.normal(keys[3], (EXPERTS, WIDTH, HIDDEN)) / 4,
+            "down": jax.random.normal(keys[4], (EXPERTS, HIDDEN, WIDTH)) / 6}
+
+
+def moe(w, formulation):
+    routing = route(w["x"] @ w["router"], TOP_K)
+    return routed_experts(w["x"], routing, w["gate"], w["up"], w["down"], formulation)
+
+
+@pytest.mark.parametrize("formulation", ["sorted", "dense", "padded"])
+def test_each_formulation_equals_transformers_mixtral_block(formulation, weights):
+    torch = pytest.importorskip("torch")
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=WIDTH, intermediate_size=HIDDEN, num_local_experts=EXPERTS,
+                           num_experts_per_tok=TOP_K)
+    block = MixtralSparseMoeBlock(config).eval()
+    w = {k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()}
+    with torch.no_grad():
+        block.gate.weight.copy_(w["router"].T)
+        block.experts.gate_up_proj.copy_(torch.cat([w["gate"], w["up"]], dim=-1).transpose(1, 2))
+        block.experts.down_proj.copy_(w["down"].transpose(1, 2))
+        expected = block(w["x"][None])
+    expected = (expected[0] if isinstance(expected, tuple) else expected)[0].numpy()
+    got = np.asarray(moe(weights, formulation))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+def test_the_formulations_have_the_same_gradients(weights):
+    def loss(w, formulation):
+        return jnp.sum(jnp.sin(moe(w, formulation)))
+
+    grads = {f: jax.grad(loss)(weights, f) for f in ("sorted", "dense", "padded")}
+    for formulation in ("dense", "padded"):
+        for name in weights:
+            reference = np.asarray(grads["sorted"][name])
+            np.testing.assert_allclose(grads[formulation][name], reference, rtol=1e-5,
+                                       atol=1e-6 * np.abs(reference).max(), err_msg=f"{formulation}: {name}")
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_equals_transformers_over_every_layer(masked, weights):
+    torch = pytest.importorskip("torch")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    layers = [np.asarray(jax.random.normal(jax.random.key(i), (TOKENS, EXPERTS))) for i in range(2)]
+    mask = (np.arange(TOKENS) % 5 != 0).astype(np.float32)
+    expected = float(load_balancing_loss_func(tuple(torch.from_numpy(x) for x in layers), EXPERTS, TOP_K,
+                                              torch.from_numpy(mask)[None] if masked else None))
+    routings = [route(jnp.asarray(x), TOP_K) for x in layers]
+    got = load_balancing_loss(jnp.concatenate([r.probabilities for r in routings]),
+                              jnp.concatenate([r.experts for r in routings]),
+                              jnp.tile(jnp.asarray(mask), 2) if masked else None)
+    np.testing.assert_allclose(float(got), expected, rtol=1e-6)
+
+
+def test_a_sigmoid_router_bias_moves_the_choice_not_the_weights():
+    """DeepSeek-V3's balancing bias: experts are chosen by score + bias, weighted by their scores normalised."""
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]])
+    plain = route(logits, 2, "sigmoid")
+    biased = route(logits, 2, "sigmoid", bias_E=jnp.asarray([0.0, 0.0, 5.0, 0.0]))
+    scores = 1 / (1 + np.exp(-np.asarray([2.0, 1.0, 0.0])))
+    assert plain.experts.tolist() == [[0, 1]] and biased.experts.tolist() == [[2, 0]]
+    np.testing.assert_allclose(biased.weights[0], scores[[2, 0]] / scores[[2, 0]].sum(), rtol=1e-6)
+
+
+def test_router_z_loss_is_the_mean_squared_log_sum_exp():
+    logits = np.asarray([[0.0, 1.0], [2.0, -1.0]], np.float32)
+    expected = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
+    np.testing.assert_allclose(float(router_z_loss(jnp.asarray(logits))), expected, rtol=1e-6)

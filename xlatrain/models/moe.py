@@ -1,0 +1,117 @@
+"""Mixture-of-Experts routing and the routed experts' SwiGLU MLPs, as pure functions over a layer's tokens.
+
+A router scores every token against every expert (float32 whatever the compute dtype), each token goes to its
+`top_k` experts, and its output is their outputs weighted by the router: Mixtral's, Qwen2/3-MoE's and OLMoE's
+softmax over the experts (the chosen weights renormalised to sum to one or not), or DeepSeek-V3's sigmoid
+scores, whose choice (not weights) a per-expert bias shifts (aux-loss-free balancing). Dropless: every token
+reaches every expert it chose. Three formulations of the experts' matmuls give the same result:
+
+- `sorted`: the (token, expert) assignments sorted by expert and run as one grouped matmul (`jax.lax.ragged_dot`)
+  per weight, the FLOPs of the chosen experts only;
+- `dense`: every expert on every token, combined by a [tokens, experts] weight matrix that is zero off the
+  chosen experts (one einsum per weight: experts / top_k times the FLOPs, no gather or scatter);
+- `padded`: each expert's tokens gathered into a [experts, capacity, width] batch whose capacity is the most any
+  expert can get (every token: dropless), then batched matmuls.
+
+Which runs where is chosen by measurement (bench/moe_routing.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Score = Literal["softmax", "sigmoid"]
+Formulation = Literal["sorted", "dense", "padded"]
+
+
+class Routing(NamedTuple):
+    """Each token's chosen experts [T, k] (int32) and their weights [T, k] (float32), and the router's
+    probabilities [T, E] (float32: what the load-balancing loss reads)."""
+
+    experts: jax.Array
+    weights: jax.Array
+    probabilities: jax.Array
+
+
+def route(logits_TxE: jax.Array, top_k: int, score: Score = "softmax", normalise: bool = True,
+          bias_E: jax.Array | None = None) -> Routing:
+    """The router's choice from its logits. softmax: probabilities over the experts, the top_k largest chosen
+    (normalised to sum to one where `normalise`). sigmoid: each expert's score on its own, chosen by score +
+    `bias_E` (DeepSeek-V3's balancing bias, which moves the choice, not the weights), the chosen scores
+    normalised where `normalise`."""
+    logits = logits_TxE.astype(jnp.float32)
+    probabilities = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
+    choosing = probabilities if bias_E is None else probabilities + bias_E.astype(jnp.float32)[None]
+    experts = jax.lax.top_k(choosing, top_k)[1]
+    weights = jnp.take_along_axis(probabilities, experts, axis=-1)
+    if normalise:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(experts.astype(jnp.int32), weights, probabilities)
+
+
+def routed_experts(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
+                   down_ExFxD: jax.Array, formulation: Formulation = "sorted") -> jax.Array:
+    """sum over each token's chosen experts e of weight x down_e(silu(x gate_e) * (x up_e)): [T, D], in x's
+    dtype (the router's weights cast to it, as transformers does)."""
+    weights = routing.weights.astype(x_TxD.dtype)
+    if formulation == "sorted":
+        return _sorted(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
+    if formulation == "dense":
+        return _dense(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
+    if formulation == "padded":
+        return _padded(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
+    raise ValueError(f"unknown formulation {formulation!r}: sorted, dense or padded")
+
+
+def _sorted(x, experts_TxK, weights_TxK, gate, up, down):
+    tokens, top_k = experts_TxK.shape
+    flat = experts_TxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # the assignments grouped by expert, tokens in order within each
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    rows = x[order // top_k]
+    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    out = jax.lax.ragged_dot(hidden, down, sizes) * weights_TxK.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[order // top_k].add(out)
+
+
+def _dense(x, experts_TxK, weights_TxK, gate, up, down):
+    combine_TxE = jnp.zeros((x.shape[0], gate.shape[0]), x.dtype).at[
+        jnp.arange(x.shape[0])[:, None], experts_TxK].add(weights_TxK)
+    hidden = jax.nn.silu(jnp.einsum("td,edf->etf", x, gate)) * jnp.einsum("td,edf->etf", x, up)
+    return jnp.einsum("etf,efd,te->td", hidden, down, combine_TxE)
+
+
+def _padded(x, experts_TxK, weights_TxK, gate, up, down):
+    tokens, top_k = experts_TxK.shape
+    count = gate.shape[0]
+    flat = experts_TxK.reshape(-1)
+    one_hot = jax.nn.one_hot(flat, count, dtype=jnp.int32)
+    slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # each assignment's place at its expert
+    token = jnp.arange(tokens * top_k) // top_k
+    batch_ExCxD = jnp.zeros((count, tokens, x.shape[1]), x.dtype).at[flat, slot].set(x[token])
+    hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", batch_ExCxD, gate)) * jnp.einsum("ecd,edf->ecf", batch_ExCxD, up)
+    out_ExCxD = jnp.einsum("ecf,efd->ecd", hidden, down)
+    return jnp.zeros_like(x).at[token].add(out_ExCxD[flat, slot] * weights_TxK.reshape(-1)[:, None])
+
+
+def load_balancing_loss(probabilities_NxE: jax.Array, experts_NxK: jax.Array, weights_N: jax.Array | None = None,
+                        ) -> jax.Array:
+    """Switch Transformer's auxiliary loss as transformers' `load_balancing_loss_func` computes it over every layer's
+    tokens at once (rows N = layers x tokens): E x sum over the k choices and experts of (the fraction of tokens
+    whose k-th choice is e) x (e's mean router probability), the means over the rows that `weights_N` counts
+    (all where None; transformers' attention mask)."""
+    count = probabilities_NxE.shape[-1]
+    chosen_NxKxE = jax.nn.one_hot(experts_NxK, count, dtype=jnp.float32)
+    weights = jnp.ones(probabilities_NxE.shape[0], jnp.float32) if weights_N is None else weights_N.astype(jnp.float32)
+    total = jnp.sum(weights)
+    tokens_per_expert_KxE = jnp.einsum("nke,n->ke", chosen_NxKxE, weights) / total
+    probability_per_expert_E = jnp.einsum("ne,n->e", probabilities_NxE, weights) / total
+    return count * jnp.sum(tokens_per_expert_KxE * probability_per_expert_E[None])
+
+
+def router_z_loss(logits_NxE: jax.Array) -> jax.Array:
+    """ST-MoE's router z-loss: the mean over rows of logsumexp(logits) squared."""
+    return jnp.mean(jax.nn.logsumexp(logits_NxE.astype(jnp.float32), axis=-1) ** 2)
