@@ -33,7 +33,7 @@ LLAMA_3_2_1B = ["model.name=llama", "model.layers=16", "model.width=2048", "mode
                 "data.glob='*.py'", "data.max_bytes=4000000", "trainer.compile_cache=off"]
 LENGTHS, SIZES = (4096, 16384, 32768), (1, 2, 4, 8)
 RING_TARGET = 1.15
-LONGEST_TRIED = (131072, 196608, 262144)
+LONGEST_TRIED = (131072, 196608, 262144, 393216, 524288)
 """Rows of the 1B model on 8 H100s, tried in order until one does not fit."""
 
 
