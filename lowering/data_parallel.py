@@ -178,12 +178,10 @@ class DataParallel:
     def _in_groups(self, step: Callable) -> Callable:
         """A per-device step whose models' regions meet through the tensor group, and whose attention meets the
         rest of the sequence through the context group, while it is traced."""
+        c, context = self.config.collectives, self.config.mesh.context
         tensor = self._tensor_group() if self.tensor_inside else None
-        context = self.config.mesh.context
-        group = None
-        if context > 1:
-            c = self.config.collectives
-            group = context_group(context, self.config.parallel.context_attention, c.impl, c.timeout_s)
+        group = (context_group(context, self.config.parallel.context_attention, c.impl, c.timeout_s)
+                 if context > 1 else None)
         if tensor is None and group is None:
             return step
 

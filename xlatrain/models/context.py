@@ -14,6 +14,10 @@ hold across the split; a chunk pair is run in blocks of at most BLOCK_AT_MOST qu
   the backward sends them round again, with their gradients travelling beside them and arriving home after the
   last step. The steps after the first are one loop (the last one's permute brings the keys home unused), so that
   the buffers are one step's whatever C: no device holds more than its two chunks of K/V and the two in flight.
+
+One device's part (`local_attention`) meets the rest of its group through a `ContextGroup`: in one global program
+a shard_map region over `context` with XLA's collectives (`sequence_split_attention`); in a per-device program the
+group the step is traced inside (`inside_context_group`), with XLA's collectives or xlatrain's custom calls.
 """
 
 from __future__ import annotations
@@ -64,9 +68,10 @@ class ContextGroup:
     """This device's place in the group."""
 
 
-def xla_context_group(size: int, kind: ContextAttention, axis: str = CONTEXT) -> ContextGroup:
-    return ContextGroup(size, kind, lambda tree: jax.lax.ppermute(tree, axis, next_in_ring(size)),
-                        lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True), lambda: jax.lax.axis_index(axis))
+def xla_context_group(size: int, kind: ContextAttention) -> ContextGroup:
+    return ContextGroup(size, kind, lambda tree: jax.lax.ppermute(tree, CONTEXT, next_in_ring(size)),
+                        lambda x: jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True),
+                        lambda: jax.lax.axis_index(CONTEXT))
 
 
 def next_in_ring(size: int) -> list[tuple[int, int]]:
