@@ -42,6 +42,8 @@ def cases(size: int) -> dict[str, tuple]:
                           (4, 3)),
         "ppermute partial": (lambda x: ops.ppermute.ppermute(x, "x", partial),
                              lambda x: jax.lax.ppermute(x, "x", partial), (2, 2)),
+        "all_to_all": (lambda x: ops.all_to_all.all_to_all(x, "x", 0, 1, tiled=True),
+                       lambda x: jax.lax.all_to_all(x, "x", 0, 1, tiled=True), (size * 2, 3)),
         "broadcast": (lambda x: ops.broadcast.broadcast(x, "x", root=size - 1),
                       lambda x: ops.broadcast.reference(x, "x", root=size - 1), (5,)),
     }

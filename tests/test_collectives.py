@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 from jax.sharding import PartitionSpec as P
-from xlatrain.custom_calls.ops import all_gather, all_reduce, broadcast, ppermute, reduce_scatter
+from xlatrain.custom_calls.ops import all_gather, all_reduce, all_to_all, broadcast, ppermute, reduce_scatter
 
 from xlatrain.compat.mapping import shard_map
 
@@ -133,6 +133,35 @@ def test_gradients_match_the_reference(case, mesh):
         return total
 
     np.testing.assert_allclose(jax.grad(loss(ours))(x), jax.grad(loss(reference))(x), rtol=1e-5, atol=1e-5)
+
+
+ALL_TO_ALL = {"tiled-split1-concat2": (1, 2, True, (16, 3)), "tiled-split1-concat1": (1, 1, True, (8, 5)),
+              "stacked-split1-concat0": (1, 0, False, (8, 3)), "tiled-empty": (1, 2, True, (0, 3))}
+"""(split axis, concat axis, tiled, per-device shape after a leading row) of all_to_all."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ALL_TO_ALL, ids=ALL_TO_ALL.keys())
+def test_all_to_all_matches_lax(case, dtype, mesh):
+    split, concat, tiled, shape = ALL_TO_ALL[case]
+    x = sample(dtype, shape)
+    ours = per_device(lambda v: all_to_all.all_to_all(v, "d", split, concat, tiled=tiled), mesh)
+    reference = per_device(lambda v: all_to_all.reference(v, "d", split, concat, tiled=tiled), mesh)
+    assert_matches(ours(x), expected(reference, x), dtype)
+
+
+def test_all_to_all_differentiates_and_vmaps_like_lax(mesh):
+    x = sample("float32", (16, 3))
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
+
+    def loss(op):
+        return lambda v: jnp.sum(per_device(lambda u: op(u, "d", 1, 2, tiled=True), mesh)(v).reshape(x.shape) * weights)
+
+    np.testing.assert_allclose(jax.grad(loss(all_to_all.all_to_all))(x), jax.grad(loss(all_to_all.reference))(x),
+                               rtol=1e-6)
+    batched = per_device(jax.vmap(lambda v: all_to_all.all_to_all(v, "d", 0, 1, tiled=True)), mesh)
+    reference = per_device(jax.vmap(lambda v: all_to_all.reference(v, "d", 0, 1, tiled=True)), mesh)
+    np.testing.assert_allclose(batched(x), reference(x))
 
 
 def test_reduce_scatter_and_all_gather_transpose_to_each_other(mesh):

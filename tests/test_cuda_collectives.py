@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_collectives import assert_matches, in_float32, per_device
-from xlatrain.custom_calls.ops import all_gather, all_reduce, broadcast, ppermute, reduce_scatter
+from xlatrain.custom_calls.ops import all_gather, all_reduce, all_to_all, broadcast, ppermute, reduce_scatter
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="needs a GPU: run with XLATRAIN_TEST_GPU=1 on a machine with one")
@@ -40,6 +40,8 @@ def cases(n: int) -> dict:
                              lambda x: all_gather.reference(x, "d", tiled=True)),
         **{f"reduce_scatter-{r}": (lambda x, r=r: reduce_scatter.reduce_scatter(x, "d", r),
                                    lambda x, r=r: reduce_scatter.reference(x, "d", r)) for r in ("sum", "mean")},
+        "all_to_all": (lambda x: all_to_all.all_to_all(x, "d", 0, 1, tiled=True),
+                       lambda x: all_to_all.reference(x, "d", 0, 1, tiled=True)),
         "ppermute-ring": (lambda x: ppermute.ppermute(x, "d", ring), lambda x: ppermute.reference(x, "d", ring)),
         "broadcast": (lambda x: broadcast.broadcast(x, "d", n - 1), lambda x: broadcast.reference(x, "d", n - 1)),
     }

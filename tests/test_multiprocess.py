@@ -411,13 +411,13 @@ def test_custom_collectives_across_processes_under_mpirun_match_xla_over_50_step
 @pytest.mark.slow
 @NO_MPIRUN
 def test_every_custom_collective_across_processes_under_mpirun_matches_xla():
-    """all_reduce, reduce_scatter, all_gather, ppermute and broadcast over axes spanning 2 processes x 4 devices,
-    one group and two groups at once, in float32, bfloat16 and int32; a process that skips one is named by the
+    """all_reduce, reduce_scatter, all_gather, all_to_all, ppermute and broadcast over axes spanning 2 processes x 4
+    devices, one group and two groups at once, in float32, bfloat16 and int32; a process that skips one is named by the
     other's error (tests/mpi_collectives_driver.py)."""
     command = [*MPIRUN, "-np", "2", "-x", "XLA_FLAGS", sys.executable, "tests/mpi_collectives_driver.py"]
     done = subprocess.run(command, cwd=REPO, env=devices_env(4), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank 0: 50 cases match" in done.stdout and "rank 1: 50 cases match" in done.stdout
+    assert "rank 0: 56 cases match" in done.stdout and "rank 1: 56 cases match" in done.stdout
     assert "rank 0: named the missing process" in done.stdout
 
 

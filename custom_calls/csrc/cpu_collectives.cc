@@ -717,6 +717,61 @@ ffi::Future AllGather(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> wh
                      }});
 }
 
+// Participant g's block j (of `participants` equal blocks of its buffer) becomes participant j's block g. Across
+// processes each process sends every other one, in one message, the blocks its devices address to that one's
+// devices, laid out [source device][target device][block] in a scratch buffer whose second half receives.
+ffi::Future AllToAll(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where_, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t participants, int64_t processes, int64_t site, int64_t timeout_ms) {
+  if (!IsSupportedType(x.element_type())) return Failed(UnsupportedType("all_to_all", x.element_type()));
+  const int64_t bytes = static_cast<int64_t>(x.size_bytes());
+  if (bytes % participants != 0) {
+    return Failed(ffi::Error::InvalidArgument("xlatrain all_to_all: " + std::to_string(bytes) +
+                                              " bytes do not split into " + std::to_string(participants) +
+                                              " blocks"));
+  }
+  if (bytes == 0) return Ready();
+  const Where where = Locate("all_to_all", run, where_, participants, processes, site, timeout_ms);
+  const int64_t block = bytes / participants, local = where.call.participants, rank = where.call.rank;
+  const int64_t me = where.processes.me;
+  const char* in = static_cast<const char*>(x.untyped_data());
+  const bool stream = StreamsPastCache(2 * local * bytes);  // inputs and outputs
+  Share share = [=](const std::vector<Participant>& parts, void* scratch) {
+    for (int64_t j = 0; j < local; ++j) {  // this process's devices: straight into their outputs
+      CopyOut(static_cast<char*>(parts[j].out) + where.global * block, in + (me * local + j) * block, block, stream);
+    }
+    Fence(stream);
+    for (int64_t q = 0; q < processes && scratch != nullptr; ++q) {  // the others': into the message to their process
+      if (q == me) continue;
+      char* message = static_cast<char*>(scratch) + q * local * local * block;
+      std::memcpy(message + rank * local * block, in + q * local * block, local * block);
+    }
+  };
+  if (processes == 1) return Meet(where.call, in, out->untyped_data(), bytes, std::move(share));
+  const int64_t message = local * local * block, half = processes * message;
+  return Meet(where.call, in, out->untyped_data(), bytes, std::move(share),
+              Across{static_cast<size_t>(2 * half), [=](const std::vector<Participant>& parts, char* scratch) {
+                       Round round;
+                       for (int64_t q = 0; q < processes; ++q) {
+                         if (q == me) continue;
+                         round.sends.push_back({q, scratch + q * message, message});
+                         round.receives.push_back({q, scratch + half + q * message, message});
+                       }
+                       round.then = [=] {
+                         for (int64_t q = 0; q < processes; ++q) {
+                           if (q == me) continue;
+                           const char* received = scratch + half + q * message;  // [its device r][my device t]
+                           for (int64_t r = 0; r < local; ++r) {
+                             for (int64_t t = 0; t < local; ++t) {
+                               std::memcpy(static_cast<char*>(parts[t].out) + (q * local + r) * block,
+                                           received + (r * local + t) * block, block);
+                             }
+                           }
+                         }
+                       };
+                       return std::vector<Round>{round};
+                     }});
+}
+
 ffi::Future Ppermute(ffi::RunId run, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where_, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Span<const int64_t> sources_, ffi::Span<const int64_t> targets_, int64_t participants,
                      int64_t processes, int64_t site, int64_t timeout_ms) {
@@ -798,6 +853,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduce, AllReduce, XLATRAIN_CPU_BINDING.Att
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatter, ReduceScatter,
                               XLATRAIN_CPU_BINDING.Attr<int32_t>("reduction").XLATRAIN_CPU_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGather, AllGather, XLATRAIN_CPU_BINDING.XLATRAIN_CPU_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllToAll, AllToAll, XLATRAIN_CPU_BINDING.XLATRAIN_CPU_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuPpermute, Ppermute,
                               XLATRAIN_CPU_BINDING.Attr<ffi::Span<const int64_t>>("sources")
                                   .Attr<ffi::Span<const int64_t>>("targets")

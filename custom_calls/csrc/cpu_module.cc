@@ -12,6 +12,7 @@ extern "C" {
 XLA_FFI_Error* kCpuAllReduce(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCpuReduceScatter(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCpuAllGather(XLA_FFI_CallFrame*);
+XLA_FFI_Error* kCpuAllToAll(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCpuPpermute(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCpuBroadcast(XLA_FFI_CallFrame*);
 }
@@ -25,6 +26,7 @@ NB_MODULE(_cpu, m) {
     handlers["all_reduce"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuAllReduce));
     handlers["reduce_scatter"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuReduceScatter));
     handlers["all_gather"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuAllGather));
+    handlers["all_to_all"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuAllToAll));
     handlers["ppermute"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuPpermute));
     handlers["broadcast"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCpuBroadcast));
     return handlers;

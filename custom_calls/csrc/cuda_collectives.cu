@@ -197,6 +197,32 @@ ffi::Error AllGather(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi:
   return ffi::Error::Success();
 }
 
+// Rank g's block j (of `participants` equal blocks) becomes rank j's block g: a send and a receive per peer in one
+// NCCL group.
+ffi::Error AllToAll(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer,
+                    ffi::Result<ffi::AnyBuffer> out, int64_t participants, int64_t site, int64_t timeout_ms,
+                    int64_t comm_key) {
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (n == 0) return ffi::Error::Success();
+  if (n % participants != 0) {
+    return ffi::Error::InvalidArgument("xlatrain all_to_all: " + std::to_string(n) + " elements do not split into " +
+                                       std::to_string(participants) + " blocks");
+  }
+  auto c = Prepare("all_to_all", stream, device, comm_key, x.element_type());
+  if (c.has_error()) return c.error();
+  const Context& ctx = c.value();
+  const int64_t count = n / participants, block = static_cast<int64_t>(x.size_bytes()) / participants;
+  const char* in = static_cast<const char*>(x.untyped_data());
+  char* o = static_cast<char*>(out->untyped_data());
+  ncclGroupStart();
+  for (int64_t peer = 0; peer < participants; ++peer) {
+    ncclSend(in + peer * block, count, ctx.type, static_cast<int>(peer), ctx.comm.comm, stream);
+    ncclRecv(o + peer * block, count, ctx.type, static_cast<int>(peer), ctx.comm.comm, stream);
+  }
+  if (ncclResult_t r = ncclGroupEnd(); r != ncclSuccess) return NcclError(ctx.op, r);
+  return ffi::Error::Success();
+}
+
 ffi::Error Ppermute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> sources,
                     ffi::Span<const int64_t> targets, int64_t participants, int64_t site, int64_t timeout_ms,
@@ -271,6 +297,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaReduceScatter, ReduceScatter,
                                   .XLATRAIN_CUDA_BUFFERS.Attr<int32_t>("reduction")
                                   .XLATRAIN_CUDA_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllGather, AllGather,
+                              XLATRAIN_CUDA_BINDING.XLATRAIN_CUDA_BUFFERS.XLATRAIN_CUDA_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllToAll, AllToAll,
                               XLATRAIN_CUDA_BINDING.XLATRAIN_CUDA_BUFFERS.XLATRAIN_CUDA_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaPpermute, Ppermute,
                               XLATRAIN_CUDA_BINDING.XLATRAIN_CUDA_BUFFERS

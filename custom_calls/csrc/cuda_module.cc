@@ -13,6 +13,7 @@ extern "C" {
 XLA_FFI_Error* kCudaAllReduce(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCudaReduceScatter(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCudaAllGather(XLA_FFI_CallFrame*);
+XLA_FFI_Error* kCudaAllToAll(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCudaPpermute(XLA_FFI_CallFrame*);
 XLA_FFI_Error* kCudaBroadcast(XLA_FFI_CallFrame*);
 }
@@ -28,6 +29,7 @@ NB_MODULE(_cuda, m) {
     handlers["all_reduce"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCudaAllReduce));
     handlers["reduce_scatter"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCudaReduceScatter));
     handlers["all_gather"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCudaAllGather));
+    handlers["all_to_all"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCudaAllToAll));
     handlers["ppermute"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCudaPpermute));
     handlers["broadcast"] = nb::capsule(reinterpret_cast<void*>(xlatrain::kCudaBroadcast));
     return handlers;
