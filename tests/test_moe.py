@@ -5,8 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from xlatrain.models.moe import load_balancing_loss, route, routed_experts, router_z_loss
+from xlatrain.compat.mapping import shard_map
+from xlatrain.models.moe import (
+    ExpertGroup,
+    expert_parallel_experts,
+    load_balancing_loss,
+    route,
+    routed_experts,
+    router_z_loss,
+)
 
 TOKENS, WIDTH, HIDDEN, EXPERTS, TOP_K = 24, 16, 32, 4, 2
 
@@ -88,3 +98,34 @@ def test_router_z_loss_is_the_mean_squared_log_sum_exp():
     logits = np.asarray([[0.0, 1.0], [2.0, -1.0]], np.float32)
     expected = np.mean(np.log(np.exp(logits).sum(-1)) ** 2)
     np.testing.assert_allclose(float(router_z_loss(jnp.asarray(logits))), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("size, impl", [(2, "xla"), (4, "xla"), (4, "custom")])
+def test_expert_parallel_experts_equal_one_device_with_their_gradients(size, impl, weights, devices):
+    """Tokens and experts split over `size` devices: each routes its tokens, the assignments go to their experts'
+    devices by all-to-all (XLA's, or xlatrain's custom call) and come back; outputs and every gradient equal the
+    experts run on one device."""
+    from xlatrain.custom_calls import all_to_all
+
+    exchange = {"xla": lambda b: jax.lax.all_to_all(b, "expert", 0, 0, tiled=True),
+                "custom": lambda b: all_to_all(b, "expert", 0, 0, tiled=True)}[impl]
+
+    def layer(w):
+        routing = route(w["x"] @ w["router"][0], TOP_K)
+        return expert_parallel_experts(w["x"], routing, w["gate"], w["up"], w["down"], ExpertGroup(size, exchange))
+
+    # the router a copy per device, its gradient summed outside: no XLA collective beside xlatrain's in the program
+    # (XLA:CPU's blocking all-reduce and the custom calls could wait for each other in different orders)
+    parallel = shard_map(layer, Mesh(np.array(devices[:size]), ("expert",)), (P("expert"),), P("expert"))
+    copies = {**weights, "router": jnp.broadcast_to(weights["router"], (size, *weights["router"].shape))}
+
+    def loss(run):
+        return lambda w: jnp.sum(jnp.sin(run(w)))
+
+    np.testing.assert_allclose(jax.jit(parallel)(copies), moe(weights, "sorted"), rtol=1e-5, atol=1e-6)
+    expected = jax.grad(loss(lambda w: moe(w, "sorted")))(weights)
+    got = jax.jit(jax.grad(loss(parallel)))(copies)
+    got["router"] = got["router"].sum(0)
+    for name, reference in expected.items():
+        np.testing.assert_allclose(got[name], reference, rtol=1e-5, atol=1e-6 * np.abs(reference).max(),
+                                   err_msg=name)

@@ -14,11 +14,19 @@ reaches every expert it chose. Three formulations of the experts' matmuls give t
   expert can get (every token: dropless), then batched matmuls.
 
 Which runs where is chosen by measurement (bench/moe_routing.py).
+
+Expert parallelism (`expert_parallel_experts`): the experts split over the devices of an expert group, each device
+routes its own tokens, sends every (token, expert) assignment to the device holding the expert by an all-to-all
+of fixed-size buffers, runs its experts on what arrives and sends the results back by a second all-to-all. The
+buffers are padded to a bound known when the program is compiled (jax.lax.ragged_all_to_all, which sends only
+what each device has, is not implemented on XLA:CPU): dropless, a device may send all its assignments to one
+device, so each destination's buffer holds `tokens x top_k` rows.
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +103,42 @@ def _padded(x, experts_TxK, weights_TxK, gate, up, down):
     hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", batch_ExCxD, gate)) * jnp.einsum("ecd,edf->ecf", batch_ExCxD, up)
     out_ExCxD = jnp.einsum("ecf,efd->ecd", hidden, down)
     return jnp.zeros_like(x).at[token].add(out_ExCxD[flat, slot] * weights_TxK.reshape(-1)[:, None])
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertGroup:
+    """The devices of one expert group, seen from one of them: each holds experts / size consecutive experts."""
+
+    size: int
+    all_to_all: Callable[[jax.Array], jax.Array]
+    """[size, ...] -> [size, ...]: block j goes to device j, block i of the result came from device i."""
+
+
+def expert_parallel_experts(x_TxD: jax.Array, routing: Routing, gate_LxDxF: jax.Array, up_LxDxF: jax.Array,
+                            down_LxFxD: jax.Array, group: ExpertGroup, formulation: Formulation = "sorted",
+                            ) -> jax.Array:
+    """routed_experts of this device's tokens when its group's devices hold the experts in turn (this one its
+    local experts' weights, L = experts / group.size): the assignments travel to their experts' devices and back."""
+    tokens, top_k = routing.experts.shape
+    local = gate_LxDxF.shape[0]
+    rows = tokens * top_k
+    flat = routing.experts.reshape(-1)
+    destination = flat // local
+    order = jnp.argsort(destination, stable=True)
+    counts = jnp.bincount(destination, length=group.size).astype(jnp.int32)
+    slot = jnp.arange(rows) - (jnp.cumsum(counts) - counts)[destination[order]]  # place in its destination's block
+    token = order // top_k
+    place = (destination[order], slot)
+    sent_SxRxD = jnp.zeros((group.size, rows, x_TxD.shape[1]), x_TxD.dtype).at[place].set(x_TxD[token])
+    # which local expert each row is for, and whether it holds one (the blocks are padded)
+    wanted_SxR = jnp.full((group.size, rows), -1, jnp.int32).at[place].set(flat[order] % local)
+    arrived, wanted = group.all_to_all(sent_SxRxD), group.all_to_all(wanted_SxR)
+    held = (wanted >= 0).reshape(-1, 1)
+    own = Routing(jnp.maximum(wanted, 0).reshape(-1, 1), held.astype(jnp.float32), jnp.zeros((held.shape[0], local)))
+    done = routed_experts(arrived.reshape(-1, x_TxD.shape[1]), own, gate_LxDxF, up_LxDxF, down_LxFxD, formulation)
+    back_SxRxD = group.all_to_all(done.reshape(arrived.shape))
+    weights = routing.weights.reshape(-1)[order].astype(x_TxD.dtype)
+    return jnp.zeros_like(x_TxD).at[token].add(back_SxRxD[place] * weights[:, None])
 
 
 def load_balancing_loss(probabilities_NxE: jax.Array, experts_NxK: jax.Array, weights_N: jax.Array | None = None,
