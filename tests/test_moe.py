@@ -1,5 +1,6 @@
 """Mixture-of-Experts routing and experts (xlatrain/models/moe.py) against transformers' Mixtral block and its
-load-balancing loss, and the three formulations of the experts' matmuls against each other."""
+load-balancing loss, the three formulations of the experts' matmuls against each other, and expert parallelism's
+all-to-all dispatch against one device."""
 
 import jax
 import jax.numpy as jnp
