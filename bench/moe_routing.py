@@ -1,7 +1,8 @@
 """The routed experts' matmuls three ways (xlatrain/models/moe.py: `sorted` through jax.lax.ragged_dot, `dense`
 every expert on every token, `padded` a capacity-padded batched matmul), forward and backward of one MoE layer's
-experts on one CPU device, 8 experts, top-2, at two sizes; seconds per call as the median of interleaved rounds,
-each against `sorted` in the same run, and XLA's FLOPs of each compiled program.
+experts on one CPU device: 8 experts, top-2, at two sizes, and 32 experts, top-4 (experts / top_k decides what
+`dense` and `padded` waste); seconds per call as the median of interleaved rounds, each against `sorted` in the
+same run, and XLA's FLOPs of each compiled program.
 
     python3 -m bench.moe_routing                     # writes bench/results/moe_routing.json
 """
@@ -14,22 +15,23 @@ import jax.numpy as jnp
 from bench.common import interleaved_medians, write_results
 from xlatrain.models.moe import route, routed_experts
 
-EXPERTS, TOP_K = 8, 2
-SHAPES = ({"tokens": 2048, "width": 256, "hidden": 512}, {"tokens": 4096, "width": 512, "hidden": 1024})
+SHAPES = ({"experts": 8, "top_k": 2, "tokens": 2048, "width": 256, "hidden": 512},
+          {"experts": 8, "top_k": 2, "tokens": 4096, "width": 512, "hidden": 1024},
+          {"experts": 32, "top_k": 4, "tokens": 2048, "width": 256, "hidden": 256})
 FORMULATIONS = ("sorted", "dense", "padded")
 
 
 def step_of(formulation: str, shape: dict):
     keys = jax.random.split(jax.random.key(0), 5)
-    t, d, f = shape["tokens"], shape["width"], shape["hidden"]
+    e, t, d, f = shape["experts"], shape["tokens"], shape["width"], shape["hidden"]
     x = jax.random.normal(keys[0], (t, d))
-    params = {"router": jax.random.normal(keys[1], (d, EXPERTS)) / d ** 0.5,
-              "gate": jax.random.normal(keys[2], (EXPERTS, d, f)) / d ** 0.5,
-              "up": jax.random.normal(keys[3], (EXPERTS, d, f)) / d ** 0.5,
-              "down": jax.random.normal(keys[4], (EXPERTS, f, d)) / f ** 0.5}
+    params = {"router": jax.random.normal(keys[1], (d, e)) / d ** 0.5,
+              "gate": jax.random.normal(keys[2], (e, d, f)) / d ** 0.5,
+              "up": jax.random.normal(keys[3], (e, d, f)) / d ** 0.5,
+              "down": jax.random.normal(keys[4], (e, f, d)) / f ** 0.5}
 
     def loss(params, x):
-        routing = route(x @ params["router"], TOP_K)
+        routing = route(x @ params["router"], shape["top_k"])
         return jnp.mean(routed_experts(x, routing, params["gate"], params["up"], params["down"], formulation) ** 2)
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
@@ -49,8 +51,8 @@ def main() -> None:
             print(f"{shape}: {name:>7} {seconds[name] * 1e3:8.2f} ms ({seconds[name] / seconds['sorted']:.2f}x "
                   f"sorted), XLA FLOPs {steps[name][1]:.3g}", flush=True)
     path = write_results("moe_routing", "python3 -m bench.moe_routing",
-                         {"experts": EXPERTS, "top_k": TOP_K, "what": "forward and backward of one layer's routed "
-                          "experts (router included), float32, one CPU device", "rows": rows})
+                         {"what": "forward and backward of one layer's routed experts (router included), float32, "
+                          "one CPU device", "rows": rows})
     print(f"wrote {path}")
 
 
