@@ -64,18 +64,14 @@ def routed_experts(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up
                    down_ExFxD: jax.Array, formulation: Formulation = "sorted") -> jax.Array:
     """sum over each token's chosen experts e of weight x down_e(silu(x gate_e) * (x up_e)): [T, D], in x's
     dtype (the router's weights cast to it, as transformers does)."""
-    weights = routing.weights.astype(x_TxD.dtype)
-    if formulation == "sorted":
-        return _sorted(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
-    if formulation == "dense":
-        return _dense(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
-    if formulation == "padded":
-        return _padded(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
-    raise ValueError(f"unknown formulation {formulation!r}: sorted, dense or padded")
+    run = {"sorted": _sorted, "dense": _dense, "padded": _padded}.get(formulation)
+    if run is None:
+        raise ValueError(f"unknown formulation {formulation!r}: sorted, dense or padded")
+    return run(x_TxD, routing.experts, routing.weights.astype(x_TxD.dtype), gate_ExDxF, up_ExDxF, down_ExFxD)
 
 
 def _sorted(x, experts_TxK, weights_TxK, gate, up, down):
-    tokens, top_k = experts_TxK.shape
+    top_k = experts_TxK.shape[1]
     flat = experts_TxK.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # the assignments grouped by expert, tokens in order within each
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
