@@ -159,7 +159,8 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, sca
         _took(window, softcap, f"{kind} over mesh.context={size}, blockwise")
         if group is None:
             return sequence_split_attention(q, k, v, positions, segment_ids, visibility, split)
-        return local_attention(q, k, v, *[token_places(positions, segment_ids, q.shape[:2])] * 2, visibility, group)
+        tokens = token_places(positions, segment_ids, q.shape[:2])
+        return local_attention(q, k, v, tokens, tokens, visibility, group)
     backend = lowering_platform()
     band = None if window is None else (window - 1, 0)
     block = blockwise_block(q.shape[1], k.shape[1])

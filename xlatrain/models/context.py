@@ -94,6 +94,8 @@ def inside_context_group(group: ContextGroup | None) -> Iterator[None]:
 
 def current_context_group() -> ContextGroup | None:
     return _GROUP.get()
+
+
 BLOCK_AT_MOST = 512
 """Queries and keys per block of a chunk pair: the largest of 512, 256, 128 that divides the chunk, else the
 chunk."""

@@ -75,10 +75,11 @@ def _sorted(x, experts_TxK, weights_TxK, gate, up, down):
     flat = experts_TxK.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # the assignments grouped by expert, tokens in order within each
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
-    rows = x[order // top_k]
+    token = order // top_k
+    rows = x[token]
     hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
     out = jax.lax.ragged_dot(hidden, down, sizes) * weights_TxK.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x).at[order // top_k].add(out)
+    return jnp.zeros_like(x).at[token].add(out)
 
 
 def _dense(x, experts_TxK, weights_TxK, gate, up, down):
@@ -92,13 +93,18 @@ def _padded(x, experts_TxK, weights_TxK, gate, up, down):
     tokens, top_k = experts_TxK.shape
     count = gate.shape[0]
     flat = experts_TxK.reshape(-1)
-    one_hot = jax.nn.one_hot(flat, count, dtype=jnp.int32)
-    slot = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # each assignment's place at its expert
+    slot = _place_in_group(flat, count)
     token = jnp.arange(tokens * top_k) // top_k
     batch_ExCxD = jnp.zeros((count, tokens, x.shape[1]), x.dtype).at[flat, slot].set(x[token])
     hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", batch_ExCxD, gate)) * jnp.einsum("ecd,edf->ecf", batch_ExCxD, up)
     out_ExCxD = jnp.einsum("ecf,efd->ecd", hidden, down)
     return jnp.zeros_like(x).at[token].add(out_ExCxD[flat, slot] * weights_TxK.reshape(-1)[:, None])
+
+
+def _place_in_group(groups_A: jax.Array, count: int) -> jax.Array:
+    """Each assignment's place among the earlier assignments to its group (of `count`), in assignment order."""
+    one_hot = jax.nn.one_hot(groups_A, count, dtype=jnp.int32)
+    return jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,20 +126,17 @@ def expert_parallel_experts(x_TxD: jax.Array, routing: Routing, gate_LxDxF: jax.
     rows = tokens * top_k
     flat = routing.experts.reshape(-1)
     destination = flat // local
-    order = jnp.argsort(destination, stable=True)
-    counts = jnp.bincount(destination, length=group.size).astype(jnp.int32)
-    slot = jnp.arange(rows) - (jnp.cumsum(counts) - counts)[destination[order]]  # place in its destination's block
-    token = order // top_k
-    place = (destination[order], slot)
+    place = (destination, _place_in_group(destination, group.size))  # its row in its destination's block
+    token = jnp.arange(rows) // top_k
     sent_SxRxD = jnp.zeros((group.size, rows, x_TxD.shape[1]), x_TxD.dtype).at[place].set(x_TxD[token])
     # which local expert each row is for, and whether it holds one (the blocks are padded)
-    wanted_SxR = jnp.full((group.size, rows), -1, jnp.int32).at[place].set(flat[order] % local)
+    wanted_SxR = jnp.full((group.size, rows), -1, jnp.int32).at[place].set(flat % local)
     arrived, wanted = group.all_to_all(sent_SxRxD), group.all_to_all(wanted_SxR)
     held = (wanted >= 0).reshape(-1, 1)
     own = Routing(jnp.maximum(wanted, 0).reshape(-1, 1), held.astype(jnp.float32), jnp.zeros((held.shape[0], local)))
     done = routed_experts(arrived.reshape(-1, x_TxD.shape[1]), own, gate_LxDxF, up_LxDxF, down_LxFxD, formulation)
     back_SxRxD = group.all_to_all(done.reshape(arrived.shape))
-    weights = routing.weights.reshape(-1)[order].astype(x_TxD.dtype)
+    weights = routing.weights.reshape(-1).astype(x_TxD.dtype)
     return jnp.zeros_like(x_TxD).at[token].add(back_SxRxD[place] * weights[:, None])
 
 
