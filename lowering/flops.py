@@ -9,7 +9,8 @@ xlatrain.models.attention cuts it into query blocks (on CPU), whose products are
 attention (xlatrain's on GPUs in bf16/f16) skips the masked products, so there a causal attention counts its
 unmasked query-key pairs only, with two products over them forward and four backward (the forward that its
 backward recomputes is not model work). Elementwise work (norms, activations, the optimizer) is left out, as in
-the 6 x params x tokens rule of thumb.
+the 6 x params x tokens rule of thumb. A Mixture of Experts counts the experts each token chose (its active
+parameters): the program traced for the count runs them as grouped matmuls (xlatrain/program.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def dot_general_flops(eqn: Any) -> float:
     lhs_free = math.prod(lhs) // (contracted * batch)
     rhs_free = math.prod(rhs) // (contracted * batch)
     return 2.0 * batch * lhs_free * rhs_free * contracted
+
+
+def ragged_dot_flops(eqn: Any) -> float:
+    """A grouped matmul (jax.lax.ragged_dot and its gradients): each of the lhs's rows meets one group's matrix,
+    2 x the lhs's elements x the rhs's free size per group."""
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (_, rhs_contract), _ = numbers.dot_dimension_numbers
+    rhs_free = math.prod(rhs) // math.prod(rhs[d] for d in (*rhs_contract, *numbers.rhs_group_dimensions))
+    return 2.0 * math.prod(lhs) * rhs_free
 
 
 def dense_weight_tangent_flops(eqn: Any) -> float:
@@ -77,7 +88,7 @@ def fused_attention_flops(eqn: Any, products: int) -> float:
 
 
 COUNTED: dict[str, Callable[[Any], float]] = {
-    "dot_general": dot_general_flops, "conv_general_dilated": conv_flops,
+    "dot_general": dot_general_flops, "conv_general_dilated": conv_flops, "ragged_dot_general": ragged_dot_flops,
     "dot_product_attention_fwd": lambda eqn: fused_attention_flops(eqn, products=2),
     "dot_product_attention_bwd": lambda eqn: fused_attention_flops(eqn, products=4),
     "xlatrain_dense_weight_tangent": dense_weight_tangent_flops}

@@ -20,6 +20,10 @@ from xlatrain.mesh import CONTEXT
 Tree = Any
 
 
+REPLICAS = "replicas"
+"""The name of PartitionedReplicas' vmap over replicas, for sums across them inside it."""
+
+
 @dataclass(frozen=True)
 class PartitionedReplicas:
     replicas: int
@@ -34,7 +38,13 @@ class PartitionedReplicas:
 
     def each(self, per_replica: Callable) -> Callable:
         """per_replica(params, model_state, batch, key, *shared) over the leading replica axis of batch and keys."""
-        return jax.vmap(per_replica, in_axes=(None, None, 0, 0, None, None), spmd_axis_name=self.spmd_axis)
+        return jax.vmap(per_replica, in_axes=(None, None, 0, 0, None, None), spmd_axis_name=self.spmd_axis,
+                        axis_name=REPLICAS)
+
+    @staticmethod
+    def across(local: jax.Array) -> jax.Array:
+        """Inside `each`: a value summed over the replicas."""
+        return jax.lax.psum(local, REPLICAS)
 
     def indices(self) -> jax.Array:
         return self.pin(jnp.arange(self.replicas))
@@ -103,6 +113,9 @@ class ExplicitReplicas:
 
     def total(self, local: jax.Array) -> jax.Array:
         return self._over_context(self.all_reduce(local, self.axis))
+
+    across = total
+    """Inside `each`: a value summed over the replicas (and the parts of each)."""
 
     def sum_gradients(self, grads_R: Tree, dtype: jnp.dtype) -> Tree:
         grads = jax.tree.map(lambda g: g[0], grads_R)

@@ -24,7 +24,8 @@ from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas
 
 from xlatrain.errors import UserError
 from xlatrain.models.context import balanced_order, current_context_group
-from xlatrain.models.interface import Documents, documents_of
+from xlatrain.models.experts import ROUTER_SUMS
+from xlatrain.models.interface import Documents, Reported, documents_of, outputs_and_reports
 from xlatrain.precision import Policy, cast_floats, next_loss_scale
 from xlatrain.sharding import context_split
 from xlatrain.state import ModelDef, TrainState
@@ -83,7 +84,14 @@ def logit_of_label(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def means(sums: Metrics) -> Metrics:
-    return {k: v / sums["weight"] for k, v in sums.items() if k != "weight"}
+    """The metrics from their sums; per-layer arrays (a router's loads: ROUTER_SUMS) are left to the model's
+    `reports.metrics`."""
+    return {k: v / sums["weight"] for k, v in sums.items() if k != "weight" and k not in ROUTER_SUMS}
+
+
+def weighted_means(values: Metrics, weight: jax.Array) -> Metrics:
+    """Scalars as sums that `means` turns back into them (x weight / the total weight); arrays as they are."""
+    return {k: v * weight if v.ndim == 0 else v for k, v in values.items()}
 
 
 def make_forward(model: ModelDef, policy: Policy, compute_params: Callable[[Tree], Tree] = lambda p: p):
@@ -96,7 +104,9 @@ def make_forward(model: ModelDef, policy: Policy, compute_params: Callable[[Tree
         in_compute = cast_floats(compute_params(params), policy.compute)
         outputs, new_state = model.run(in_compute, model_state, cast_floats(inputs, policy.compute), key, documents)
         new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, model_state)
-        return outputs.astype(policy.output), new_state
+        outputs, reports = outputs_and_reports(outputs)
+        outputs = outputs.astype(policy.output)
+        return (outputs if reports is None else Reported(outputs, reports)), new_state
 
     return forward
 
@@ -158,11 +168,18 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
     lowering/pipeline/gradients.py)."""
     forward = make_forward(model, policy, compute_params)
 
-    def scaled_objective(params, model_state, micro, key, scale, total_weight):
+    def scaled_objective(params, model_state, micro, key, scale, total_weight, microbatches):
         with jax.named_scope("forward"):  # the backward's ops are named transpose(jvp(forward))
             outputs, model_state = forward(params, model_state, micro["inputs"], key, documents_of(micro))
+            outputs, reports = outputs_and_reports(outputs)
             sums = loss_sums(outputs, micro, loss)
-            return sums["loss"] * scale / total_weight, (sums, model_state)
+            objective = sums["loss"] * scale / total_weight
+            if reports is not None:
+                # the layers' own losses, each microbatch's over the global microbatch, their mean over microbatches
+                layer_loss, layer_sums = model.reports.objective(reports, replicas.across)
+                objective = objective + layer_loss * scale / microbatches
+                sums = {**sums, **weighted_means(layer_sums, total_weight / microbatches)}
+            return objective, (sums, model_state)
 
     grad_fn = jax.grad(scaled_objective, has_aux=True)
 
@@ -171,17 +188,18 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
         count = jax.tree.leaves(batch)[0].shape[0]
         first = jax.tree.map(lambda x: x[0], batch)
         if count == 1:
-            grads, (sums, model_state) = grad_fn(params, model_state, first, key, scale, total_weight)
+            grads, (sums, model_state) = grad_fn(params, model_state, first, key, scale, total_weight, count)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums, model_state
 
         def one(carry, indexed):
             total, model_state = carry
             index, micro = indexed
             grads, (sums, model_state) = grad_fn(params, model_state, micro, jax.random.fold_in(key, index), scale,
-                                                 total_weight)
+                                                 total_weight, count)
             return (jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, (grads, sums)), model_state), None
 
-        grad_shapes, (sum_shapes, _) = jax.eval_shape(grad_fn, params, model_state, first, key, scale, total_weight)
+        grad_shapes, (sum_shapes, _) = jax.eval_shape(grad_fn, params, model_state, first, key, scale, total_weight,
+                                                      count)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (grad_shapes, sum_shapes))
         (grads, sums), model_state = jax.lax.scan(one, (zeros, model_state), (jnp.arange(count), batch))[0]
         return grads, sums, model_state
@@ -227,6 +245,8 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, Metrics]:
         scale = loss_scale(state, policy)
         grads, sums, model_state = gradient_step(state, batch)
+        if model.reports is not None:
+            model_state = model.reports.rebalance(model_state, sums["router_load"])
         # (3) Agree on finiteness, clip by the global norm of the synchronised, unscaled gradients. The norm is
         # finite exactly when every gradient is (an inf or NaN anywhere carries into it), unless it overflows
         # float32, and then no update from it is usable either; one pass over the gradients serves both.
@@ -250,6 +270,8 @@ def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule:
                             loss_scale=next_loss_scale(state.loss_scale, finite, policy.loss_scale))
         metrics = {**means(sums), "grad_norm": grad_norm, "param_norm": trees.param_norm(params),
                    "lr": schedule(state.step), "finite": finite}
+        if model.reports is not None:
+            metrics.update(model.reports.metrics(sums))
         if policy.dynamic_scale:
             metrics["loss_scale"] = scale
         return new, metrics
@@ -281,7 +303,7 @@ def make_eval_step(model: ModelDef, loss: str, policy: Policy,
     def eval_step(state: TrainState, batch: dict) -> Metrics:
         batch = in_context_order(batch)
         outputs = forward(state.params, state.model_state, batch["inputs"], None, documents_of(batch))[0]
-        return eval_metrics(loss_sums(outputs, batch, loss))
+        return eval_metrics(loss_sums(outputs_and_reports(outputs)[0], batch, loss))
 
     return eval_step
 

@@ -42,6 +42,19 @@ ARCHITECTURES = {
     "linear-rope": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4, rope_scaling={
         "rope_type": "linear", "factor": 2.0})),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)),
+    # Mixture-of-Experts families, 4 experts each: Mixtral (top-2, normalised), Qwen3-MoE (q/k norms per head,
+    # top-2 of narrower experts, normalised), OLMoE (q/k norms over the projection, clip_qkv low enough to clip,
+    # top-2 unnormalised), Qwen2-MoE (q/k/v biases, a gated shared expert, top-3 unnormalised)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, num_local_experts=4,
+                                                            num_experts_per_tok=2, sliding_window=None)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                                                      clip_qkv=0.5, pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80)),
 }
 
 

@@ -7,6 +7,7 @@ and eval steps on first use. How a step runs over the mesh is `Program.parallel`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -56,9 +57,9 @@ from xlatrain.lowering.step import (
     make_train_step,
 )
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, train_batch_sharding
-from xlatrain.models import flax_model, model_factory
+from xlatrain.models import flax_model, model_factory, router_balance
 from xlatrain.models.fit import check_model_outputs
-from xlatrain.models.interface import PARTLY_FROZEN, ModelDef, documents_of
+from xlatrain.models.interface import PARTLY_FROZEN, ModelDef, documents_of, outputs_and_reports
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
@@ -328,7 +329,8 @@ def build_model(config: Config, spec: DataSpec, compute_dtype: jnp.dtype, data_p
         from xlatrain.torch_bridge.module import torch_model
 
         return torch_model(config.model, config.seed, data_parallel)
-    return flax_model(model_factory(config.model, spec, compute_dtype, scan_layers))
+    model = flax_model(model_factory(config.model, spec, compute_dtype, scan_layers))
+    return dataclasses.replace(model, reports=router_balance(config.model))
 
 
 def replica_state_bytes(config: Config) -> int:
@@ -352,12 +354,16 @@ def apply_cpu_devices(*configs: Config) -> cpu_devices.CpuDevicePlan:
 
 def _model_flops(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, policy: Policy) -> float | None:
     """The unpipelined model's forward and backward over the global batch, traced (lowering/flops.py): what
-    every layout of the step (sharded, accumulated, pipelined) computes, recomputation aside."""
+    every layout of the step (sharded, accumulated, pipelined) computes, recomputation aside. An MoE model's
+    experts are traced as grouped matmuls, whose products are the chosen experts' alone (the active parameters)."""
+    if getattr(config.model, "moe", None) is not None:
+        model = dataclasses.replace(model, run=flax_model(model_factory(
+            config.model, spec, policy.compute, derived.scan_layers, formulation="sorted")).run)
     forward = make_forward(model, policy)
 
     def objective(params, model_state, batch):
         outputs, _ = forward(params, model_state, batch["inputs"], jax.random.PRNGKey(0), documents_of(batch))
-        return loss_sums(outputs, batch, config.model.loss)["loss"]
+        return loss_sums(outputs_and_reports(outputs)[0], batch, config.model.loss)["loss"]
 
     params, model_state = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy))
     try:

@@ -51,11 +51,22 @@ class TrainedDecoder:
     tokenizer: Tokenizer | None
     source: str
     """What the weights came from, for messages."""
+    model_state: Any = None
+    """The model's state beside its params (an MoE router's balancing bias), as the params are; None: none."""
 
     def module(self) -> tuple[Any, Any]:
-        """(nnx graph definition, params): what xlatrain.models.sampling.generate runs."""
+        """(nnx graph definition, its variables: the params with the model state among them): what
+        xlatrain.models.sampling.generate runs."""
         factory = model_factory(self.model, _spec(self.model), jnp.float32, scan_layers=True)
-        return nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)[0], self.params
+        return nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))[0], merged(self.params, self.model_state or {})
+
+
+def merged(params: dict, model_state: dict) -> dict:
+    """One nested dict of the params and the model state (whose leaves sit beside the params' in the modules)."""
+    found = dict(params)
+    for key, value in model_state.items():
+        found[key] = merged(found.get(key, {}), value) if isinstance(value, dict) else value
+    return found
 
 
 def _spec(model: DecoderConfig) -> DataSpec:
@@ -70,7 +81,7 @@ def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDeco
     if not isinstance(config.model, DECODERS):
         raise UserError(f"{command}: {str(run_dir)!r} trained {config.model.named()}, not a built-in decoder "
                         "(model.name=gpt or llama)")
-    params, step = _restored_params(run_dir, config, step, command)
+    (params, model_state), step = _restored_params(run_dir, config, step, command)
     model = config.model
     vocab = params["embed"]["embedding"].shape[0]
     if isinstance(model, GPTConfig):
@@ -80,7 +91,8 @@ def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDeco
             open_dataset(config.data, model.loss).spec.input_shape[0]
     resolved = model.model_copy(update={"vocab": vocab, "max_len": max_len})
     params = in_current_layout(params, _abstract_params(resolved))
-    return TrainedDecoder(resolved, params, run_tokenizer(config.data, run_dir), f"{run_dir} step {step}"), config, step
+    return TrainedDecoder(resolved, params, run_tokenizer(config.data, run_dir), f"{run_dir} step {step}",
+                          model_state), config, step
 
 
 def _abstract_params(model: DecoderConfig) -> Any:
@@ -89,12 +101,14 @@ def _abstract_params(model: DecoderConfig) -> Any:
                           jax.random.PRNGKey(0))[0]
 
 
-def _restored_params(run_dir: Path, config: Config, step: int | None, command: str) -> tuple[Any, int]:
-    params, step = read_checkpoint(run_dir, config, step, command,
-                                   lambda checkpoints, step: checkpoints.restore_params_on(step, jax.devices()[0]))
+def _restored_params(run_dir: Path, config: Config, step: int | None, command: str) -> tuple[tuple[Any, Any], int]:
+    """((params, model state), step) on one device, the blocks in the model's layout."""
+    fields, step = read_checkpoint(run_dir, config, step, command, lambda checkpoints, step:
+                                   checkpoints.restore_fields_on(step, jax.devices()[0], ("params", "model_state")))
+    params = fields["params"]
     if config.mesh.stage > 1:
         params = _stage_layout(run_dir, config).layer_params(params)
-    return params, step
+    return (params, fields["model_state"]), step
 
 
 def read_checkpoint(run_dir: Path, config: Config, step: int | None, command: str,

@@ -21,8 +21,12 @@ from xlatrain.config.base import expanded
 from xlatrain.config.model import HUGGING_FACE_PREFIX, RopeScaling
 from xlatrain.errors import UserError, first_line
 
+MOE_ARCHITECTURES = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "olmoe": "llama"}
+"""The Mixture-of-Experts families: each is its dense sibling's attention with experts in the MLP's place."""
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma2": "llama",
-                 "gemma3_text": "llama", "gpt2": "gpt"}
+                 "gemma3_text": "llama", "gpt2": "gpt", **{family: "llama" for family in MOE_ARCHITECTURES}}
+LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+"""Families whose attention is DeepSeek's multi-head latent attention, which is not built."""
 """config.json's model_type -> the built-in model it loads into."""
 ROPE_SCALINGS = ("linear", "llama3")
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
@@ -56,10 +60,16 @@ def architecture(hf: dict, named: str) -> dict[str, Any]:
                         "tower beside the language model, whose weights sit under language_model), which xlatrain "
                         "does not load; it loads the text-only Gemma3ForCausalLM checkpoints (model_type "
                         "gemma3_text: Gemma 3 270M and 1B)")
+    if model_type in LATENT_ATTENTION:
+        raise UserError(f"{named}: config.json has model_type={model_type!r}, whose attention is DeepSeek's "
+                        "multi-head latent attention (compressed keys and values), which xlatrain does not build; its "
+                        "MoE layers are (model.moe with score=sigmoid and bias_rate)")
     if model_type not in ARCHITECTURES:
         raise UserError(f"{named}: config.json has model_type={model_type!r}, which xlatrain does not load; it loads "
                         f"{', '.join(ARCHITECTURES)}")
     try:
+        if model_type in MOE_ARCHITECTURES:
+            return _moe(hf, model_type, named)
         read = {"gpt2": _gpt2, "gemma2": _gemma2, "gemma3_text": _gemma3}.get(model_type)
         return read(hf, named) if read else _llama(hf, model_type, named)
     except KeyError as err:
@@ -73,9 +83,39 @@ def _llama(hf: dict, model_type: str, named: str) -> dict[str, Any]:
         raise UserError(f"{named}: config.json sets hidden_act={hf['hidden_act']!r}; the Llama MLP here is SwiGLU "
                         "(silu)")
     attention_bias = bool(hf.get("attention_bias", False))
-    keys = {**_llama_shape(hf, tied=False), "qkv_bias": model_type == "qwen2" or attention_bias,
+    keys = {**_llama_shape(hf, tied=False), "qkv_bias": (model_type == "qwen2" and hf.get("qkv_bias", True)) or
+            attention_bias,
             "out_bias": attention_bias, "qk_norm": "head" if model_type == "qwen3" else None}
     return {**keys, **_rope(hf, named), **_windows(hf, model_type, named)}
+
+
+MOE_TOP_K = {"mixtral": 2, "qwen2_moe": 4, "qwen3_moe": 8, "olmoe": 8}
+"""num_experts_per_tok where a config.json leaves it out (transformers' defaults)."""
+
+
+def _moe(hf: dict, model_type: str, named: str) -> dict[str, Any]:
+    """Mixtral (Mistral's attention), Qwen2-MoE (Qwen2's, a gated shared expert), Qwen3-MoE (Qwen3's) and OLMoE
+    (q/k norms over the projection, clip_qkv): every layer's MLP routed experts."""
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise UserError(f"{named}: config.json makes some layers dense (mlp_only_layers={hf.get('mlp_only_layers')}, "
+                        f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)}); model.moe puts experts in every "
+                        "layer")
+    if hf.get("router_jitter_noise"):
+        raise UserError(f"{named}: config.json sets router_jitter_noise={hf['router_jitter_noise']}, which the router "
+                        "here does not draw; set it to 0 in config.json")
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts:
+        raise KeyError("num_experts")
+    keys = _llama(hf, MOE_ARCHITECTURES[model_type], named)
+    if model_type == "olmoe":
+        keys.update(qk_norm="projection", clip_qkv=hf.get("clip_qkv"))
+    shared = hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    moe = {"experts": experts, "top_k": hf.get("num_experts_per_tok", MOE_TOP_K[model_type]),
+           "expert_hidden": hf["intermediate_size"] if model_type in ("mixtral", "olmoe") else
+           hf["moe_intermediate_size"], "shared_hidden": shared, "shared_gate": bool(shared),
+           "normalise": True if model_type == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+           "aux_loss_weight": float(hf.get("router_aux_loss_coef", 0.01 if model_type == "olmoe" else 0.001))}
+    return {**keys, "moe": moe}
 
 
 def _llama_shape(hf: dict, tied: bool, head_dim: int | None = None) -> dict[str, Any]:
@@ -228,11 +268,25 @@ def with_checkpoint_architecture(model: dict) -> dict:
     named = f"model.init_from={init_from!r}"
     found = architecture(read_config_json(checkpoint_directory(init_from), named, otherwise=", or resume a run that "
                                           "started from one with model.init_from=null"), named)
-    for key, value in found.items():
-        if key in model and _comparable(key, model[key]) != _comparable(key, value):
-            raise UserError(f"config: model.{key}={model[key]!r} disagrees with {named} ({value!r} there); drop "
+    for key, value in _flat(found).items():
+        given = _flat(model).get(key, value)
+        if key not in TRAINING_DEFAULTS and _comparable(key, given) != _comparable(key, value):
+            raise UserError(f"config: model.{key}={given!r} disagrees with {named} ({value!r} there); drop "
                             f"model.{key} or set it to {value!r}")
-    return {**model, **found}
+    moe = found.get("moe")
+    given_moe = model.get("moe") if isinstance(model.get("moe"), dict) else {}
+    return {**model, **found, **({"moe": {**moe, **given_moe}} if moe else {})}
+
+
+TRAINING_DEFAULTS = ("moe.aux_loss_weight",)
+"""What a checkpoint's config.json suggests for training (router_aux_loss_coef), which a config may set otherwise."""
+
+
+def _flat(model: dict) -> dict[str, Any]:
+    """The model keys with model.moe's as moe.KEY (a config may set some of them beside a checkpoint's)."""
+    moe = model.get("moe")
+    inner = {f"moe.{key}": value for key, value in moe.items()} if isinstance(moe, dict) else {}
+    return {**{key: value for key, value in model.items() if key != "moe" or not inner}, **inner}
 
 
 def _comparable(key: str, value: Any) -> Any:
@@ -262,6 +316,11 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
     if model.out_bias and not model.qkv_bias:
         raise UserError("export --hf: model.out_bias=true with model.qkv_bias=false has no Hugging Face "
                         "architecture (Llama's attention_bias sets both, Qwen2 biases q, k and v only)")
+    if model.moe is not None:
+        return _moe_config(model, vocab, max_len)
+    if model.clip_qkv is not None:
+        raise UserError("export --hf: model.clip_qkv is OLMoE's, a Mixture of Experts; no dense Hugging Face family "
+                        "clips q, k and v")
     gemma_marks = {"model.norm_plus_one=true": model.norm_plus_one, "model.sandwich_norms=true": model.sandwich_norms,
                    "model.embed_scale=true": model.embed_scale,
                    "model.mlp_activation=gelu_tanh": model.mlp_activation == "gelu_tanh",
@@ -308,6 +367,57 @@ def hugging_face_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
         return {**llama, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
                 "sliding_window": model.sliding_window}
     return llama
+
+
+def _moe_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
+    """The family of an MoE model by its attention's marks: OLMoE (q/k norms over the projection), Qwen2-MoE (q, k, v
+    biases and a gated shared expert), Qwen3-MoE (q/k norms per head), Mixtral (none of them)."""
+    moe = model.moe
+    unbuilt = {"model.moe.score=sigmoid": moe.score == "sigmoid", "model.moe.bias_rate": moe.bias_rate is not None,
+               "Gemma's layers": model.sandwich_norms or model.norm_plus_one or model.embed_scale,
+               "model.out_bias=true": model.out_bias}
+    for what, present in unbuilt.items():
+        if present:
+            raise UserError(f"export --hf: {what} has no Hugging Face MoE family here (Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                            "OLMoE: softmax routers without a bias, Llama's layers)")
+    family = ("olmoe" if model.qk_norm == "projection" else "qwen2_moe" if model.qkv_bias or moe.shared_hidden else
+              "qwen3_moe" if model.qk_norm == "head" else "mixtral")
+    wants = {"olmoe": {"no shared experts": not moe.shared_hidden, "no q, k, v biases": not model.qkv_bias},
+             "qwen2_moe": {"q, k, v biases (model.qkv_bias)": model.qkv_bias, "no q/k norms": model.qk_norm is None,
+                           "a gated shared expert (model.moe.shared_hidden, shared_gate)": moe.shared_gate},
+             "qwen3_moe": {"no shared experts": not moe.shared_hidden},
+             "mixtral": {"normalised top-k weights (model.moe.normalise)": moe.normalise}}[family]
+    missing = [what for what, present in wants.items() if not present]
+    if missing:
+        raise UserError(f"export --hf: this MoE model exports as {family}, which has {', '.join(missing)}; this "
+                        "model has not")
+    if model.clip_qkv is not None and family != "olmoe":
+        raise UserError("export --hf: model.clip_qkv is OLMoE's (q/k norms over the projection: model.qk_norm="
+                        "projection)")
+    found = {"model_type": family, "architectures": [MOE_CLASSES[family]],
+             **_llama_shape_json(model, vocab, max_len), "hidden_act": "silu", "rope_parameters": _rope_parameters(
+                 model), "rope_theta": model.rope_theta, "num_local_experts": moe.experts, "num_experts": moe.experts,
+             "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_weight,
+             "output_router_logits": False}
+    windows = model.layer_windows()
+    hidden = moe.hidden_of(model.mlp_width())
+    if family == "mixtral":
+        if any(window != windows[0] for window in windows):
+            raise UserError("export --hf: Mixtral windows every layer or none; set model.layer_types to one type")
+        return {**found, "intermediate_size": hidden, "sliding_window": windows[0]}
+    if any(window is not None for window in windows) and family == "olmoe":
+        raise UserError("export --hf: OLMoE has no sliding-window layers; drop model.sliding_window")
+    found.update(norm_topk_prob=moe.normalise, moe_intermediate_size=hidden)
+    if family == "olmoe":
+        return {**found, "intermediate_size": hidden, "clip_qkv": model.clip_qkv, "attention_bias": False}
+    found.update(decoder_sparse_step=1, mlp_only_layers=[], **_qwen_windows(windows, model.sliding_window))
+    if family == "qwen3_moe":
+        return {**found, "attention_bias": False}
+    return {**found, "qkv_bias": True, "shared_expert_intermediate_size": moe.shared_hidden}
+
+
+MOE_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "olmoe": "OlmoeForCausalLM"}
 
 
 def _rope_parameters(model: Any) -> dict[str, Any]:

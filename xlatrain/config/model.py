@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from xlatrain.config.base import DropoutRate, PathText, PositiveInt, Strict, expanded
+from xlatrain.config.base import DropoutRate, NonNegativeInt, PathText, PositiveInt, Strict, expanded
 
 
 class ModelBase(Strict):
@@ -134,6 +134,60 @@ class RopeScaling(Strict):
     """llama3: the context the model was first trained for."""
 
 
+class MoEConfig(Strict):
+    """Mixture-of-Experts feed-forward layers in every block, in place of the gated MLP (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE, DeepSeek's routing): a router picks each token's model.moe.top_k experts (docs/models.md)."""
+
+    experts: PositiveInt
+    """Routed experts per layer."""
+    top_k: PositiveInt = 2
+    """Experts each token goes to."""
+    expert_hidden: PositiveInt | None = None
+    """Hidden width of each expert's SwiGLU MLP; null: model.mlp_hidden."""
+    shared_hidden: NonNegativeInt = 0
+    """Hidden width of the shared experts every token also goes through, as one SwiGLU MLP (DeepSeek's
+    n_shared_experts x its expert width; Qwen2-MoE's shared_expert_intermediate_size); 0: none."""
+    shared_gate: bool = False
+    """The shared experts' output scaled by a sigmoid gate of the token (Qwen2-MoE); false: added as it is
+    (DeepSeek)."""
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    """The router's scores: a softmax over the experts (Mixtral, Qwen, OLMoE) or each expert's sigmoid
+    (DeepSeek-V3)."""
+    normalise: bool = True
+    """The chosen experts' weights divided by their sum (Mixtral; Qwen's and OLMoE's norm_topk_prob); false: the
+    router's scores as they are."""
+    aux_loss_weight: float = Field(0.001, ge=0)
+    """Weight of the load-balancing loss, transformers' load_balancing_loss_func over every layer's tokens of the
+    global microbatch (router_aux_loss_coef); 0: none."""
+    z_loss_weight: float = Field(0.0, ge=0)
+    """Weight of ST-MoE's router z-loss (the mean of the router logits' logsumexp squared); 0: none."""
+    bias_rate: float | None = Field(None, gt=0)
+    """DeepSeek-V3's aux-loss-free balancing: each expert's bias on the router's choice (model state, outside
+    the optimizer) moves by this much after every step, up for an expert with fewer choices than the mean over
+    the step's global batch, down for one with more; null: no bias."""
+    capacity_factor: float | None = Field(None, gt=0)
+    """Each expert takes at most capacity_factor x tokens x top_k / experts choices of a microbatch's tokens on a
+    replica, every token's first choice before any second; the rest are dropped (the token keeps its residual);
+    null: dropless."""
+    formulation: Literal["auto", "sorted", "dense", "padded"] = "auto"
+    """How the experts' matmuls run: sorted (grouped matmuls, jax.lax.ragged_dot), dense (every expert on every
+    token, weighted by a [tokens, experts] matrix), padded (each expert's tokens gathered into a batch of the
+    capacity). auto: padded, the fastest on CPU (bench/README.md, the MoE routing)."""
+
+    def hidden_of(self, mlp_hidden: int) -> int:
+        return self.expert_hidden or mlp_hidden
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoEConfig:
+        if self.top_k > self.experts:
+            raise ValueError(f"model.moe.top_k={self.top_k} is more than model.moe.experts={self.experts}: each "
+                             "token chooses among the experts; lower top_k or add experts")
+        if self.shared_gate and not self.shared_hidden:
+            raise ValueError("model.moe.shared_gate=true gates the shared experts, and model.moe.shared_hidden=0 "
+                             "has none: set their width, or drop shared_gate")
+        return self
+
+
 class LlamaConfig(DecoderConfig):
     name: Literal["llama"]
     """A Llama-style decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3): RoPE, RMSNorm, a gated MLP,
@@ -156,6 +210,9 @@ class LlamaConfig(DecoderConfig):
     """RMSNorm of the queries and keys before RoPE. head: each head normalised on its own, one scale of
     model.head_dim shared by the heads (Qwen3). projection: over the whole query and key projections, a scale per
     feature (OLMoE). null: none."""
+    clip_qkv: float | None = Field(None, gt=0)
+    """The queries, keys and values clipped to [-c, c] after their projections (and q/k norms) (OLMoE's
+    clip_qkv); null: not clipped."""
     sliding_window: PositiveInt | None = None
     """Sliding-window attention: a query at position i attends the keys j with i - W < j <= i (W keys, itself
     included), in the layers model.layer_types names sliding (every layer when it is null). A window at least as
@@ -185,6 +242,8 @@ class LlamaConfig(DecoderConfig):
     """The output logits soft-capped likewise (Gemma 2: 30); null: none."""
     norm_eps: float = Field(1e-5, gt=0)
     """Epsilon of the RMSNorms."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts layers in place of the gated MLP; null: a dense model."""
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's window (None: full causal attention)."""

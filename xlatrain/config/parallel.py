@@ -61,7 +61,7 @@ MESH_AXES = ("data", TENSOR)
 MeshAxes = tuple[str, ...]
 DEFAULT_LOGICAL_RULES: dict[str, MeshAxes] = {
     "vocab": ("tensor", "data"), "embed": ("data",), "mlp": ("tensor", "data"), "heads": ("tensor", "data"),
-    "kv_heads": ("tensor", "data"), "hidden": ("data",), "channels": ("data",)}
+    "kv_heads": ("tensor", "data"), "hidden": ("data",), "channels": ("data",), "experts": ("data",)}
 """Megatron-style tensor parallelism over `tensor` (heads, the MLP's hidden dimension, the vocabulary), and what
 zero1/fsdp split over `data`: a dimension goes to each listed axis in turn that is not used by another of the
 parameter's dimensions and divides it, together (e.g. heads over tensor x data)."""

@@ -99,7 +99,13 @@ def _section(name: str, field: FieldInfo) -> list[str]:
     rows = [(models[0], key, "") for key in shared]
     rows += [(model, key, f" ({_tag_of(model, tag)})") for model in models
              for key in model.model_fields if key != tag and key not in shared]
-    return lines + _rows_table([(f"{name}.{key}", model, key, kind) for model, key, kind in rows])
+    lines += _rows_table([(f"{name}.{key}", model, key, kind) for model, key, kind in rows])
+    for model in models:  # a kind's own sections (model.moe, model.rope_scaling of llama)
+        for key, f in model.model_fields.items():
+            if _models(f.annotation) and key not in shared:
+                lines += _one_kind(f"{name}.{key}", _models(f.annotation)[0], _text(_field_doc(model, key)) +
+                                   f" ({_tag_of(model, tag)})", level=3)
+    return lines
 
 
 def _one_kind(name: str, model: type[BaseModel], intro: str, level: int) -> list[str]:

@@ -128,6 +128,21 @@ class Config(Strict):
         return self
 
     @model_validator(mode="after")
+    def _experts_fit(self) -> Config:
+        moe = getattr(self.model, "moe", None)
+        if moe is None:
+            return self
+        if self.mesh.stage > 1:
+            raise ValueError(f"model.moe with mesh.stage={self.mesh.stage}: the MoE layers' router statistics do "
+                             "not travel between a pipeline's stages yet; set mesh.stage=1 (data, fsdp, tensor and "
+                             "context parallelism run MoE models)")
+        if self.mesh.tensor > 1 and self.parallel.mode != "jit":
+            raise ValueError(f"model.moe with mesh.tensor={self.mesh.tensor} in parallel.mode={self.parallel.mode}: "
+                             "a per-device program's tensor group has no collectives for the experts' matmuls yet; "
+                             "use parallel.mode=jit (XLA's partitioner splits each expert's MLP over `tensor`)")
+        return self
+
+    @model_validator(mode="after")
     def _tensor_parallel_fits(self) -> Config:
         tensor = self.mesh.tensor
         if self.model.name == "torch" and self.model.tensor_dims and tensor == 1:

@@ -10,6 +10,8 @@ from xlatrain.models.blocks import BLOCKS
 
 LAYER = "{layer}"
 """Where a block's tensor names its layer."""
+EXPERT = "{expert}"
+"""Where an expert's tensor names its expert."""
 
 
 @dataclass(frozen=True)
@@ -20,15 +22,23 @@ class Tensor:
     groups: int | None = None
     """The checkpoint keeps the parameter's last two dimensions [groups, n] as one [groups x n] (GPT-2's c_attn
     [width, 3 x width] for the GPT's qkv [width, 3, width])."""
+    experts: bool = False
+    """The parameter's first dimension (a layer's) is its experts, which the checkpoint keeps one tensor each (its
+    name holds EXPERT)."""
 
     def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The checkpoint's shape of a parameter of `shape` (one layer's)."""
+        """The checkpoint's shape of a parameter of `shape` (one layer's; one expert's tensor of an experts one)."""
+        shape = shape[1:] if self.experts else shape
         if self.groups is not None:
             return (*shape[:-2], shape[-2] * shape[-1])
         return shape[::-1] if self.transposed else shape
 
     def of_layer(self, layer: int) -> str:
         return self.name.replace(LAYER, str(layer))
+
+    def of_expert(self, name: str, expert: int) -> str:
+        """`name` (this tensor's, its layer filled in) for one expert."""
+        return name.replace(EXPERT, str(expert))
 
 
 def _linear(ours: str, theirs: str, bias: bool = True) -> dict[tuple[str, ...], Tensor]:
@@ -73,11 +83,37 @@ GEMMA_LAYER = {**LLAMA_LAYER, ("post_attn_norm", "scale"): Tensor("post_attentio
 GEMMA = {**{path: tensor for path, tensor in LLAMA.items() if path[0] != BLOCKS},
          **_in_blocks(GEMMA_LAYER, "model.layers")}
 
-BY_NAMING = {"llama": LLAMA, "gemma": GEMMA, "gpt": GPT2}
+
+
+def _experts_layer(prefix: str, gate: str, up: str, down: str) -> dict[tuple[str, ...], Tensor]:
+    """An MoE block's MLP (xlatrain/models/experts.py) under `prefix`: the router, one tensor per expert and
+    weight, the shared experts and their gate."""
+    def expert(theirs: str) -> Tensor:
+        return Tensor(f"{prefix}.experts.{EXPERT}.{theirs}.weight", transposed=True, experts=True)
+
+    return {("moe", "router", "kernel"): Tensor(f"{prefix}.gate.weight", transposed=True),
+            ("moe", "gate"): expert(gate), ("moe", "up"): expert(up), ("moe", "down"): expert(down),
+            **{("moe", "shared", ours, "kernel"): Tensor(f"{prefix}.shared_expert.{ours}_proj.weight", transposed=True)
+               for ours in ("gate", "up", "down")},
+            ("moe", "shared_gate", "kernel"): Tensor(f"{prefix}.shared_expert_gate.weight", transposed=True)}
+
+
+LLAMA_ATTENTION = {path: tensor for path, tensor in LLAMA_LAYER.items() if path[0] not in ("gate", "up", "down")}
+MIXTRAL = {**{path: tensor for path, tensor in LLAMA.items() if path[0] != BLOCKS},
+           **_in_blocks({**LLAMA_ATTENTION, **_experts_layer("block_sparse_moe", "w1", "w3", "w2")}, "model.layers")}
+QWEN_MOE = {**{path: tensor for path, tensor in LLAMA.items() if path[0] != BLOCKS},
+            **_in_blocks({**LLAMA_ATTENTION, **_experts_layer("mlp", "gate_proj", "up_proj", "down_proj")},
+                         "model.layers")}
+"""Qwen2-MoE's, Qwen3-MoE's and OLMoE's names."""
+
+BY_NAMING = {"llama": LLAMA, "gemma": GEMMA, "gpt": GPT2, "mixtral": MIXTRAL, "qwen_moe": QWEN_MOE}
 
 
 def naming_of(model) -> str:
-    """Which names a built-in decoder's checkpoint uses: GPT-2's, Llama's, or Gemma's where it has sandwich norms."""
+    """Which names a built-in decoder's checkpoint uses: GPT-2's, Llama's, Gemma's where it has sandwich norms; with
+    experts Mixtral's, or where it has Qwen's or OLMoE's marks (q/k norms, q/k/v biases, shared experts) theirs."""
+    if getattr(model, "moe", None) is not None:
+        return "qwen_moe" if model.qk_norm or model.qkv_bias or model.moe.shared_hidden else "mixtral"
     return "gemma" if getattr(model, "sandwich_norms", False) else model.name
 
 

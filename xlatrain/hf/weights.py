@@ -34,21 +34,43 @@ class HuggingFaceWeights:
         return self.tensors.resolve(tensor_of(self.naming, path))
 
     def check(self, abstract_params: Any) -> None:
-        """Every parameter (in the model's layout: blocks stacked [layers, ...]) has its tensor, of its shape."""
+        """Every parameter (in the model's layout: blocks stacked [layers, ...]) has its tensor, of its shape; an
+        experts parameter one per expert, and no more experts than config.json says."""
         for path, leaf in param_paths(abstract_params):
             tensor = self.tensor(path)
             stacked = path[0] == BLOCKS
-            expected = tensor.stored_shape(tuple(leaf.shape[1:] if stacked else leaf.shape))
+            shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
+            expected = tensor.stored_shape(shape)
             for layer in range(leaf.shape[0]) if stacked else (None,):
                 name = tensor.name if layer is None else tensor.of_layer(layer)
-                if name not in self.tensors.file_of:
-                    raise UserError(f"{self.named}: the checkpoint has no tensor {name!r} (model parameter "
-                                    f"{'.'.join(path)}); is it a complete {self.naming} checkpoint?")
-                found = self.tensors.shape(name)
-                if found != expected:
-                    raise UserError(f"{self.named}: tensor {name!r} is {list(found)}, where model parameter "
-                                    f"{'.'.join(path)} needs {list(expected)}; the checkpoint disagrees with its "
-                                    "config.json")
+                if tensor.experts:
+                    self._check_expert_count(tensor.of_expert(name, shape[0]), shape[0], path)
+                for each in [tensor.of_expert(name, e) for e in range(shape[0])] if tensor.experts else [name]:
+                    self._check_tensor(each, expected, path)
+
+    def _check_tensor(self, name: str, expected: tuple[int, ...], path: tuple[str, ...]) -> None:
+        if name not in self.tensors.file_of:
+            raise UserError(f"{self.named}: the checkpoint has no tensor {name!r} (model parameter "
+                            f"{'.'.join(path)}); is it a complete {self.naming} checkpoint"
+                            f"{' with as many experts as its config.json gives' if path[-2:-1] == ('moe',) else ''}?")
+        found = self.tensors.shape(name)
+        if found != expected:
+            raise UserError(f"{self.named}: tensor {name!r} is {list(found)}, where model parameter "
+                            f"{'.'.join(path)} needs {list(expected)}; the checkpoint disagrees with its "
+                            "config.json")
+
+    def _check_expert_count(self, past_last: str, experts: int, path: tuple[str, ...]) -> None:
+        if past_last in self.tensors.file_of:
+            raise UserError(f"{self.named}: the checkpoint has tensor {past_last!r}, an expert past the {experts} "
+                            f"experts its config.json gives (model parameter {'.'.join(path)}); the checkpoint "
+                            "disagrees with its config.json")
+
+    def expert_count(self, tensor: Tensor, name: str) -> int:
+        """How many experts the checkpoint holds a tensor of (`name`: the tensor's, its layer filled in)."""
+        count = 0
+        while tensor.of_expert(name, count) in self.tensors.file_of:
+            count += 1
+        return count
 
     def read(self, path: tuple[str, ...], layers: np.ndarray | None, index: tuple[slice, ...]) -> np.ndarray:
         """The parameter at `path`, [index] of one layer's (or a non-block parameter's) shape, for each layer in
@@ -56,6 +78,12 @@ class HuggingFaceWeights:
         tensor = self.tensor(path)
 
         def one(name: str) -> np.ndarray:
+            if tensor.experts:  # one tensor per expert of index[0], each read at the rest of the index
+                chosen = range(*index[0].indices(self.expert_count(tensor, name)))
+                return np.stack([plain(tensor.of_expert(name, e), index[1:]) for e in chosen])
+            return plain(name, index)
+
+        def plain(name: str, index: tuple[slice, ...]) -> np.ndarray:
             if tensor.transposed:
                 return self.tensors.read(name, index[::-1]).T
             if tensor.groups is not None:  # the merged last dimension read whole, then split and indexed

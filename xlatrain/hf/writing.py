@@ -30,8 +30,11 @@ def checkpoint_tensors(naming: str, params: Any) -> dict[str, np.ndarray]:
         tensor, value = tensor_of(naming, path), np.asarray(leaf, np.float32)
         for layer, array in enumerate(value) if path[0] == BLOCKS else [(None, value)]:
             name = tensor.name if layer is None else tensor.of_layer(layer)
-            found[name] = np.ascontiguousarray(array.T if tensor.transposed else array).reshape(
-                tensor.stored_shape(array.shape))
+            pieces = [(tensor.of_expert(name, e), each) for e, each in enumerate(array)] if tensor.experts else \
+                [(name, array)]
+            for each_name, each in pieces:
+                found[each_name] = np.ascontiguousarray(each.T if tensor.transposed else each).reshape(
+                    tensor.stored_shape(array.shape))
     return found
 
 

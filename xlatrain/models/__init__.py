@@ -13,6 +13,7 @@ from xlatrain.config import (
     CustomModelConfig,
     DecoderConfig,
     GPTConfig,
+    LlamaConfig,
     MLPConfig,
     ModelConfig,
 )
@@ -21,6 +22,7 @@ from xlatrain.data.tokenizers import rounded_vocab
 from xlatrain.errors import UserError, first_line
 from xlatrain.models.blocks import BlockStack, stack_blocks
 from xlatrain.models.cnn import CNN
+from xlatrain.models.experts import MoEShape, RouterBalance
 from xlatrain.models.flax_module import flax_model, takes_rngs
 from xlatrain.models.gpt import GPT, GPTShape
 from xlatrain.models.interface import ModelDef
@@ -33,10 +35,11 @@ __all__ = ["BlockStack", "ModelDef", "flax_model", "model_factory", "stack_block
 
 
 def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype = jnp.float32,
-                  scan_layers: bool | None = None) -> Callable[[nnx.Rngs], nnx.Module]:
+                  scan_layers: bool | None = None, formulation: str | None = None) -> Callable[[nnx.Rngs], nnx.Module]:
     """A function rngs -> module, so the caller decides where (abstractly, or under jit) it runs.
     `scan_layers`: a decoder's model.scan_layers as resolved for the run's devices (None: for jax's default
-    backend)."""
+    backend). `formulation`: the MoE experts' matmuls, in place of model.moe.formulation (a FLOP count traces
+    `sorted`, which computes only the chosen experts)."""
     if isinstance(config, MLPConfig):
         features = 1
         for size in spec.input_shape:
@@ -61,11 +64,35 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
                            mlp_activation=config.mlp_activation, norm_plus_one=config.norm_plus_one,
                            sandwich_norms=config.sandwich_norms, embed_scale=config.embed_scale,
                            score_scale_dim=config.score_scale_dim, attn_softcap=config.attn_softcap,
-                           logit_softcap=config.logit_softcap)
+                           logit_softcap=config.logit_softcap, clip_qkv=config.clip_qkv,
+                           moe=moe_shape(config, formulation))
         return lambda rngs: Llama(llama, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)
     raise TypeError(f"model.name={config.name} is not a flax model")
+
+
+MOE_FORMULATION = "padded"
+"""model.moe.formulation=auto: the fastest of the three on CPU (bench/results/moe_routing.json: 0.52-0.56x the
+sorted formulation's time at 8 experts, top-2; 0.29x at 32, top-4), and on GPUs, where ragged_dot expands to the
+same dense products (jax 0.10)."""
+
+
+def moe_shape(config: LlamaConfig, formulation: str | None = None) -> MoEShape | None:
+    moe = config.moe
+    if moe is None:
+        return None
+    chosen = formulation or (MOE_FORMULATION if moe.formulation == "auto" else moe.formulation)
+    return MoEShape(experts=moe.experts, top_k=moe.top_k, hidden=moe.hidden_of(config.mlp_width()),
+                    shared_hidden=moe.shared_hidden, shared_gate=moe.shared_gate, score=moe.score,
+                    normalise=moe.normalise, capacity_factor=moe.capacity_factor, formulation=chosen,
+                    balancing_bias=moe.bias_rate is not None)
+
+
+def router_balance(config: ModelConfig) -> RouterBalance | None:
+    """What the step makes of an MoE model's router statistics (None for other models)."""
+    moe = getattr(config, "moe", None)
+    return None if moe is None else RouterBalance(moe.aux_loss_weight, moe.z_loss_weight, moe.bias_rate)
 
 
 def decoder_sizes(config: DecoderConfig, spec: DataSpec) -> tuple[int, int]:

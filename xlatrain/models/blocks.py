@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xlatrain.models.interface import Documents
+from xlatrain.models.interface import Documents, Reported
 
 BLOCKS = "blocks"
 """The attribute (and top-level parameter key) that holds the stacked blocks."""
 
-ApplyLayer = Callable[[Any, jax.Array, "jax.Array | None", "Documents | None", "jax.Array | None"], jax.Array]
-"""(one layer's params, x, dropout key, documents, the layer's number) -> x."""
+ApplyLayer = Callable[[Any, jax.Array, "jax.Array | None", "Documents | None", "jax.Array | None"], Any]
+"""(one layer's params, x, dropout key, documents, the layer's number) -> x, or (x, the layer's report)."""
 
 
 class BlockStack(nnx.Module):
@@ -39,6 +39,9 @@ class BlockStack(nnx.Module):
     Layers of several kinds (e.g. sliding-window and full attention) share one stacked block: a model that sets
     `numbered_layers = True` gets each block called with `layer=` its number (an int32 scalar, traced: in a scan
     and in a pipeline's chunk, one program serves every layer), from which the block reads its kind.
+
+    A block may return `(x, report)`, a pytree of what it observed (an MoE layer's router statistics): the model's
+    outputs are then `Reported(outputs, reports)`, the reports stacked [layers, ...] (models/interface.py).
     """
 
     scan_blocks: bool = True
@@ -57,6 +60,8 @@ class BlockStack(nnx.Module):
         x = run_blocks(layer_applier(graphdef), params_Lx, with_documents(self.before_blocks, documents)(inputs),
                        layer_keys(rngs, layers), scan=self.scan_blocks, documents=documents,
                        layers=layer_numbers(self.numbered_layers, 0, layers))
+        if isinstance(x, tuple):
+            return Reported(self.after_blocks(x[0]), x[1])
         return self.after_blocks(x)
 
 
@@ -116,24 +121,36 @@ def layer_keys(key: jax.Array | None, layers: int) -> jax.Array | None:
 def run_blocks(apply_layer: ApplyLayer, params_Lx: Any, x: jax.Array, keys_L: jax.Array | None, *,
                scan: bool, active: jax.Array | None = None, documents: Documents | None = None,
                layers: jax.Array | None = None) -> jax.Array:
-    """x through the layers of `params_Lx` in order. `active`: how many leading layers run (the rest are
-    a pipeline chunk's padding), or None for all of them. `layers`: each layer's number, for blocks that read
-    their kind from it (None: blocks that take none)."""
+    """x through the layers of `params_Lx` in order; (x, the layers' reports stacked) for blocks that report.
+    `active`: how many leading layers run (the rest are a pipeline chunk's padding, which report zeros), or None
+    for all of them. `layers`: each layer's number, for blocks that read their kind from it (None: blocks that take
+    none)."""
     count = block_count(params_Lx)
 
     def one(x, index, params, key, layer):
+        def apply():
+            out = apply_layer(params, x, key, documents, layer)
+            return out if isinstance(out, tuple) else (out, None)
+
         if active is None:
-            return apply_layer(params, x, key, documents, layer)
-        return jax.lax.cond(index < active, lambda: apply_layer(params, x, key, documents, layer), lambda: x)
+            return apply()
+        reports = jax.eval_shape(apply)[1]
+        return jax.lax.cond(index < active, apply,
+                            lambda: (x, jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), reports)))
 
     if scan:
         def body(x, layer):
-            return one(x, *layer), None
+            return one(x, *layer)
 
-        return jax.lax.scan(body, x, (jnp.arange(count), params_Lx, keys_L, layers))[0]
-    for index, params in enumerate(unstack_layers(params_Lx, count)):
-        x = one(x, index, params, None if keys_L is None else keys_L[index], None if layers is None else layers[index])
-    return x
+        x, reports = jax.lax.scan(body, x, (jnp.arange(count), params_Lx, keys_L, layers))
+    else:
+        found = []
+        for index, params in enumerate(unstack_layers(params_Lx, count)):
+            x, report = one(x, index, params, None if keys_L is None else keys_L[index],
+                            None if layers is None else layers[index])
+            found.append(report)
+        reports = None if found[0] is None else jax.tree.map(lambda *r: jnp.stack(r), *found)
+    return x if reports is None else (x, reports)
 
 
 def unstack_layers(params_Lx: Any, layers: int) -> list[Any]:

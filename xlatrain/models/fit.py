@@ -10,7 +10,7 @@ import numpy as np
 
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, first_line
-from xlatrain.models.interface import ModelDef, documents_of
+from xlatrain.models.interface import ModelDef, documents_of, outputs_and_reports
 from xlatrain.precision import Policy, cast_floats
 
 DOCUMENTS_CONTRACT = ("a flax model's __call__ (a BlockStack's before_blocks and blocks) takes a keyword `documents`, "
@@ -33,6 +33,7 @@ def check_model_outputs(model: ModelDef, spec: DataSpec, loss: str, policy: Poli
             outputs = jax.eval_shape(
                 lambda p, s, x, k, d: model.run(cast_floats(p, policy.compute), s, cast_floats(x, policy.compute), k,
                                                 d), params, model_state, inputs, key, documents)[0]
+            outputs = outputs_and_reports(outputs)[0]
         except UserError:
             raise
         except Exception as err:

@@ -29,6 +29,19 @@ class Documents(NamedTuple):
     """[..., L] int32: each position's index within its document."""
 
 
+class Reported(NamedTuple):
+    """A model's outputs with what its layers reported beside them (blocks.BlockStack: an MoE layer's router
+    statistics, stacked [layers, ...]), which the step turns into losses and metrics (ModelDef.reports)."""
+
+    outputs: jax.Array
+    reports: Any
+
+
+def outputs_and_reports(outputs: Any) -> tuple[jax.Array, Any]:
+    """(the outputs, their layers' reports or None)."""
+    return (outputs.outputs, outputs.reports) if isinstance(outputs, Reported) else (outputs, None)
+
+
 def documents_of(batch: dict) -> Documents | None:
     """A batch's Documents (packed data, DataSpec.documents), or None."""
     return Documents(*(batch[key] for key in DOCUMENT_KEYS)) if DOCUMENT_KEYS[0] in batch else None
@@ -66,6 +79,9 @@ class ModelDef:
 
     takes_documents: bool = False
     """Whether the model keeps attention and positions inside the documents of packed data (data.packing)."""
+    reports: Any = None
+    """What the step makes of the reports of a model whose outputs are `Reported` (the MoE layers' losses, metrics
+    and balancing bias: xlatrain.models.experts.RouterBalance); None for a model without."""
 
     def rules(self, configured: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
         """parallel.logical_rules over the model's own rules."""
@@ -73,5 +89,6 @@ class ModelDef:
 
     def apply(self, params: Tree, inputs: jax.Array, key: jax.Array | None = None,
               model_state: Tree | None = None, documents: Documents | None = None) -> jax.Array:
-        """The outputs alone; a model with model state must be given it."""
-        return self.run(params, {} if model_state is None else model_state, inputs, key, documents)[0]
+        """The outputs alone (without their layers' reports); a model with model state must be given it."""
+        return outputs_and_reports(self.run(params, {} if model_state is None else model_state, inputs, key,
+                                             documents)[0])[0]

@@ -3,7 +3,8 @@ GeGLU) and grouped-query attention, with optional q/k/v and output biases, queri
 (per head or over the projection), norms after attention and the MLP too (Gemma's sandwich), RMSNorms that scale by
 (1 + their parameter), scaled embeddings and a tied or untied head; layers of several kinds (a sliding window, a
 RoPE base of their own) in one stacked block; a BlockStack, so it can be pipelined. Its projections are kept apart
-(q, k, v; gate, up), as Hugging Face checkpoints store them (xlatrain/hf/)."""
+(q, k, v; gate, up), as Hugging Face checkpoints store them (xlatrain/hf/). With model.moe every block's MLP is a
+Mixture of Experts (xlatrain/models/experts.py), and the block returns its router's statistics beside its output."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from xlatrain.models.axes import axes
 from xlatrain.models.blocks import stack_blocks
 from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_stream, row_parallel
 from xlatrain.models.embedding import TokenEmbed
+from xlatrain.models.experts import MoEMLP, MoEShape, RouterStats
 from xlatrain.models.interface import Documents
 from xlatrain.models.linear import linear
 from xlatrain.models.rope import inverse_frequencies, rotate
@@ -77,6 +79,9 @@ class LlamaShape:
     score_scale_dim: int | None = None
     attn_softcap: float | None = None
     logit_softcap: float | None = None
+    clip_qkv: float | None = None
+    moe: MoEShape | None = None
+    """Mixture-of-Experts feed-forward layers in place of the gated MLP (model.moe); None: the MLP."""
 
     def layer_kinds(self) -> tuple[tuple[LayerKind, ...], tuple[int, ...]]:
         """(the distinct kinds of layer, each layer's index among them)."""
@@ -138,13 +143,18 @@ class LlamaBlock(nnx.Module):
                           for _ in range(2))
         self.qk_norm = shape.qk_norm
         self.q_norm, self.k_norm = qk_norms(shape, rngs)
+        self.clip_qkv = shape.clip_qkv
         self.attn_out = linear(shape.heads * k, d, use_bias=shape.out_bias, kernel_metadata=axes("heads", "embed"),
                                bias_metadata=axes("embed"), rngs=rngs)
         self.post_attn_norm = rms_norm(shape, rngs) if shape.sandwich_norms else None
         self.mlp_norm = rms_norm(shape, rngs)
-        self.gate, self.up = (linear(d, shape.mlp_hidden, use_bias=False, kernel_metadata=axes("embed", "mlp"),
-                                     rngs=rngs) for _ in range(2))
-        self.down = linear(shape.mlp_hidden, d, use_bias=False, kernel_metadata=axes("mlp", "embed"), rngs=rngs)
+        if shape.moe is None:
+            self.gate, self.up = (linear(d, shape.mlp_hidden, use_bias=False, kernel_metadata=axes("embed", "mlp"),
+                                         rngs=rngs) for _ in range(2))
+            self.down = linear(shape.mlp_hidden, d, use_bias=False, kernel_metadata=axes("mlp", "embed"), rngs=rngs)
+            self.moe = None
+        else:
+            self.moe = MoEMLP(d, shape.moe, rngs=rngs)
         self.post_mlp_norm = rms_norm(shape, rngs) if shape.sandwich_norms else None
         self.dropout = nnx.Dropout(shape.dropout)
 
@@ -158,7 +168,8 @@ class LlamaBlock(nnx.Module):
                                     scale=self.score_scale, softcap=self.softcap, positions=positions)
 
         attended_BxLxHxK = by_heads(self._by_kind(layer, attend))
-        return self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
+        x_BxLxD, stats = self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
+        return x_BxLxD if stats is None else (x_BxLxD, stats)
 
     def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start, layer: jax.Array | None = None):
         q, k, v, positions = self._qkv(x_BxTxD, start + jnp.arange(x_BxTxD.shape[1]))
@@ -168,7 +179,7 @@ class LlamaBlock(nnx.Module):
                                     kind.window, scale=self.score_scale, softcap=self.softcap)
 
         attended_BxTxHxK, keys, values = self._by_kind(layer, attend)
-        return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
+        return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None))[0], keys, values
 
     def _by_kind(self, layer: jax.Array | None, attend):
         """`attend(kind)` with this layer's kind: the one every layer has, or (layers of several kinds) the branch
@@ -196,23 +207,31 @@ class LlamaBlock(nnx.Module):
                 by_heads(rotate(k_BxLxGxK, positions, frequencies), "kv_heads"))
 
     def _heads(self, projected_BxLxF, norm: nnx.Module | None):
-        """A projection [batch, length, heads x head width] as heads, normalised as model.qk_norm says."""
+        """A projection [batch, length, heads x head width] as heads, normalised as model.qk_norm says and clipped
+        as model.clip_qkv does."""
         if norm is not None and self.qk_norm == "projection":
             projected_BxLxF = norm(projected_BxLxF)
         batch, length, _ = projected_BxLxF.shape
         heads_BxLxHxK = projected_BxLxF.reshape(batch, length, -1, self.head_dim)
-        return norm(heads_BxLxHxK) if norm is not None and self.qk_norm == "head" else heads_BxLxHxK
+        if norm is not None and self.qk_norm == "head":
+            heads_BxLxHxK = norm(heads_BxLxHxK)
+        return heads_BxLxHxK if self.clip_qkv is None else jnp.clip(heads_BxLxHxK, -self.clip_qkv, self.clip_qkv)
 
-    def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys):
+    def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys) -> tuple[jax.Array, RouterStats | None]:
+        """(the block's output, its router's statistics where it has experts)."""
         batch, length = attended_BxLxHxK.shape[:2]
         attended = self._sandwiched(self.post_attn_norm,
                                     row_parallel(self.attn_out, attended_BxLxHxK.reshape(batch, length, -1)))
         x_BxLxD = residual_stream(x_BxLxD + self._drop(attended, keys[0]))
         normed = enter_region(self.mlp_norm(x_BxLxD))
-        gated = ACTIVATIONS[self.activation](self.gate(normed)) * self.up(normed)
-        hidden_BxLxF = constrain(gated, BATCH, SEQUENCE, "mlp")
-        out = self._sandwiched(self.post_mlp_norm, row_parallel(self.down, hidden_BxLxF))
-        return residual_stream(x_BxLxD + self._drop(out, keys[1]))
+        stats = None
+        if self.moe is not None:
+            out, stats = self.moe(normed)
+        else:
+            gated = ACTIVATIONS[self.activation](self.gate(normed)) * self.up(normed)
+            out = row_parallel(self.down, constrain(gated, BATCH, SEQUENCE, "mlp"))
+        out = self._sandwiched(self.post_mlp_norm, out)
+        return residual_stream(x_BxLxD + self._drop(out, keys[1])), stats
 
     @staticmethod
     def _sandwiched(norm: nnx.Module | None, x):

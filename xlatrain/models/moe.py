@@ -61,13 +61,32 @@ def route(logits_TxE: jax.Array, top_k: int, score: Score = "softmax", normalise
 
 
 def routed_experts(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up_ExDxF: jax.Array,
-                   down_ExFxD: jax.Array, formulation: Formulation = "sorted") -> jax.Array:
+                   down_ExFxD: jax.Array, formulation: Formulation = "sorted", capacity: int | None = None
+                   ) -> jax.Array:
     """sum over each token's chosen experts e of weight x down_e(silu(x gate_e) * (x up_e)): [T, D], in x's
-    dtype (the router's weights cast to it, as transformers does)."""
+    dtype (the router's weights cast to it, as transformers does). `capacity`: each expert takes at most this many
+    choices, every token's first choice before any second (`kept_choices`), the rest dropped (None: dropless)."""
     run = {"sorted": _sorted, "dense": _dense, "padded": _padded}.get(formulation)
     if run is None:
         raise ValueError(f"unknown formulation {formulation!r}: sorted, dense or padded")
-    return run(x_TxD, routing.experts, routing.weights.astype(x_TxD.dtype), gate_ExDxF, up_ExDxF, down_ExFxD)
+    weights = routing.weights.astype(x_TxD.dtype)
+    if capacity is not None:
+        weights = jnp.where(kept_choices(routing.experts, gate_ExDxF.shape[0], capacity), weights, 0)
+        if formulation == "padded":
+            return _padded(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD, capacity)
+    return run(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
+
+
+def kept_choices(experts_TxK: jax.Array, count: int, capacity: int) -> jax.Array:
+    """[T, k] bool: the choices an expert of `capacity` takes, in priority order (`choice_order`)."""
+    tokens, top_k = experts_TxK.shape
+    place = _place_in_group(choice_order(experts_TxK), count)
+    return (place < capacity).reshape(top_k, tokens).T
+
+
+def choice_order(experts_TxK: jax.Array) -> jax.Array:
+    """The choices as one sequence, every token's first choice before any second (GShard's priority)."""
+    return experts_TxK.T.reshape(-1)
 
 
 def _sorted(x, experts_TxK, weights_TxK, gate, up, down):
@@ -89,16 +108,19 @@ def _dense(x, experts_TxK, weights_TxK, gate, up, down):
     return jnp.einsum("etf,efd,te->td", hidden, down, combine_TxE)
 
 
-def _padded(x, experts_TxK, weights_TxK, gate, up, down):
+def _padded(x, experts_TxK, weights_TxK, gate, up, down, capacity=None):
+    """Each expert's batch holds `capacity` rows (None: the tokens, dropless); a choice past it is not placed."""
     tokens, top_k = experts_TxK.shape
     count = gate.shape[0]
-    flat = experts_TxK.reshape(-1)
+    flat = choice_order(experts_TxK)
     slot = _place_in_group(flat, count)
-    token = jnp.arange(tokens * top_k) // top_k
-    batch_ExCxD = jnp.zeros((count, tokens, x.shape[1]), x.dtype).at[flat, slot].set(x[token])
+    token = jnp.tile(jnp.arange(tokens), top_k)
+    rows = tokens if capacity is None else capacity
+    batch_ExCxD = jnp.zeros((count, rows, x.shape[1]), x.dtype).at[flat, slot].set(x[token], mode="drop")
     hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", batch_ExCxD, gate)) * jnp.einsum("ecd,edf->ecf", batch_ExCxD, up)
     out_ExCxD = jnp.einsum("ecf,efd->ecd", hidden, down)
-    return jnp.zeros_like(x).at[token].add(out_ExCxD[flat, slot] * weights_TxK.reshape(-1)[:, None])
+    out = out_ExCxD.at[flat, slot].get(mode="fill", fill_value=0)
+    return jnp.zeros_like(x).at[token].add(out * choice_order(weights_TxK)[:, None])
 
 
 def _place_in_group(groups_A: jax.Array, count: int) -> jax.Array:

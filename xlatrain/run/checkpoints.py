@@ -28,9 +28,6 @@ from xlatrain.run.fingerprints import tree_fingerprints
 from xlatrain.runtime.distributed import is_primary
 from xlatrain.sizes import readable_bytes
 
-PARAMS_PATH = ".params"
-"""How a saved train state's fingerprints name the start of its params' paths."""
-
 
 class CorruptCheckpoint(Exception):
     """A checkpoint step that cannot be read, or whose arrays do not match their saved fingerprints."""
@@ -226,29 +223,33 @@ class Checkpoints:
             _verify(written, integrity["fingerprints"])
         return Restored(_in_layout(state, abstract_state, older), data, integrity.get("data", {}))
 
-    def restore_params_on(self, step: int, device: jax.Device) -> Any:
-        """The params saved at `step` on one device, whatever mesh wrote them (in their layout as saved: a
-        pipeline's blocks in stages), verified against their fingerprints. Only the params are read: the optimizer
-        state beside them (twice their bytes with Adam) stays on disk."""
+    def restore_fields_on(self, step: int, device: jax.Device, fields: tuple[str, ...]) -> dict[str, Any]:
+        """Some fields of the train state saved at `step` (params, model_state; {} for one the state has not) on one
+        device, whatever mesh wrote them (in their layout as saved: a pipeline's blocks in stages), verified against
+        their fingerprints. Only those are read: the optimizer state beside them (twice the params' bytes with Adam)
+        stays on disk."""
         _quiet_abandoned_io()
         try:
             metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
             sharding = jax.sharding.SingleDeviceSharding(device)
-            wanted = {"params": jax.tree.map(
-                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                dict(getattr(metadata, "item_metadata", metadata))["params"],
-                is_leaf=lambda leaf: hasattr(leaf, "shape") and hasattr(leaf, "dtype"))}
+            saved_fields = dict(getattr(metadata, "item_metadata", metadata))
+            wanted = {field: jax.tree.map(
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), saved_fields[field],
+                is_leaf=lambda leaf: hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+                for field in fields if saved_fields.get(field)}
             restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=sharding), wanted)
             restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 wanted, restore_args=restore_args, partial_restore=True)))
-            params = restored.state["params"]
+            found = {field: restored.state.get(field, {}) for field in fields}
             saved = self._integrity(step).get("fingerprints", {})
         except Exception as err:  # orbax raises many types; all mean this step cannot be used
             raise CorruptCheckpoint(_unreadable(err)) from None
-        if saved:  # the train state's fingerprints name its params field `.params`
-            _verify(params, {path[len(PARAMS_PATH):]: value for path, value in saved.items()
-                             if path.startswith(PARAMS_PATH)})
-        return params
+        for field, values in found.items():  # the train state's fingerprints name a field's paths `.FIELD[...]`
+            prefix = f".{field}"
+            if saved and values:
+                _verify(values, {path[len(prefix):]: value for path, value in saved.items()
+                                 if path.startswith(prefix + "[")})
+        return found
 
     def _integrity(self, step: int) -> dict:
         if not (self.directory / str(step) / "integrity").is_dir():
@@ -398,7 +399,7 @@ def _in_layout(state: Any, abstract_state: Any, older: dict[str, tuple[int, ...]
 
 
 def in_current_layout(params: Any, abstract_params: Any) -> Any:
-    """Params read as saved (`restore_params_on`) with those saved in an older layout reshaped into the model's."""
+    """Params read as saved (`restore_fields_on`) with those saved in an older layout reshaped into the model's."""
     def reshaped(path, leaf, wanted):
         path = jax.tree_util.keystr(path, simple=True, separator="/")
         return leaf.reshape(wanted.shape) if _saved_merged(path, leaf.shape, wanted.shape) else leaf

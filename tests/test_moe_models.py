@@ -1,0 +1,277 @@
+"""Mixture-of-Experts decoders (model.moe): Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE checkpoints give transformers'
+logits and export back with transformers' own keys; the auxiliary loss and its gradients equal transformers' Mixtral
+with output_router_logits; data-parallel replicas (one program and per device, with gradient accumulation) equal one
+device, balancing bias included; shared experts and the capacity equal hand-written references; FLOPs count the
+active parameters; bad MoE configs and checkpoints are one line."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_GPT, run_cli, token_batch
+from flax import nnx
+from hf_models import VOCAB, hugging_face_model, logits_of, saved
+from test_user_errors import assert_one_line_error
+
+from xlatrain.cli import main
+from xlatrain.commands.trained import from_hugging_face, from_run
+from xlatrain.config import load_config
+from xlatrain.models.experts import MoEMLP, MoEShape
+from xlatrain.models.moe import Routing, kept_choices, route, routed_experts
+from xlatrain.program import build_program
+from xlatrain.trainer import train
+
+MOE = [*TINY_GPT, "model.name=llama", "model.kv_heads=1", "model.moe.experts=4", "model.moe.expert_hidden=32",
+       "optimizer.schedule=constant", "batch.global_size=8"]
+FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def checkpoint(kind: str):
+        if kind not in made:
+            model = hugging_face_model(kind)
+            made[kind] = model, saved(model, tmp_path_factory.mktemp(kind))
+        return made[kind]
+
+    return checkpoint
+
+
+def logits(trained, tokens):
+    graphdef, params = trained.module()
+    return np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens, jnp.int32)).outputs)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_each_moe_family_loads_with_transformers_logits(kind, checkpoints):
+    reference, directory = checkpoints(kind)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+    theirs = logits_of(reference, tokens)
+    ours = logits(from_hugging_face(directory, "test"), tokens)[..., :VOCAB]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
+    if kind == "olmoe":  # clip_qkv bites on these weights
+        unclipped = hugging_face_model(kind, clip_qkv=None)
+        assert np.max(np.abs(logits_of(unclipped, tokens) - theirs)) > 1e-3
+
+
+def mixtral_program(directory, *overrides, devices):
+    data = [o for o in TINY_GPT if not o.startswith("model.")]
+    return build_program(load_config(None, [*data, f"model.init_from=hf:{directory}", "batch.global_size=4",
+                                            "model.moe.aux_loss_weight=0.25", "model.moe.z_loss_weight=0.0",
+                                            *overrides]), devices)
+
+
+def test_the_auxiliary_loss_and_its_gradients_equal_transformers_mixtral_with_router_logits(checkpoints, devices):
+    import torch
+
+    reference, directory = checkpoints("mixtral")
+    program = mixtral_program(directory, devices=devices[:1])
+    state = program.create_state()
+    batch = token_batch(program)
+    grads, sums = jax.device_get(program.gradients(state, batch))
+    inputs = torch.tensor(np.asarray(batch["inputs"][0]), dtype=torch.long)
+    targets = torch.tensor(np.asarray(batch["targets"][0]), dtype=torch.long)
+    reference.config.router_aux_loss_coef = 0.25
+    reference.zero_grad()
+    out = reference(inputs, output_router_logits=True)
+    cross_entropy = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    (cross_entropy + 0.25 * out.aux_loss).backward()
+    np.testing.assert_allclose(sums["router_aux_loss"] / sums["weight"], out.aux_loss.item(), rtol=1e-5)
+    np.testing.assert_allclose(sums["loss"] / sums["weight"], cross_entropy.item(), rtol=1e-5)
+    for layer in range(2):
+        theirs = reference.model.layers[layer].mlp.gate.weight.grad.numpy().T
+        ours = grads["blocks"]["moe"]["router"]["kernel"][layer]
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6 * np.abs(theirs).max())
+
+
+def step_results(overrides, devices, steps=2):
+    program = build_program(load_config(None, [*MOE, *overrides]), devices)
+    state = program.create_state()
+    batch = token_batch(program)
+    grads, sums = jax.device_get(program.gradients(state, batch))
+    losses = []
+    for _ in range(steps):
+        state, metrics = program.train_step(state, batch)
+        losses.append({k: float(metrics[k]) for k in ("loss", "router_aux_loss", "router_z_loss", "router_cv")})
+    return grads, losses, jax.device_get(state.model_state)
+
+
+PER_DEVICE = ["mesh.data=2", "parallel.mode=shard_map", "collectives.impl=custom"]
+
+
+@pytest.mark.parametrize("layout", [["mesh.data=4"], PER_DEVICE], ids=["jit-d4", "shard_map-custom-d2"])
+def test_data_parallel_replicas_with_accumulation_equal_one_device(layout, devices):
+    """Each microbatch's auxiliary loss is over the global microbatch (the loads summed over the replicas), and the
+    balancing bias moves by the whole step's load: 4 or 2 replicas of 2 microbatches train as one device of 2."""
+    common = ["batch.microbatches=2", "model.moe.bias_rate=0.01", "model.moe.z_loss_weight=0.01",
+              "model.moe.aux_loss_weight=0.1"]
+    ref_grads, ref_losses, ref_state = step_results([*common, "mesh.data=1"], devices[:1])
+    count = 4 if "mesh.data=4" in layout else 2
+    grads, losses, state = step_results([*common, *layout], devices[:count])
+    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
+    for ours, theirs in zip(losses, ref_losses, strict=True):
+        for key in theirs:
+            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5)
+    np.testing.assert_array_equal(state["blocks"]["moe"]["bias"], ref_state["blocks"]["moe"]["bias"])
+    assert np.any(state["blocks"]["moe"]["bias"] != 0)
+
+
+def test_the_balancing_bias_moves_each_step_by_its_rate_against_the_experts_load(devices):
+    program = build_program(load_config(None, [*MOE, "model.moe.bias_rate=0.01", "model.moe.aux_loss_weight=0"]),
+                            devices[:1])
+    state = program.create_state()
+    batch = token_batch(program)
+    first = jax.tree.map(lambda x: x[0], batch)
+    reported = program.model.run(state.params, state.model_state, first["inputs"], None, None)[0]
+    load = np.asarray(reported.reports.load)  # [layers, experts]
+    new = jax.device_get(program.train_step(state, batch)[0].model_state)["blocks"]["moe"]["bias"]
+    expected = 0.01 * np.sign(load.mean(axis=-1, keepdims=True) - load)
+    np.testing.assert_allclose(new, expected, rtol=1e-6)
+    # and the bias moves the choice, not the weights: a biased expert is chosen by score + bias
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]])
+    chosen = route(logits, 2, "sigmoid", bias_E=jnp.asarray([0.0, 0.0, 0.0, 5.0]))
+    by_expert = dict(zip(np.asarray(chosen.experts)[0].tolist(), np.asarray(chosen.weights)[0].tolist()))
+    scores = jax.nn.sigmoid(jnp.asarray([2.0, -1.0]))
+    assert sorted(by_expert) == [0, 3]
+    np.testing.assert_allclose([by_expert[0], by_expert[3]], scores / jnp.sum(scores), rtol=1e-6)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["deepseek", "qwen2_moe"])
+def test_shared_experts_equal_a_hand_written_reference(gated):
+    shape = MoEShape(experts=4, top_k=2, hidden=16, shared_hidden=24, shared_gate=gated, formulation="sorted")
+    layer = MoEMLP(8, shape, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    got, _ = layer(x)
+    tokens = x.reshape(-1, 8)
+    routing = route(tokens @ layer.router.kernel[...], 2)
+    routed = routed_experts(tokens, routing, layer.gate[...], layer.up[...], layer.down[...])
+    s = layer.shared
+    shared = (jax.nn.silu(tokens @ s.gate.kernel[...]) * (tokens @ s.up.kernel[...])) @ s.down.kernel[...]
+    if gated:
+        shared = jax.nn.sigmoid(tokens @ layer.shared_gate.kernel[...]) * shared
+    np.testing.assert_allclose(np.asarray(got).reshape(-1, 8), routed + shared, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("formulation", ["sorted", "dense", "padded"])
+def test_a_capacity_drops_the_choices_past_it_first_choices_before_second(formulation):
+    x = jax.random.normal(jax.random.key(2), (12, 8))
+    gate, up = (jax.random.normal(k, (4, 8, 16)) / 3 for k in jax.random.split(jax.random.key(3)))
+    down = jax.random.normal(jax.random.key(4), (4, 16, 8)) / 4
+    routing = route(jax.random.normal(jax.random.key(5), (12, 4)) * 3, 2)
+    capacity = 4
+    got = routed_experts(x, routing, gate, up, down, formulation, capacity)
+    expected = np.zeros((12, 8), np.float32)
+    taken = np.zeros(4, int)
+    experts, weights = np.asarray(routing.experts), np.asarray(routing.weights)
+    for choice in range(2):  # every token's first choice before any second
+        for token in range(12):
+            e = experts[token, choice]
+            if taken[e] < capacity:
+                taken[e] += 1
+                hidden = jax.nn.silu(x[token] @ gate[e]) * (x[token] @ up[e])
+                expected[token] += weights[token, choice] * np.asarray(hidden @ down[e])
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)
+    assert int(np.sum(~np.asarray(kept_choices(routing.experts, 4, capacity)))) == 24 - int(taken.sum()) > 0
+    dropless = Routing(routing.experts, routing.weights, routing.probabilities)
+    assert np.max(np.abs(np.asarray(routed_experts(x, dropless, gate, up, down, formulation)) - expected)) > 1e-3
+
+
+def test_moe_flops_count_the_active_parameters(devices):
+    """A token runs through top_k experts: the MoE model's FLOPs are a dense model's whose MLP is top_k experts
+    wide, plus the router's three products (forward, and its two gradients) per layer."""
+    moe = build_program(load_config(None, [*MOE, "model.moe.top_k=2"]), devices[:1])
+    dense = build_program(load_config(None, [*MOE[:-4], "model.mlp_hidden=64", "optimizer.schedule=constant",
+                                             "batch.global_size=8"]), devices[:1])
+    tokens = 8 * 32
+    router = 3 * 2 * tokens * 32 * 4 * 2  # products x 2 x tokens x width x experts x layers
+    assert moe.measured.model_flops_per_step == dense.measured.model_flops_per_step + router
+
+
+@pytest.mark.parametrize("family, model", [
+    ("MixtralForCausalLM", []),
+    ("Qwen2MoeForCausalLM", ["model.qkv_bias=true", "model.moe.shared_hidden=48", "model.moe.shared_gate=true",
+                             "model.moe.normalise=false"]),
+    ("Qwen3MoeForCausalLM", ["model.qk_norm=head", "model.kv_heads=2"]),
+    ("OlmoeForCausalLM", ["model.qk_norm=projection", "model.clip_qkv=2.0", "model.kv_heads=2"])],
+    ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_an_exported_moe_run_has_transformers_own_keys_and_logits(family, model, tmp_path, devices):
+    import transformers
+
+    run_dir = tmp_path / "run"
+    train(load_config(None, [*MOE, *model, "trainer.steps=2", f"trainer.run_dir={run_dir}"]), devices=devices[:1],
+          echo=lambda _: None)
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--hf", str(out)]) == 0
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert all(not found for found in info.values()) and type(loaded).__name__ == family, info
+    again = tmp_path / "again"
+    loaded.save_pretrained(again)
+    from safetensors import safe_open
+
+    def keys(directory):
+        with safe_open(str(directory / "model.safetensors"), "np") as f:
+            return set(f.keys())
+
+    assert keys(out) == keys(again)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 32))
+    trained = from_run(run_dir, None, "test")[0]
+    np.testing.assert_allclose(logits_of(loaded.eval(), tokens), logits(trained, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_sampling_of_a_moe_checkpoint_equals_transformers_generate(checkpoints):
+    from test_hugging_face import generated_by_transformers
+
+    from xlatrain.models.sampling import Sampling, generate
+
+    reference, directory = checkpoints("qwen2_moe")
+    graphdef, params = from_hugging_face(directory, "test").module()
+    prompt = np.random.default_rng(1).integers(0, VOCAB, (2, 7))
+    expected, margin = generated_by_transformers(reference, prompt, 16)
+    assert margin > 1e-4
+    tokens, made = generate(graphdef, params, jnp.asarray(prompt, jnp.int32), jax.random.PRNGKey(0),
+                            Sampling(16, temperature=0.0, vocab_used=VOCAB))
+    np.testing.assert_array_equal(np.asarray(tokens), expected)
+
+
+def test_bad_moe_configs_and_checkpoints_are_one_line(checkpoints, tmp_path):
+    base = ["model.name=llama", "model.layers=2", "model.width=32", "model.heads=2"]
+    for overrides, expected in [
+            (["model.moe.experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 is more than model.moe.experts=4"),
+            (["model.moe.experts=4", "model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
+            (["model.name=gpt", "model.moe.experts=4"], "model.moe"),
+            (["model.moe.experts=4", "mesh.stage=2"], "model.moe with mesh.stage=2")]:
+        result = run_cli("config", *[o for o in base if not o.startswith("model.name") or "model.name=gpt"
+                                     not in overrides], *overrides)
+        assert_one_line_error(result, expected)
+    _, directory = checkpoints("mixtral")
+    for experts, expected in [(3, "an expert past the 3 experts its config.json gives"),
+                              (5, "with as many experts as its config.json gives")]:
+        copy = tmp_path / f"experts{experts}"
+        shutil.copytree(directory, copy)
+        config = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps({**config, "num_local_experts": experts}))
+        assert_one_line_error(run_cli("sample", f"hf:{copy}", "--prompt", "x", "--max-new-tokens", "1"), expected)
+    deepseek = tmp_path / "deepseek"
+    deepseek.mkdir()
+    (deepseek / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    assert_one_line_error(run_cli("sample", f"hf:{deepseek}", "--prompt", "x"), "multi-head latent attention")
+
+
+def test_a_run_with_a_balancing_bias_samples_with_its_bias(tmp_path, devices, capsys):
+    run_dir = tmp_path / "run"
+    train(load_config(None, [*MOE, "model.moe.bias_rate=0.5", "model.moe.score=sigmoid", "trainer.steps=3",
+                             f"trainer.run_dir={run_dir}"]), devices=devices[:1], echo=lambda _: None)
+    trained = from_run(run_dir, None, "test")[0]
+    bias = trained.model_state["blocks"]["moe"]["bias"]
+    assert np.all(np.isin(np.abs(np.asarray(bias)), [0.5, 1.5]))  # three steps of 0.5, each up or down
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 32))
+    unbiased = dataclasses.replace(trained, model_state=jax.tree.map(jnp.zeros_like, trained.model_state))
+    assert np.max(np.abs(logits(trained, tokens) - logits(unbiased, tokens))) > 1e-4
+    assert main(["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
