@@ -29,6 +29,7 @@ from xlatrain.errors import UserError
 from xlatrain.mesh import (
     CONTEXT,
     DATA,
+    EXPERT,
     TENSOR,
     per_replica,
     tensor_size,
@@ -124,8 +125,9 @@ class DataParallel:
         """How the step's replicas meet (lowering/grad_sync.py): XLA's partitioner (parallel.mode=jit), or
         written out in the per-device program; `params`: the abstract params."""
         if self.config.parallel.mode == "jit":
+            inner_regions = self.config.mesh.context > 1 or self.config.mesh.expert > 1
             return PartitionedReplicas(self.derived.data_parallel, lambda tree: per_replica(self.mesh, tree),
-                                       DATA if self.config.mesh.context > 1 else None)
+                                       DATA if inner_regions else None)
         c, strategy = self.config.collectives, self.config.parallel.strategy
         complete = None
         if self.tensor_inside:
@@ -169,7 +171,7 @@ class DataParallel:
         parallel.sequence_parallel) say, and along the sequence over `context`, while it is traced; the step as it
         is without either axis. `rows_on`: the mesh axis the activations' rows are on where no vmap over replicas
         places them (the eval step's)."""
-        if tensor_size(self.mesh) == 1 and self.config.mesh.context == 1:
+        if tensor_size(self.mesh) == 1 and self.config.mesh.context == 1 and self.config.mesh.expert == 1:
             return step
         layout = ActivationLayout.of(self.mesh, self._rules(), self.config.parallel.sequence_parallel,
                                      self.config.parallel.context_attention, rows_on)
@@ -227,13 +229,15 @@ class DataParallel:
 
     def _rules(self) -> dict:
         """parallel.logical_rules over the model's own, less `tensor` for the names a tensor group keeps whole; in
-        one global program with context parallelism, what they split over `data` split over `data` x `context`
-        (fsdp's params and zero1's and fsdp's optimizer state: the context group's devices hold the same
-        params, as a data replica's would)."""
+        one global program with context or expert parallelism, what they split over `data` split over `data` x
+        `expert` x `context` (fsdp's params and zero1's and fsdp's optimizer state: the devices of a context or
+        expert group hold the same params, as a data replica's would, but for each expert's own)."""
         whole = self.derived.tensor_whole or ()
-        over_context = self.config.parallel.mode == "jit" and self.config.mesh.context > 1
+        jit, mesh = self.config.parallel.mode == "jit", self.config.mesh
+        over_data = (DATA, *((EXPERT,) if jit and mesh.expert > 1 else ()), *((CONTEXT,) if jit and mesh.context > 1
+                                                                              else ()))
         return {name: tuple(spread for axis in axes if name not in whole or axis != TENSOR
-                            for spread in ((DATA, CONTEXT) if axis == DATA and over_context else (axis,)))
+                            for spread in (over_data if axis == DATA else (axis,)))
                 for name, axes in self.model.rules(self.config.parallel.logical_rules).items()}
 
 

@@ -275,3 +275,63 @@ def test_a_run_with_a_balancing_bias_samples_with_its_bias(tmp_path, devices, ca
     unbiased = dataclasses.replace(trained, model_state=jax.tree.map(jnp.zeros_like, trained.model_state))
     assert np.max(np.abs(logits(trained, tokens) - logits(unbiased, tokens))) > 1e-4
     assert main(["sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+
+
+@pytest.fixture(scope="module")
+def one_device_step(devices):
+    """One device's gradients and two steps' metrics of the MoE model (dropless, and with a capacity)."""
+    found = {}
+
+    def results(capacity: bool):
+        if capacity not in found:
+            found[capacity] = step_results(["model.moe.capacity_factor=1.0"] if capacity else [], devices[:1])
+        return found[capacity]
+
+    return results
+
+
+EXPERT_LAYOUTS = {"e2": ["mesh.expert=2"], "e4": ["mesh.expert=4"], "e2-t2": ["mesh.expert=2", "mesh.tensor=2"],
+                  "e2-d2-fsdp": ["mesh.expert=2", "mesh.data=2", "parallel.strategy=fsdp"],
+                  "e2-c2": ["mesh.expert=2", "mesh.context=2"], "e2-capacity": ["mesh.expert=2"]}
+
+
+@pytest.mark.parametrize("name", EXPERT_LAYOUTS)
+def test_expert_parallelism_equals_one_device(name, one_device_step, devices):
+    """Each device routes its share of a replica's rows to the devices holding its experts (an all-to-all) and back;
+    gradients, losses and router metrics equal one device's, the experts split over `expert` alone or with each
+    expert's MLP over `tensor`, the params over `data` (fsdp), the sequence over `context`; a capacity counts over
+    the expert group's tokens as one device counts over its own."""
+    overrides = EXPERT_LAYOUTS[name]
+    capacity = name.endswith("capacity")
+    count = int(np.prod([int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")]))
+    extra = ["model.moe.capacity_factor=1.0"] if capacity else []
+    ref_grads, ref_losses, _ = one_device_step(capacity)
+    grads, losses, _ = step_results([*overrides, *extra], devices[:count])
+    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
+    for ours, theirs in zip(losses, ref_losses, strict=True):
+        for key in theirs:
+            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5)
+
+
+def test_the_experts_are_split_over_expert_and_meet_by_all_to_all(devices):
+    program = build_program(load_config(None, [*MOE, "mesh.expert=4"]), devices[:4])
+    spec = program.specs.params["blocks"]["moe"]["gate"]
+    assert tuple(spec)[:2] == (None, "expert")  # [layers, experts, ...]: each device holds one expert
+    program.train_step(program.create_state(), token_batch(program))
+    assert "all-to-all" in program.train_step.first.compiled.as_text()
+
+
+def test_a_run_resumed_with_another_expert_split_tracks_one_device(tmp_path, devices):
+    def losses(run_dir, *overrides, steps):
+        train(load_config(None, [*MOE, f"trainer.steps={steps}", f"trainer.run_dir={run_dir}",
+                                 "trainer.checkpoint_every=3", *overrides]), devices=devices[:4], echo=lambda _: None)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+    reference = losses(tmp_path / "one", "mesh.cpu_devices=1", steps=6)
+    split = tmp_path / "split"
+    losses(split, "mesh.expert=2", "mesh.data=2", steps=3)
+    resumed = losses(split, "mesh.expert=4", steps=6)
+    assert sorted(resumed) == list(range(1, 7))
+    np.testing.assert_allclose([resumed[s] for s in range(1, 7)], [reference[s] for s in range(1, 7)], rtol=1e-4)

@@ -11,15 +11,16 @@ from jax.sharding import PartitionSpec as P
 
 from xlatrain.config import Config, resolve_data_parallel
 from xlatrain.errors import UserError
-from xlatrain.sharding import CONTEXT, TENSOR
+from xlatrain.sharding import CONTEXT, EXPERT, TENSOR
 
 DATA = "data"
 STAGE = "stage"
 
 
 def build_mesh(config: Config, devices: list | None = None) -> Mesh:
-    """A mesh over every device, with axis `data` (and `stage` for a pipeline, `context` for context parallelism,
-    `tensor` innermost for tensor parallelism, in that order); fails clearly when config and devices disagree.
+    """A mesh over every device, with axis `data` (and `stage` for a pipeline, `expert` for expert parallelism,
+    `context` for context parallelism, `tensor` innermost for tensor parallelism, in that order); fails clearly when
+    config and devices disagree.
     Within one process neighbouring stages sit on consecutive devices, and a context and a tensor group on
     consecutive devices inside a stage (the fastest links); over several processes the stages are spread over the
     processes, each process holding whole stages of every data replica (the pipeline sends only activations
@@ -27,15 +28,15 @@ def build_mesh(config: Config, devices: list | None = None) -> Mesh:
     inside one process."""
     devices = jax.devices() if devices is None else devices
     data = resolve_data_parallel(config.mesh, devices)
-    stages, context, tensor = config.mesh.stage, config.mesh.context, config.mesh.tensor
+    stages, experts, context, tensor = config.mesh.stage, config.mesh.expert, config.mesh.context, config.mesh.tensor
     check_tensor_groups_inside_processes(devices, tensor)
     check_tensor_groups_inside_processes(devices, context * tensor, "mesh.context x mesh.tensor")
     in_order = np.asarray(devices)
     if stages > 1 and len({d.process_index for d in devices}) > 1:
-        grid = in_order.reshape(stages, data, context, tensor).transpose(1, 0, 2, 3)
+        grid = in_order.reshape(stages, data, experts, context, tensor).transpose(1, 0, 2, 3, 4)
     else:
-        grid = in_order.reshape(data, stages, context, tensor)
-    axes = ((DATA, data), (STAGE, stages), (CONTEXT, context), (TENSOR, tensor))
+        grid = in_order.reshape(data, stages, experts, context, tensor)
+    axes = ((DATA, data), (STAGE, stages), (EXPERT, experts), (CONTEXT, context), (TENSOR, tensor))
     kept = [i for i, (axis, size) in enumerate(axes) if axis == DATA or size > 1]
     return Mesh(grid.reshape([grid.shape[i] for i in kept]), tuple(axes[i][0] for i in kept))
 

@@ -17,6 +17,7 @@ Rules = Mapping[str, tuple[str, ...]]
 """Logical name -> the mesh axes its dimension is split over (parallel.logical_rules)."""
 TENSOR = "tensor"
 CONTEXT = "context"
+EXPERT = "expert"
 
 
 def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> P:
@@ -146,10 +147,21 @@ class ActivationLayout:
     def context(self) -> int:
         return self.mesh.shape.get(CONTEXT, 1)
 
+    @property
+    def expert(self) -> int:
+        return self.mesh.shape.get(EXPERT, 1)
+
+    def rows(self) -> Any:
+        """The mesh axes the rows are split over where nothing else places them: `rows_on`, and `expert`, whose
+        devices share a replica's rows (None: left to the partitioner and the replicas' vmap)."""
+        over = tuple(axis for axis in (self.rows_on, EXPERT if self.expert > 1 else None) if axis)
+        return over[0] if len(over) == 1 else over or None
+
     def axes_of(self, name: str | None) -> Any:
-        """The mesh axes a dimension of logical `name` is split over (P.UNCONSTRAINED for the batch)."""
+        """The mesh axes a dimension of logical `name` is split over (the batch: over `expert` where it shares the
+        rows, else P.UNCONSTRAINED)."""
         if name == BATCH:
-            return P.UNCONSTRAINED
+            return self.rows() if self.expert > 1 else P.UNCONSTRAINED
         over = ((CONTEXT,) if name in (LENGTH, SEQUENCE) and self.context > 1 else ()) + (
             (TENSOR,) if name in self.split else ())
         return over[0] if len(over) == 1 else over or None
@@ -182,3 +194,9 @@ def context_split() -> ActivationLayout | None:
     """The traced step's layout where it splits the sequence over `context` (None elsewhere)."""
     layout = _LAYOUT.get()
     return layout if layout is not None and layout.context > 1 else None
+
+
+def expert_split() -> ActivationLayout | None:
+    """The traced step's layout where it splits the experts over `expert` (None elsewhere)."""
+    layout = _LAYOUT.get()
+    return layout if layout is not None and layout.expert > 1 else None

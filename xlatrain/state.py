@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from xlatrain.compat.mapping import shard_map
 from xlatrain.compat.multihost import gather_to_host
 from xlatrain.errors import UserError
-from xlatrain.mesh import CONTEXT, DATA, TENSOR
+from xlatrain.mesh import CONTEXT, DATA, EXPERT, TENSOR
 from xlatrain.models.interface import ModelDef
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.run.fingerprints import fingerprint
@@ -83,11 +83,11 @@ def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.Gradi
 
 
 def split_axes(strategy: str, held: str) -> tuple[str, ...]:
-    """The mesh axes the params (`held`="params") or the optimizer state ("optimizer") are split over: `tensor`
-    always, `data` (and `context`, where the rules name it beside `data`) for fsdp's params and zero1's and fsdp's
-    optimizer state."""
+    """The mesh axes the params (`held`="params") or the optimizer state ("optimizer") are split over: `tensor` and
+    `expert` always, `data` (and `context` and `expert`, where the rules name them beside `data`) for fsdp's params
+    and zero1's and fsdp's optimizer state."""
     over_data = strategy == "fsdp" or (held == "optimizer" and strategy == "zero1")
-    return (TENSOR, DATA, CONTEXT) if over_data else (TENSOR,)
+    return (TENSOR, EXPERT, DATA, CONTEXT) if over_data else (TENSOR, EXPERT)
 
 
 def create_state(init: Callable[..., TrainState], specs: TrainState, mesh: Mesh, given: Any = None,

@@ -103,8 +103,8 @@ def _pipeline_sizes(config: Config, per_replica_batch: int) -> dict[str, int]:
 
 
 def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
-    """mesh.data x mesh.stage x mesh.context x mesh.tensor must be the devices present; -1 for mesh.data takes what
-    the others leave."""
+    """mesh.data x mesh.stage x mesh.expert x mesh.context x mesh.tensor must be the devices present; -1 for
+    mesh.data takes what the others leave."""
     present, per_replica = len(devices), mesh.per_replica()
     data = present // per_replica if mesh.data == -1 else mesh.data
     if data >= 1 and data * per_replica == present:
@@ -122,8 +122,8 @@ def resolve_data_parallel(mesh: MeshConfig, devices: list) -> int:
                f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted}) to get that many CPU devices")
     else:
         how = "choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=0,1,2,3)"
-    split = [(f"mesh.{axis}", size) for axis, size in (("stage", mesh.stage), ("context", mesh.context),
-                                                       ("tensor", mesh.tensor)) if size > 1]
+    split = [(f"mesh.{axis}", size) for axis, size in (("stage", mesh.stage), ("expert", mesh.expert),
+                                                       ("context", mesh.context), ("tensor", mesh.tensor)) if size > 1]
     named, sized = " x ".join(n for n, _ in split), " x ".join(f"{n}={size}" for n, size in split)
     if per_replica == 1:
         asked, fix = f"mesh.data={mesh.data} needs {mesh.data}", f"Set mesh.data={present} (or -1 for all)"

@@ -12,14 +12,21 @@ from xlatrain.config.precision import FloatDtype
 
 
 class MeshConfig(Strict):
-    """The device mesh: a `data` axis, a `stage` axis for a pipeline, a `context` axis that splits the sequence and a
-    `tensor` axis that splits the layers, in that order; mesh.data x mesh.stage x mesh.context x mesh.tensor must
-    be the devices present, or the run stops before compiling, naming them (docs/parallelism.md)."""
+    """The device mesh: a `data` axis, a `stage` axis for a pipeline, an `expert` axis that splits a Mixture of
+    Experts' experts, a `context` axis that splits the sequence and a `tensor` axis that splits the layers, in that
+    order; mesh.data x mesh.stage x mesh.expert x mesh.context x mesh.tensor must be the devices present, or the run
+    stops before compiling, naming them (docs/parallelism.md)."""
 
     data: Annotated[int, Field(ge=-1)] = -1
-    """Data-parallel size; -1 uses every device present (divided by mesh.stage x mesh.context x mesh.tensor)."""
+    """Data-parallel size; -1 uses every device present (divided by mesh.stage x mesh.expert x mesh.context x
+    mesh.tensor)."""
     stage: PositiveInt = 1
     """Pipeline stages; more than 1 runs the model as a pipeline (parallel.pipeline) on a data x stage mesh."""
+    expert: PositiveInt = 1
+    """Expert-parallel size (model.moe): each MoE layer's experts split over this many devices (the `expert` axis,
+    between `stage` and `context`), which also share each data replica's rows, so that the rest of the model runs
+    data-parallel over them; tokens reach their experts' devices by an all-to-all and come back by another
+    (docs/parallelism.md)."""
     context: PositiveInt = 1
     """Context-parallel size: every layer's activations split along the sequence over this many devices (the
     `context` axis, between `stage` and `tensor`), attention by parallel.context_attention; each device holds an
@@ -51,17 +58,17 @@ class MeshConfig(Strict):
         return self
 
     def per_replica(self) -> int:
-        """Devices that hold one data replica: mesh.stage x mesh.context x mesh.tensor."""
-        return self.stage * self.context * self.tensor
+        """Devices that hold one data replica: mesh.stage x mesh.expert x mesh.context x mesh.tensor."""
+        return self.stage * self.expert * self.context * self.tensor
 
 
 TENSOR = "tensor"
-MESH_AXES = ("data", TENSOR)
+MESH_AXES = ("data", "expert", TENSOR)
 """Mesh axes that parallel.logical_rules may name (the `stage` axis holds pipeline stages, not tensor dims)."""
 MeshAxes = tuple[str, ...]
 DEFAULT_LOGICAL_RULES: dict[str, MeshAxes] = {
     "vocab": ("tensor", "data"), "embed": ("data",), "mlp": ("tensor", "data"), "heads": ("tensor", "data"),
-    "kv_heads": ("tensor", "data"), "hidden": ("data",), "channels": ("data",), "experts": ("data",)}
+    "kv_heads": ("tensor", "data"), "hidden": ("data",), "channels": ("data",), "experts": ("expert", "data")}
 """Megatron-style tensor parallelism over `tensor` (heads, the MLP's hidden dimension, the vocabulary), and what
 zero1/fsdp split over `data`: a dimension goes to each listed axis in turn that is not used by another of the
 parameter's dimensions and divides it, together (e.g. heads over tensor x data)."""

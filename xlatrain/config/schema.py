@@ -129,13 +129,23 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _experts_fit(self) -> Config:
-        moe = getattr(self.model, "moe", None)
+        moe, split = getattr(self.model, "moe", None), self.mesh.expert
         if moe is None:
+            if split > 1:
+                raise ValueError(f"mesh.expert={split} splits a Mixture of Experts' experts, and {self.model.named()} "
+                                 "has none: set model.moe (model.name=llama), or mesh.expert=1")
             return self
+        if moe.experts % split:
+            raise ValueError(f"mesh.expert={split} splits model.moe.experts={moe.experts} experts into equal groups: "
+                             f"choose a mesh.expert that divides {moe.experts}")
+        if split > 1 and self.parallel.mode != "jit":
+            chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
+            raise ValueError(f"mesh.expert={split} runs in one global program, parallel.mode=jit; in parallel.mode="
+                             f"{self.parallel.mode}{chosen} a per-device program's expert group is not built yet")
         if self.mesh.stage > 1:
             raise ValueError(f"model.moe with mesh.stage={self.mesh.stage}: the MoE layers' router statistics do "
-                             "not travel between a pipeline's stages yet; set mesh.stage=1 (data, fsdp, tensor and "
-                             "context parallelism run MoE models)")
+                             "not travel between a pipeline's stages yet; set mesh.stage=1 (data, expert, fsdp, tensor "
+                             "and context parallelism run MoE models)")
         if self.mesh.tensor > 1 and self.parallel.mode != "jit":
             raise ValueError(f"model.moe with mesh.tensor={self.mesh.tensor} in parallel.mode={self.parallel.mode}: "
                              "a per-device program's tensor group has no collectives for the experts' matmuls yet; "

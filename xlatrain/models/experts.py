@@ -12,12 +12,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from xlatrain.compat.mapping import shard_map
+from xlatrain.errors import UserError
 from xlatrain.models.axes import axes
 from xlatrain.models.blocks import BLOCKS
 from xlatrain.models.flax_module import ModelState
 from xlatrain.models.linear import linear
-from xlatrain.models.moe import Formulation, Score, route, routed_experts
+from xlatrain.models.moe import (
+    ExpertGroup,
+    Formulation,
+    Score,
+    expert_parallel_experts,
+    kept_choices,
+    route,
+    routed_experts,
+)
+from xlatrain.sharding import CONTEXT, EXPERT, ActivationLayout, expert_split
 
 EXPERT_KERNEL_INIT = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
                                                           out_axis=-1, batch_axis=(0,))
@@ -97,28 +109,86 @@ class MoEMLP(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array) -> tuple[jax.Array, RouterStats]:
         batch, length, width = x_BxLxD.shape
-        x_TxD = x_BxLxD.reshape(-1, width)
-        logits_TxE = x_TxD.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
-        shape = self.shape
-        routing = route(logits_TxE, shape.top_k, shape.score, shape.normalise,
-                        None if self.bias is None else jax.lax.stop_gradient(self.bias[...]))
-        capacity = capacity_of(shape, x_TxD.shape[0])
-        out_TxD = routed_experts(x_TxD, routing, self.gate[...], self.up[...], self.down[...], shape.formulation,
-                                 capacity)
+        bias = None if self.bias is None else jax.lax.stop_gradient(self.bias[...])
+        weights = (self.router.kernel[...], self.gate[...], self.up[...], self.down[...], bias)
+        layout = expert_split()
+        if layout is None:
+            out_BxLxD, stats = routed_layer(self.shape, x_BxLxD, *weights)
+        else:
+            out_BxLxD, stats = expert_parallel_layer(self.shape, layout, x_BxLxD, *weights)
         if self.shared is not None:
-            shared = self.shared(x_TxD)
+            shared = self.shared(x_BxLxD)
             if self.shared_gate is not None:
-                shared = jax.nn.sigmoid(self.shared_gate(x_TxD)) * shared
-            out_TxD = out_TxD + shared
-        return out_TxD.reshape(batch, length, width), router_stats(logits_TxE, routing, shape.experts, capacity)
+                shared = jax.nn.sigmoid(self.shared_gate(x_BxLxD)) * shared
+            out_BxLxD = out_BxLxD + shared
+        return out_BxLxD, stats
 
 
-def router_stats(logits_TxE: jax.Array, routing, count: int, capacity: int | None) -> RouterStats:
+def routed_layer(shape: MoEShape, x_BxLxD, router_DxE, gate, up, down, bias_E, group: ExpertGroup | None = None,
+                 total=lambda x: x) -> tuple[jax.Array, RouterStats]:
+    """The routed experts over a layer's tokens, and their RouterStats: on one device, or (`group`) on one device of
+    an expert group holding its experts' weights, whose tokens `total` sums a value over."""
+    batch, length, width = x_BxLxD.shape
+    x_TxD = x_BxLxD.reshape(-1, width)
+    logits_TxE = x_TxD.astype(jnp.float32) @ router_DxE.astype(jnp.float32)
+    routing = route(logits_TxE, shape.top_k, shape.score, shape.normalise, bias_E)
+    size = 1 if group is None else group.size
+    capacity = capacity_of(shape, x_TxD.shape[0] * size)
+    if group is None:
+        out_TxD = routed_experts(x_TxD, routing, gate, up, down, shape.formulation, capacity)
+    else:
+        kept = routing if capacity is None else routing._replace(weights=jnp.where(
+            kept_choices(routing.experts, shape.experts, capacity, group), routing.weights, 0.0))
+        out_TxD = expert_parallel_experts(x_TxD, kept, gate, up, down, group, shape.formulation)
+    return out_TxD.reshape(batch, length, width), router_stats(logits_TxE, routing, shape.experts, capacity, total,
+                                                               group)
+
+
+def expert_parallel_layer(shape: MoEShape, layout: ActivationLayout, x_BxLxD, router_DxE, gate, up, down, bias_E,
+                          ) -> tuple[jax.Array, RouterStats]:
+    """Inside one global program whose experts are split over `expert` (the traced step's `layout`): the routed
+    experts through a shard_map region over the mesh, each device routing its part of the replica's rows (split
+    over `expert`, and along the sequence over `context`) to the devices of its expert group by XLA's all-to-all;
+    each expert's MLP split over `tensor` where the rules split `mlp`, its partial sums added over the group."""
+    if x_BxLxD.shape[0] % layout.expert:
+        raise UserError(f"mesh.expert={layout.expert} shares each data replica's rows among its devices, and a "
+                        f"microbatch gives a replica {x_BxLxD.shape[0]} rows: make the rows per replica and microbatch "
+                        f"(batch.global_size / mesh.data / batch.microbatches, and the eval batch's) a multiple of "
+                        f"{layout.expert}")
+    mlp = layout.axes_of("mlp")
+    shared = tuple(axis for axis in (layout.rows_on, CONTEXT if layout.context > 1 else None) if axis)
+    tokens = P(layout.rows(), CONTEXT if layout.context > 1 else None, None)
+    expert_in, expert_out = P(EXPERT, None, mlp), P(EXPERT, mlp, None)
+    group = xla_expert_group(layout.expert)
+
+    def local(x, router, gate, up, down, bias):
+        out, stats = routed_layer(shape, x, router, gate, up, down, bias, group,
+                                  lambda value: jax.lax.psum(value, (EXPERT, *shared)))
+        return (out if mlp is None else jax.lax.psum(out, mlp)), stats
+
+    stats_spec = RouterStats(*[P()] * len(RouterStats._fields))
+    return shard_map(local, layout.mesh, in_specs=(tokens, P(), expert_in, expert_in, expert_out, P()),
+                     out_specs=(tokens, stats_spec))(x_BxLxD, router_DxE, gate, up, down, bias_E)
+
+
+def xla_expert_group(size: int) -> ExpertGroup:
+    """The devices over `expert` through XLA's collectives (inside a shard_map region over it)."""
+    return ExpertGroup(size, lambda blocks: jax.lax.all_to_all(blocks, EXPERT, 0, 0, tiled=True),
+                       lambda value: jax.lax.all_gather(value, EXPERT), lambda: jax.lax.axis_index(EXPERT))
+
+
+def router_stats(logits_TxE: jax.Array, routing, count: int, capacity: int | None, total=lambda x: x,
+                 group: ExpertGroup | None = None) -> RouterStats:
+    """The layer's RouterStats, each summed by `total` (over the devices that share a replica's tokens); the
+    choices dropped as the capacity counts them, over the expert group's tokens."""
     load = jnp.sum(jax.nn.one_hot(routing.experts, count, dtype=jnp.float32), axis=(0, 1))
-    dropped = jnp.zeros((), jnp.float32) if capacity is None else jnp.sum(jnp.maximum(load - capacity, 0.0))
-    return RouterStats(jax.lax.stop_gradient(load), jnp.sum(routing.probabilities, axis=0),
-                       jnp.sum(jax.nn.logsumexp(logits_TxE, axis=-1) ** 2), jax.lax.stop_gradient(dropped),
-                       jnp.asarray(logits_TxE.shape[0], jnp.float32))
+    dropped = jnp.zeros((), jnp.float32)
+    if capacity is not None:
+        group_load = load if group is None else jnp.sum(group.all_gather(load), axis=0)
+        dropped = jnp.sum(jnp.maximum(group_load - capacity, 0.0)) / (1 if group is None else group.size)
+    return RouterStats(*map(total, (jax.lax.stop_gradient(load), jnp.sum(routing.probabilities, axis=0),
+                                    jnp.sum(jax.nn.logsumexp(logits_TxE, axis=-1) ** 2),
+                                    jax.lax.stop_gradient(dropped), jnp.asarray(logits_TxE.shape[0], jnp.float32))))
 
 
 ROUTER_SUMS = ("router_load", "router_dropped", "router_tokens")

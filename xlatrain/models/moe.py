@@ -77,11 +77,22 @@ def routed_experts(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up
     return run(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
 
 
-def kept_choices(experts_TxK: jax.Array, count: int, capacity: int) -> jax.Array:
-    """[T, k] bool: the choices an expert of `capacity` takes, in priority order (`choice_order`)."""
-    tokens, top_k = experts_TxK.shape
-    place = _place_in_group(choice_order(experts_TxK), count)
-    return (place < capacity).reshape(top_k, tokens).T
+def kept_choices(experts_TxK: jax.Array, count: int, capacity: int, group: ExpertGroup | None = None) -> jax.Array:
+    """[T, k] bool: the choices an expert of `capacity` takes, in priority order (`choice_order`). `group`: the
+    capacity counts over the tokens of an expert group's devices, in their order (device 0's first), as one
+    device holding all of them would: every device's first choices before any second."""
+    one_hot_KxTxE = jax.nn.one_hot(experts_TxK.T, count, dtype=jnp.int32)
+    counts_KxE = jnp.sum(one_hot_KxTxE, axis=1)
+    totals_KxE, before_KxE = counts_KxE, jnp.zeros_like(counts_KxE)
+    if group is not None:
+        every_SxKxE = group.all_gather(counts_KxE)
+        totals_KxE = jnp.sum(every_SxKxE, axis=0)
+        earlier = (jnp.arange(group.size) < group.index()).astype(jnp.int32)
+        before_KxE = jnp.einsum("s,ske->ke", earlier, every_SxKxE)
+    earlier_slots_KxE = jnp.cumsum(totals_KxE, axis=0) - totals_KxE
+    within_KxTxE = jnp.cumsum(one_hot_KxTxE, axis=1) - one_hot_KxTxE
+    place_KxT = jnp.sum((within_KxTxE + (earlier_slots_KxE + before_KxE)[:, None]) * one_hot_KxTxE, axis=-1)
+    return (place_KxT < capacity).T
 
 
 def choice_order(experts_TxK: jax.Array) -> jax.Array:
@@ -136,6 +147,10 @@ class ExpertGroup:
     size: int
     all_to_all: Callable[[jax.Array], jax.Array]
     """[size, ...] -> [size, ...]: block j goes to device j, block i of the result came from device i."""
+    all_gather: Callable[[jax.Array], jax.Array] | None = None
+    """[...] -> [size, ...]: every device's value, in device order (for a capacity over the group)."""
+    index: Callable[[], jax.Array] | None = None
+    """This device's place in the group."""
 
 
 def expert_parallel_experts(x_TxD: jax.Array, routing: Routing, gate_LxDxF: jax.Array, up_LxDxF: jax.Array,

@@ -27,12 +27,12 @@ from xlatrain.runtime.distributed import as_primary_has_it, host_name, is_primar
 
 CONFIG_FILE = "config.yaml"
 RESUMABLE_KEYS = ("trainer.", "derived.", "distributed.", "optimizer.decay_steps", "mesh.data", "mesh.cpu_devices",
-                  "mesh.tensor", "mesh.context", "parallel.sequence_parallel", "parallel.context_attention",
-                  "model.init_from")
+                  "mesh.tensor", "mesh.context", "mesh.expert", "parallel.sequence_parallel",
+                  "parallel.context_attention", "model.init_from", "model.moe.formulation")
 """Keys that may differ between a run and its resumption (more steps, other devices or processes and so another
-data-parallel size, however the CPU devices were counted; the same model split over another tensor or context
-axis; a new learning-rate horizon given on purpose; the weights a run started from: read only when its state was
-created, so that a resumed run no longer needs them)."""
+data-parallel size, however the CPU devices were counted; the same model split over another tensor, context or
+expert axis, its experts' matmuls formulated otherwise; a new learning-rate horizon given on purpose; the weights a
+run started from: read only when its state was created, so that a resumed run no longer needs them)."""
 LOGS_DIR = "logs"
 """Where `xlatrain launch` writes each process's output; it may exist before the run's first start."""
 CHECKPOINTS_DIR = "checkpoints"
