@@ -49,11 +49,13 @@ def test_the_parts_of_an_interval_add_up_to_its_wall_time_and_inner_spans_count_
     assert sum(fractions(spent).values()) == pytest.approx(1.0)
 
 
-KNOBS = Knobs(prefetch=2, steps_per_sync=1, rows_per_device=4, policy="fp32")
+KNOBS = Knobs(prefetch=2, steps_per_sync=1, rows_per_device=4, policy="fp32",
+              balancing="aux_loss_weight=0.001, bias_rate=None")
 
 
-def _interval(mfu=None, recompilations=(), **seconds):
-    return Interval(11, 30, {**dict.fromkeys(CATEGORIES, 0.0), **seconds}, mfu, list(recompilations))
+def _interval(mfu=None, recompilations=(), expert_load=None, **seconds):
+    return Interval(11, 30, {**dict.fromkeys(CATEGORIES, 0.0), **seconds}, mfu, list(recompilations),
+                    expert_load or {})
 
 
 RULE_CASES = {
@@ -67,6 +69,10 @@ RULE_CASES = {
                         ["50%", "1 recompilation", "batch['x'] shape", "data.buckets", "trainer.compile_budget"]),
     "low-mfu": (_interval(device=1.0, mfu=0.05), _interval(device=1.0, mfu=0.4),
                 ["5.00%", "rows per device (now 4)", "precision.policy=bf16", "xlatrain profile"]),
+    "expert-imbalance": (_interval(device=1.0, expert_load={0: (1.2, 0.1), 1: (3.5, 1.4)}),
+                         _interval(device=1.0, expert_load={0: (1.9, 0.5), 1: (1.2, 0.1)}),
+                         ["MoE layer 1's busiest expert got 3.50x", "variation 1.40",
+                          "model.moe.aux_loss_weight", "(now aux_loss_weight=0.001, bias_rate=None)"]),
 }
 
 

@@ -180,6 +180,7 @@ class _Run:
         """trainer.progress: a plain line each trainer.log_every steps instead of the progress bar."""
         self._eta = Eta(0, self.trainer.steps, time.perf_counter())
         self._interval_first_step = 1
+        self._expert_load: dict[int, tuple[float, float]] = {}
         self.host_to_device_bytes = 0
 
     def execute(self) -> TrainResult:
@@ -438,6 +439,7 @@ class _Run:
             self._nonfinite(step, values)
         result.losses[step] = values["loss"]
         result.metrics = {**values, **clock.rates(numeric=True), "skipped": not finite}
+        self._expert_load = expert_load(values)
         bar.set_postfix(loss=f"{values['loss']:.4f}", **clock.rates(), refresh=False)
         bar.update(1)
         if step % self.trainer.log_every == 0 or step == self.trainer.steps:
@@ -467,7 +469,7 @@ class _Run:
         spent = self.breakdown.cut()
         writer.write({"step": step, **fractions(spent), "interval_seconds": round(sum(spent.values()), 4)})
         self.rules.check(Interval(self._interval_first_step, step, spent, clock.last.get("mfu"),
-                                  self._recompilations()), traced)
+                                  self._recompilations(), self._expert_load), traced)
         self._interval_first_step = step + 1
 
     def _recompilations(self) -> list[tuple[str, str]]:
@@ -541,10 +543,19 @@ def final_line(result: TrainResult, run_dir: Path) -> str:
     return f"{ended}; checkpoint and metrics in {run_dir}" + (f"; {', '.join(losses)}" if losses else "")
 
 
+def expert_load(values: dict[str, float]) -> dict[int, tuple[float, float]]:
+    """Per MoE layer, (max over mean, coefficient of variation) of its experts' loads in a step's metrics."""
+    prefix = "router_max_over_mean_layer"
+    return {int(name[len(prefix):]): (value, values[f"router_cv_layer{name[len(prefix):]}"])
+            for name, value in values.items() if name.startswith(prefix)}
+
+
 def _knobs(program: Program) -> Knobs:
     config, d = program.config, program.derived
+    moe = getattr(config.model, "moe", None)
+    balancing = None if moe is None else f"aux_loss_weight={moe.aux_loss_weight}, bias_rate={moe.bias_rate}"
     return Knobs(prefetch=config.data.prefetch, steps_per_sync=config.trainer.steps_per_sync,
-                 rows_per_device=d.global_batch // d.devices, policy=config.precision.policy)
+                 rows_per_device=d.global_batch // d.devices, policy=config.precision.policy, balancing=balancing)
 
 def _throughput(program: Program, peak_flops: float | None, excluded: Callable[[], float]) -> Throughput:
     spec, d = program.dataset.spec, program.derived

@@ -9,7 +9,7 @@ warm-up) and those the profiler traced, and lets each rule speak once.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
@@ -21,6 +21,9 @@ DEVICE_HIDDEN_SHARE = 0.1
 RECOMPILE_SHARE = 0.2
 IMBALANCE_RATIO = 1.1
 LOW_MFU = 0.2
+EXPERT_IMBALANCE = 2.0
+"""The busiest expert of an MoE layer taking this many times the mean expert's choices: half the layer's experts'
+devices (or its padded batch) wait on one."""
 MIN_WINDOW_STEPS = 10
 MIN_WINDOW_SECONDS = 0.5
 
@@ -33,6 +36,8 @@ class Knobs:
     steps_per_sync: int
     rows_per_device: int
     policy: str
+    balancing: str | None = None
+    """An MoE model's load balancing as set (model.moe's aux_loss_weight and bias_rate); None: no experts."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class Interval:
     mfu: float | None
     recompilations: Sequence[tuple[str, str]]
     """(step name, cause) of each compilation of the steps after their first, this session."""
+    expert_load: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Per MoE layer at the interval's last logged step: (the busiest expert's choices over the mean, the loads'
+    coefficient of variation)."""
 
     def share(self, category: str) -> float:
         return self.spent[category] / (sum(self.spent.values()) or 1.0)
@@ -55,7 +63,7 @@ class Interval:
     def then(self, later: Interval) -> Interval:
         """This interval and the one right after it, as one."""
         spent = {k: self.spent[k] + later.spent[k] for k in self.spent}
-        return Interval(self.first_step, later.step, spent, later.mfu, later.recompilations)
+        return Interval(self.first_step, later.step, spent, later.mfu, later.recompilations, later.expert_load)
 
     @property
     def long_enough(self) -> bool:
@@ -114,8 +122,21 @@ def low_mfu(interval: Interval, knobs: Knobs) -> str | None:
             "profile` shows which operations take the time")
 
 
+def expert_imbalance(interval: Interval, knobs: Knobs) -> str | None:
+    if not interval.expert_load:
+        return None
+    layer, (ratio, cv) = max(interval.expert_load.items(), key=lambda item: item[1][0])
+    if ratio <= EXPERT_IMBALANCE:
+        return None
+    return (f"MoE layer {layer}'s busiest expert got {ratio:.2f}x the mean expert's choices at the end of "
+            f"{interval.steps} (over {EXPERT_IMBALANCE:.1f}x; the loads' coefficient of variation {cv:.2f}): its experts are badly "
+            f"imbalanced, and the busiest one's device or padded batch holds the layer up; raise "
+            f"model.moe.aux_loss_weight or set model.moe.bias_rate (now {knobs.balancing})")
+
+
 INTERVAL_RULES: dict[str, Callable[[Interval, Knobs], str | None]] = {
-    "data-bound": data_bound, "host-bound": host_bound, "recompile-storm": recompile_storm, "low-mfu": low_mfu}
+    "data-bound": data_bound, "host-bound": host_bound, "recompile-storm": recompile_storm, "low-mfu": low_mfu,
+    "expert-imbalance": expert_imbalance}
 
 
 def stage_imbalance(balance: Balance, partition_source: str) -> str | None:
