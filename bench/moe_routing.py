@@ -1,5 +1,6 @@
-"""The routed experts' matmuls three ways (xlatrain/models/moe.py: `sorted` through jax.lax.ragged_dot, `dense`
-every expert on every token, `padded` a capacity-padded batched matmul), forward and backward of one MoE layer's
+"""The routed experts' matmuls four ways (xlatrain/models/moe.py: `sorted` through jax.lax.ragged_dot, `dense`
+every expert on every token, `padded` a capacity-padded batched matmul, `blocked` blocks of rows sorted by expert,
+each multiplied by its expert's weights), forward and backward of one MoE layer's
 experts on one CPU device: 8 experts, top-2, at two sizes, and 32 experts, top-4 (experts / top_k decides what
 `dense` and `padded` waste); seconds per call as the median of interleaved rounds, each against `sorted` in the
 same run, and XLA's FLOPs of each compiled program.
@@ -18,7 +19,7 @@ from xlatrain.models.moe import route, routed_experts
 SHAPES = ({"experts": 8, "top_k": 2, "tokens": 2048, "width": 256, "hidden": 512},
           {"experts": 8, "top_k": 2, "tokens": 4096, "width": 512, "hidden": 1024},
           {"experts": 32, "top_k": 4, "tokens": 2048, "width": 256, "hidden": 256})
-FORMULATIONS = ("sorted", "dense", "padded")
+FORMULATIONS = ("sorted", "dense", "padded", "blocked")
 
 
 def step_of(formulation: str, shape: dict):

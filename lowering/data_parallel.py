@@ -15,6 +15,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from xlatrain.lowering.context_link import context_group
+from xlatrain.lowering.expert_link import expert_group
 from xlatrain.lowering.grad_sync import (
     ExplicitReplicas,
     PartitionedReplicas,
@@ -37,6 +38,7 @@ from xlatrain.mesh import (
 )
 from xlatrain.models.context import inside_context_group
 from xlatrain.models.interface import ModelDef
+from xlatrain.models.moe import inside_expert_group
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
 from xlatrain.precision import Policy
@@ -137,13 +139,16 @@ class DataParallel:
         return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s,
                                  self._split_dims(params) if strategy in ("zero1", "fsdp") else None,
                                  across_processes=c.impl == "custom" and self._data_axis_processes() > 1,
-                                 params_split=strategy == "fsdp", complete=complete, context=self.config.mesh.context)
+                                 params_split=strategy == "fsdp", complete=complete, context=self.config.mesh.context,
+                                 expert=self.config.mesh.expert, expert_leaves=self._expert_leaves(params))
 
     def per_device(self, step: Any, specs: TrainState, out_specs: Any = None, steps: int | None = None,
                    batch_spec: P | None = None) -> Any:
         """parallel.mode=shard_map or pmap: the step as written is one device's program over its rows."""
         mode = self.config.parallel.mode
         batch_spec = batch_spec or train_batch_sharding(self.mesh, steps or self.config.trainer.steps_per_sync).spec
+        if self.config.mesh.expert > 1:  # an expert group's devices hold each their share of the replica's rows
+            batch_spec = P(*[(DATA, EXPERT) if entry == DATA else entry for entry in batch_spec])
         if mode == "shard_map":
             return shard_map(self._in_groups(step), self.mesh, in_specs=(specs, batch_spec),
                              out_specs=(specs, P()) if out_specs is None else out_specs)
@@ -159,7 +164,7 @@ class DataParallel:
     def gradient_parts(self, remat: str, params: Any) -> dict[str, Any]:
         """What make_train_step needs beside the model's own gradients: without a pipeline, the norms of trees
         split over a tensor group inside the per-device program."""
-        return {"trees": self._split_trees(params)} if self.tensor_inside else {}
+        return {"trees": self._split_trees(params)} if self.tensor_inside or self._experts_inside else {}
 
     def eval_step(self, specs: TrainState, params: Any) -> Callable[[TrainState, dict], dict]:
         """One global program over the whole eval batch."""
@@ -184,12 +189,13 @@ class DataParallel:
         tensor = self._tensor_group() if self.tensor_inside else None
         group = (context_group(context, self.config.parallel.context_attention, c.impl, c.timeout_s)
                  if context > 1 else None)
-        if tensor is None and group is None:
+        experts = expert_group(self.config.mesh.expert, c.impl, c.timeout_s) if self._experts_inside else None
+        if tensor is None and group is None and experts is None:
             return step
 
         @contextlib.contextmanager
         def inside():
-            with inside_tensor_group(tensor), inside_context_group(group):
+            with inside_tensor_group(tensor), inside_context_group(group), inside_expert_group(experts):
                 yield
 
         return _traced_within(inside, step)
@@ -203,12 +209,33 @@ class DataParallel:
         """Norms of param-shaped trees whose leaves split over a tensor group inside the per-device program are
         summed over it; `leading`: per leaf the mesh axes it is split over besides (a pipeline's blocks over
         `stage`), summed by `sums`."""
-        over = jax.tree.map(lambda spec: (TENSOR,) if self.tensor_inside and split_over_tensor(spec) else (),
-                            self.tensor_specs(params), is_leaf=_is_spec)
+        over = jax.tree.map(lambda spec, own: ((TENSOR,) if self.tensor_inside and split_over_tensor(spec) else ())
+                            + ((EXPERT,) if own else ()), self.tensor_specs(params), self._expert_leaves(params),
+                            is_leaf=_is_spec)
         if leading is not None:
             over = jax.tree.map(lambda first, rest: first + rest, leading, over, is_leaf=lambda x: isinstance(x, tuple))
-        sums = {**(sums or {}), **({TENSOR: self._tensor_group().all_reduce} if self.tensor_inside else {})}
+        sums = {**(sums or {}), **({TENSOR: self._tensor_group().all_reduce} if self.tensor_inside else {}),
+                **({EXPERT: self._expert_sum()} if self._experts_inside else {})}
         return SplitTrees(over, sums, gather or _as_they_are)
+
+    @property
+    def _experts_inside(self) -> bool:
+        """Whether an expert group meets inside the per-device program (rather than in a global program's MoE
+        regions)."""
+        return self.config.parallel.mode != "jit" and self.config.mesh.expert > 1
+
+    def _expert_leaves(self, params: Any) -> Any:
+        """Per param, whether each device holds its own part of it over `expert` (an MoE layer's experts)."""
+        specs = param_specs(params, self.model.logical_axes, rules_over(self._rules(), (EXPERT,)), self.mesh)
+        return jax.tree.map(lambda spec: dim_over(spec, EXPERT) is not None, specs, is_leaf=_is_spec)
+
+    def _expert_sum(self) -> Callable[[jax.Array], jax.Array]:
+        c = self.config.collectives
+        if c.impl != "custom":
+            return lambda x: jax.lax.psum(x, EXPERT)
+        from xlatrain import custom_calls as ops
+
+        return lambda x: ops.all_reduce(x, EXPERT, timeout_s=c.timeout_s)
 
     def _gather_whole(self, params: Any) -> Callable[[Any], Any]:
         """In one global program the partitioner gathers what a sharding constraint asks for: each param whole

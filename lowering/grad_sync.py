@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xlatrain.mesh import CONTEXT
+from xlatrain.mesh import CONTEXT, EXPERT
 
 Tree = Any
 
@@ -91,6 +91,11 @@ class ExplicitReplicas:
     context: int = 1
     """Devices over CONTEXT that share this replica's rows, each holding a part of the sequence: its sums (the
     gradients', the metrics', the loss weights') are summed over them too."""
+    expert: int = 1
+    """Devices over EXPERT that share this replica's rows, each holding some of them and its own experts: its sums
+    are summed over them too, but for the gradients of the experts' own weights (`expert_leaves`)."""
+    expert_leaves: Tree | None = None
+    """Per param, whether it is split over EXPERT (an expert's own weights: each device's gradient is its own)."""
 
     def split(self, batch: dict) -> dict:
         return jax.tree.map(lambda x: x[None], batch)
@@ -109,10 +114,14 @@ class ExplicitReplicas:
         """This device's place among every part of every replica (its replica's, where no context splits it):
         what its random draws (dropout) fold in."""
         index = jax.lax.axis_index(self.axis)
-        return (index if self.context == 1 else index + self.participants * jax.lax.axis_index(CONTEXT))[None]
+        if self.expert > 1:
+            index = index + self.participants * jax.lax.axis_index(EXPERT)
+        if self.context > 1:
+            index = index + self.participants * self.expert * jax.lax.axis_index(CONTEXT)
+        return index[None]
 
     def total(self, local: jax.Array) -> jax.Array:
-        return self._over_context(self.all_reduce(local, self.axis))
+        return self._within_replica(self.all_reduce(local, self.axis), over_expert=True)
 
     across = total
     """Inside `each`: a value summed over the replicas (and the parts of each)."""
@@ -121,30 +130,45 @@ class ExplicitReplicas:
         grads = jax.tree.map(lambda g: g[0], grads_R)
         if self.complete is not None:
             grads = self.complete(grads)
-        if self.participants * self.context == 1:
+        if self.participants * self.context * self.expert == 1:
             # A pipeline over one data replica: nothing to sum, so no flat copy of the gradients and no rounding
             # to the communication dtype (XLA:CPU would keep the one-device collectives, and their copies).
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        if self.expert == 1:
+            return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants, self._bucket_sum(False))
+        leaves, tree = jax.tree.flatten(grads)
+        own = jax.tree.leaves(self.expert_leaves)
+        kinds = [[leaf for leaf, mine in zip(leaves, own, strict=True) if mine is split] for split in (False, True)]
+        summed = [iter(bucketed_sum(kind, self.bucket_bytes, dtype, self.participants, self._bucket_sum(not split))
+                       if kind else []) for split, kind in zip((False, True), kinds, strict=True)]
+        return jax.tree.unflatten(tree, [next(summed[mine]) for mine in own])
 
+    def _bucket_sum(self, over_expert: bool) -> Callable[[jax.Array], jax.Array]:
+        """A bucket of gradients summed over the replicas and the parts of each (over `expert` too where
+        `over_expert`: the leaves every device of an expert group holds whole)."""
         def reduce_bucket(bucket: jax.Array) -> jax.Array:
-            bucket = self._over_context(bucket)
+            bucket = self._within_replica(bucket, over_expert)
             if self.participants == 1:
                 return bucket
             if self.buckets_by_all_reduce:
                 return self.all_reduce(bucket, self.axis)
             return self.all_gather(self.reduce_scatter(bucket, self.axis), self.axis)
 
-        return bucketed_sum(grads, self.bucket_bytes, dtype, self.participants, reduce_bucket)
+        return reduce_bucket
 
     def sum_metrics(self, sums_R: Tree) -> Tree:
         return jax.tree.map(lambda s: self.total(s[0]), sums_R)
 
     def mean_model_state(self, model_state_R: Tree) -> Tree:
-        return jax.tree.map(lambda x: mean_of_sum(self.total(widened(x[0])), self.participants * self.context,
-                                                  x.dtype), model_state_R)
+        return jax.tree.map(lambda x: mean_of_sum(self.total(widened(x[0])),
+                                                  self.participants * self.context * self.expert, x.dtype),
+                            model_state_R)
 
-    def _over_context(self, x: jax.Array) -> jax.Array:
-        return x if self.context == 1 else self.all_reduce(x, CONTEXT)
+    def _within_replica(self, x: jax.Array, over_expert: bool) -> jax.Array:
+        """`x` summed over the devices that share this replica's rows (over `expert` where `over_expert`)."""
+        if self.context > 1:
+            x = self.all_reduce(x, CONTEXT)
+        return self.all_reduce(x, EXPERT) if over_expert and self.expert > 1 else x
 
     def gather(self, params: Tree) -> Tree:
         """FSDP's whole params from this device's blocks; otherwise `params` as they are."""
@@ -191,7 +215,7 @@ def update(tx: optax.GradientTransformation, grads: Tree, opt_state: Tree, param
 def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str, timeout_s: float,
                       shard_dims: Tree | None = None, across_processes: bool = False,
                       params_split: bool = False, complete: Callable[[Tree], Tree] | None = None,
-                      context: int = 1) -> ExplicitReplicas:
+                      context: int = 1, expert: int = 1, expert_leaves: Tree | None = None) -> ExplicitReplicas:
     if impl == "custom":
         from xlatrain import custom_calls as ops
 
@@ -200,12 +224,13 @@ def explicit_replicas(axis: str, participants: int, bucket_bytes: int, impl: str
             reduce_scatter=lambda x, a: ops.reduce_scatter(x, a, timeout_s=timeout_s),
             all_gather=lambda x, a: ops.all_gather(x, a, tiled=True, timeout_s=timeout_s),
             all_reduce=lambda x, a: ops.all_reduce(x, a, timeout_s=timeout_s), shard_dims=shard_dims,
-            params_split=params_split, buckets_by_all_reduce=across_processes, complete=complete, context=context)
+            params_split=params_split, buckets_by_all_reduce=across_processes, complete=complete, context=context,
+            expert=expert, expert_leaves=expert_leaves)
     return ExplicitReplicas(axis, participants, bucket_bytes,
                             reduce_scatter=lambda x, a: jax.lax.psum_scatter(x, a, tiled=True),
                             all_gather=lambda x, a: jax.lax.all_gather(x, a, tiled=True),
                             all_reduce=jax.lax.psum, shard_dims=shard_dims, params_split=params_split,
-                            complete=complete, context=context)
+                            complete=complete, context=context, expert=expert, expert_leaves=expert_leaves)
 
 
 def bucket_bounds(total: int, itemsize: int, bucket_bytes: int, participants: int) -> list[tuple[int, int]]:

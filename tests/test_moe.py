@@ -1,5 +1,5 @@
 """Mixture-of-Experts routing and experts (xlatrain/models/moe.py) against transformers' Mixtral block and its
-load-balancing loss, the three formulations of the experts' matmuls against each other, and expert parallelism's
+load-balancing loss, the four formulations of the experts' matmuls against each other, and expert parallelism's
 all-to-all dispatch against one device."""
 
 import jax
@@ -37,7 +37,7 @@ def moe(w, formulation):
     return routed_experts(w["x"], routing, w["gate"], w["up"], w["down"], formulation)
 
 
-@pytest.mark.parametrize("formulation", ["sorted", "dense", "padded"])
+@pytest.mark.parametrize("formulation", ["sorted", "dense", "padded", "blocked"])
 def test_each_formulation_equals_transformers_mixtral_block(formulation, weights):
     torch = pytest.importorskip("torch")
     from transformers import MixtralConfig
@@ -61,8 +61,8 @@ def test_the_formulations_have_the_same_gradients(weights):
     def loss(w, formulation):
         return jnp.sum(jnp.sin(moe(w, formulation)))
 
-    grads = {f: jax.grad(loss)(weights, f) for f in ("sorted", "dense", "padded")}
-    for formulation in ("dense", "padded"):
+    grads = {f: jax.grad(loss)(weights, f) for f in ("sorted", "dense", "padded", "blocked")}
+    for formulation in ("dense", "padded", "blocked"):
         for name in weights:
             reference = np.asarray(grads["sorted"][name])
             np.testing.assert_allclose(grads[formulation][name], reference, rtol=1e-5,

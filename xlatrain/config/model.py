@@ -169,10 +169,12 @@ class MoEConfig(Strict):
     """Each expert takes at most capacity_factor x tokens x top_k / experts choices of a microbatch's tokens on a
     replica, every token's first choice before any second; the rest are dropped (the token keeps its residual);
     null: dropless."""
-    formulation: Literal["auto", "sorted", "dense", "padded"] = "auto"
+    formulation: Literal["auto", "sorted", "dense", "padded", "blocked"] = "auto"
     """How the experts' matmuls run: sorted (grouped matmuls, jax.lax.ragged_dot), dense (every expert on every
     token, weighted by a [tokens, experts] matrix), padded (each expert's tokens gathered into a batch of the
-    capacity). auto: padded, the fastest on CPU (bench/README.md, the MoE routing)."""
+    capacity), blocked (the choices sorted into blocks of 64 rows, each expert's padded to whole blocks, each block
+    multiplied by its expert's weights). auto: the fastest on CPU by measurement (bench/README.md, the MoE
+    routing)."""
 
     def hidden_of(self, mlp_hidden: int) -> int:
         return self.expert_hidden or mlp_hidden

@@ -138,10 +138,14 @@ class Config(Strict):
         if moe.experts % split:
             raise ValueError(f"mesh.expert={split} splits model.moe.experts={moe.experts} experts into equal groups: "
                              f"choose a mesh.expert that divides {moe.experts}")
-        if split > 1 and self.parallel.mode != "jit":
-            chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
-            raise ValueError(f"mesh.expert={split} runs in one global program, parallel.mode=jit; in parallel.mode="
-                             f"{self.parallel.mode}{chosen} a per-device program's expert group is not built yet")
+        chosen = f" (chosen by parallel.mode=auto for {self._mode_chosen_for})" if self._mode_chosen_for else ""
+        if split > 1 and self.parallel.mode == "pmap":
+            raise ValueError(f"mesh.expert={split}: parallel.mode=pmap maps the step over `data` alone; use "
+                             "parallel.mode=shard_map (the expert group's all-to-all written out) or jit")
+        if split > 1 and self.parallel.mode == "shard_map" and self.parallel.strategy != "replicated":
+            raise ValueError(f"mesh.expert={split} in parallel.mode=shard_map{chosen} runs parallel.strategy="
+                             f"replicated (each device's own experts, the rest whole); zero1 and fsdp with experts "
+                             "run in parallel.mode=jit")
         if self.mesh.stage > 1:
             raise ValueError(f"model.moe with mesh.stage={self.mesh.stage}: the MoE layers' router statistics do "
                              "not travel between a pipeline's stages yet; set mesh.stage=1 (data, expert, fsdp, tensor "

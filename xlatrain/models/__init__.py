@@ -72,10 +72,10 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
     raise TypeError(f"model.name={config.name} is not a flax model")
 
 
-MOE_FORMULATION = "padded"
-"""model.moe.formulation=auto: the fastest of the three on CPU (bench/results/moe_routing.json: 0.52-0.56x the
-sorted formulation's time at 8 experts, top-2; 0.29x at 32, top-4), and on GPUs, where ragged_dot expands to the
-same dense products (jax 0.10)."""
+MOE_FORMULATION = "blocked"
+"""model.moe.formulation=auto: the fastest of the four on CPU (bench/results/moe_routing.json: 0.26-0.27x the
+sorted formulation's time at 8 experts, top-2, where padded takes 0.52-0.57x; 0.09x at 32, top-4, padded 0.28x),
+about the chosen experts' FLOPs; and on GPUs, where ragged_dot expands to dense products (jax 0.10)."""
 
 
 def moe_shape(config: LlamaConfig, formulation: str | None = None) -> MoEShape | None:

@@ -24,6 +24,7 @@ from xlatrain.models.moe import (
     ExpertGroup,
     Formulation,
     Score,
+    current_expert_group,
     expert_parallel_experts,
     kept_choices,
     route,
@@ -111,11 +112,11 @@ class MoEMLP(nnx.Module):
         batch, length, width = x_BxLxD.shape
         bias = None if self.bias is None else jax.lax.stop_gradient(self.bias[...])
         weights = (self.router.kernel[...], self.gate[...], self.up[...], self.down[...], bias)
-        layout = expert_split()
-        if layout is None:
-            out_BxLxD, stats = routed_layer(self.shape, x_BxLxD, *weights)
-        else:
+        layout, group = expert_split(), current_expert_group()
+        if layout is not None:
             out_BxLxD, stats = expert_parallel_layer(self.shape, layout, x_BxLxD, *weights)
+        else:  # one device's experts, or (a per-device program) this device's of its group: stats of its own rows
+            out_BxLxD, stats = routed_layer(self.shape, x_BxLxD, *weights, group)
         if self.shared is not None:
             shared = self.shared(x_BxLxD)
             if self.shared_gate is not None:

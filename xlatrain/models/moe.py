@@ -11,7 +11,9 @@ reaches every expert it chose. Three formulations of the experts' matmuls give t
 - `dense`: every expert on every token, combined by a [tokens, experts] weight matrix that is zero off the
   chosen experts (one einsum per weight: experts / top_k times the FLOPs, no gather or scatter);
 - `padded`: each expert's tokens gathered into a [experts, capacity, width] batch whose capacity is the most any
-  expert can get (every token: dropless), then batched matmuls.
+  expert can get (every token: dropless), then batched matmuls;
+- `blocked`: the choices sorted by expert into blocks of rows, each expert's padded to whole blocks, each block
+  multiplied by its expert's weights (gathered per block): about the chosen experts' FLOPs in dense batched matmuls.
 
 Which runs where is chosen by measurement (bench/moe_routing.py).
 
@@ -25,14 +27,16 @@ device, so each destination's buffer holds `tokens x top_k` rows.
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable, Literal, NamedTuple
+from typing import Callable, Iterator, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 Score = Literal["softmax", "sigmoid"]
-Formulation = Literal["sorted", "dense", "padded"]
+Formulation = Literal["sorted", "dense", "padded", "blocked"]
 
 
 class Routing(NamedTuple):
@@ -66,9 +70,9 @@ def routed_experts(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up
     """sum over each token's chosen experts e of weight x down_e(silu(x gate_e) * (x up_e)): [T, D], in x's
     dtype (the router's weights cast to it, as transformers does). `capacity`: each expert takes at most this many
     choices, every token's first choice before any second (`kept_choices`), the rest dropped (None: dropless)."""
-    run = {"sorted": _sorted, "dense": _dense, "padded": _padded}.get(formulation)
+    run = {"sorted": _sorted, "dense": _dense, "padded": _padded, "blocked": _blocked}.get(formulation)
     if run is None:
-        raise ValueError(f"unknown formulation {formulation!r}: sorted, dense or padded")
+        raise ValueError(f"unknown formulation {formulation!r}: sorted, dense, padded or blocked")
     weights = routing.weights.astype(x_TxD.dtype)
     if capacity is not None:
         weights = jnp.where(kept_choices(routing.experts, gate_ExDxF.shape[0], capacity), weights, 0)
@@ -107,9 +111,67 @@ def _sorted(x, experts_TxK, weights_TxK, gate, up, down):
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
     token = order // top_k
     rows = x[token]
-    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    out = jax.lax.ragged_dot(hidden, down, sizes) * weights_TxK.reshape(-1)[order][:, None]
+    hidden = jax.nn.silu(grouped_matmul(rows, gate, sizes)) * grouped_matmul(rows, up, sizes)
+    out = grouped_matmul(hidden, down, sizes) * weights_TxK.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[token].add(out)
+
+
+@jax.custom_vjp
+def grouped_matmul(rows_MxK: jax.Array, weights_GxKxN: jax.Array, sizes_G: jax.Array) -> jax.Array:
+    """jax.lax.ragged_dot (rows grouped in order, group g's sizes_G[g] rows times weights_GxKxN[g]) that also runs
+    under vmap, as the train step's replicas do: jax 0.10 batches no ragged_dot (NotImplementedError), so each of
+    its products here, forward and both gradients, is batched by folding the batch into the groups."""
+    return _ragged(rows_MxK, weights_GxKxN, sizes_G)
+
+
+def _grouped_forward(rows, weights, sizes):
+    return _ragged(rows, weights, sizes), (rows, weights, sizes)
+
+
+def _grouped_backward(saved, d_MxN):
+    rows, weights, sizes = saved
+    d_rows = _ragged(d_MxN, jnp.swapaxes(weights, 1, 2), sizes)
+    return d_rows, _ragged_weight_gradient(rows, d_MxN, sizes).astype(weights.dtype), None
+
+
+grouped_matmul.defvjp(_grouped_forward, _grouped_backward)
+
+
+@jax.custom_batching.custom_vmap
+def _ragged(rows_MxK, weights_GxKxN, sizes_G):
+    return jax.lax.ragged_dot(rows_MxK, weights_GxKxN, sizes_G)
+
+
+@_ragged.def_vmap
+def _ragged_batched(size, batched, rows, weights, sizes):
+    """A batch of grouped matmuls as one whose groups are the batch's, each element's in turn."""
+    rows, weights, sizes = _with_batch(size, batched, rows, weights, sizes)
+    out = jax.lax.ragged_dot(rows.reshape(-1, rows.shape[-1]), weights.reshape(-1, *weights.shape[2:]),
+                             sizes.reshape(-1))
+    return out.reshape(size, rows.shape[1], -1), True
+
+
+@jax.custom_batching.custom_vmap
+def _ragged_weight_gradient(rows_MxK, d_MxN, sizes_G):
+    """[G, K, N]: each group's rows^T d over its own rows."""
+    return _weight_gradient(rows_MxK, d_MxN, sizes_G)
+
+
+@_ragged_weight_gradient.def_vmap
+def _ragged_weight_gradient_batched(size, batched, rows, d, sizes):
+    rows, d, sizes = _with_batch(size, batched, rows, d, sizes)
+    out = _weight_gradient(rows.reshape(-1, rows.shape[-1]), d.reshape(-1, d.shape[-1]), sizes.reshape(-1))
+    return out.reshape(size, sizes.shape[1], *out.shape[1:]), True
+
+
+def _weight_gradient(rows_MxK, d_MxN, sizes_G):
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                                lhs_ragged_dimensions=(0,), rhs_group_dimensions=())
+    return jax.lax.ragged_dot_general(rows_MxK, d_MxN, sizes_G, numbers)
+
+
+def _with_batch(size, batched, *values):
+    return tuple(v if b else jnp.broadcast_to(v, (size, *v.shape)) for v, b in zip(values, batched, strict=True))
 
 
 def _dense(x, experts_TxK, weights_TxK, gate, up, down):
@@ -134,6 +196,32 @@ def _padded(x, experts_TxK, weights_TxK, gate, up, down, capacity=None):
     return jnp.zeros_like(x).at[token].add(out * choice_order(weights_TxK)[:, None])
 
 
+BLOCK_ROWS = 64
+"""Rows of a block of the blocked formulation (fewer where the choices are few)."""
+
+
+def _blocked(x, experts_TxK, weights_TxK, gate, up, down):
+    """The choices sorted by expert into blocks of BLOCK_ROWS rows, each expert's rows padded to whole blocks (at
+    most experts x (block - 1) padding rows in all), and each block multiplied by its expert's weights: one batched
+    matmul over the blocks per weight, the weights gathered per block (MegaBlocks' block-sparse layout as dense
+    blocks), about the chosen experts' FLOPs."""
+    tokens, top_k = experts_TxK.shape
+    count, choices = gate.shape[0], tokens * top_k
+    block = max(8, min(BLOCK_ROWS, choices // count))
+    blocks = -(-(choices + count * (block - 1)) // block)
+    flat = experts_TxK.reshape(-1)
+    sizes = jnp.bincount(flat, length=count)
+    ends = jnp.cumsum(-(-sizes // block) * block)  # each expert's region of whole blocks ends here
+    row = ends[flat] - -(-sizes // block)[flat] * block + _place_in_group(flat, count)
+    token = jnp.arange(choices) // top_k
+    rows_NxBxD = jnp.zeros((blocks * block, x.shape[1]), x.dtype).at[row].set(x[token]).reshape(blocks, block, -1)
+    expert_N = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), count - 1)
+    hidden = (jax.nn.silu(jnp.einsum("nbd,ndf->nbf", rows_NxBxD, gate[expert_N]))
+              * jnp.einsum("nbd,ndf->nbf", rows_NxBxD, up[expert_N]))
+    out = jnp.einsum("nbf,nfd->nbd", hidden, down[expert_N]).reshape(blocks * block, -1)
+    return jnp.zeros_like(x).at[token].add(out[row] * weights_TxK.reshape(-1)[:, None])
+
+
 def _place_in_group(groups_A: jax.Array, count: int) -> jax.Array:
     """Each assignment's place among the earlier assignments to its group (of `count`), in assignment order."""
     one_hot = jax.nn.one_hot(groups_A, count, dtype=jnp.int32)
@@ -151,6 +239,24 @@ class ExpertGroup:
     """[...] -> [size, ...]: every device's value, in device order (for a capacity over the group)."""
     index: Callable[[], jax.Array] | None = None
     """This device's place in the group."""
+
+
+_GROUP: ContextVar[ExpertGroup | None] = ContextVar("expert_group", default=None)
+
+
+@contextlib.contextmanager
+def inside_expert_group(group: ExpertGroup | None) -> Iterator[None]:
+    """While a per-device step is traced: its MoE layers' experts are split over `group`, each device holding its
+    own and routing its own rows (lowering/expert_link.py makes the group)."""
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+def current_expert_group() -> ExpertGroup | None:
+    return _GROUP.get()
 
 
 def expert_parallel_experts(x_TxD: jax.Array, routing: Routing, gate_LxDxF: jax.Array, up_LxDxF: jax.Array,

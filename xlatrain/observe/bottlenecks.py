@@ -129,8 +129,8 @@ def expert_imbalance(interval: Interval, knobs: Knobs) -> str | None:
     if ratio <= EXPERT_IMBALANCE:
         return None
     return (f"MoE layer {layer}'s busiest expert got {ratio:.2f}x the mean expert's choices at the end of "
-            f"{interval.steps} (over {EXPERT_IMBALANCE:.1f}x; the loads' coefficient of variation {cv:.2f}): its experts are badly "
-            f"imbalanced, and the busiest one's device or padded batch holds the layer up; raise "
+            f"{interval.steps} (over {EXPERT_IMBALANCE:.1f}x; the loads' coefficient of variation {cv:.2f}): its "
+            f"experts are badly imbalanced, and the busiest one's device or padded batch holds the layer up; raise "
             f"model.moe.aux_loss_weight or set model.moe.bias_rate (now {knobs.balancing})")
 
 
