@@ -5,6 +5,7 @@ timed to its first step. Then the parts of the step whose formulation xlatrain c
 
     python3 -m bench.gpu                    # on a machine with a GPU; writes bench/results/gpu.json
     python3 -m bench.gpu --model llama-1b   # a 1.1B Llama-style model; writes bench/results/gpu_llama.json
+    python3 -m bench.gpu --model moe        # a Mixture of Experts (8 experts, top-2); bench/results/gpu_moe.json
     python3 -m bench.gpu --smoke            # a tiny GPT on whatever device there is: checks the script, writes nothing
 
 The data is the built-in text source (bytes, so only 256 of the vocabulary's ids occur; the embedding and the
@@ -42,7 +43,13 @@ LLAMA_1B = ["model.name=llama", "model.layers=22", "model.width=2048", "model.he
             "batch.global_size=8", "precision.policy=bf16", "trainer.steps=40", "trainer.log_every=5",
             "trainer.profile_steps=[11,12]"]
 """A Llama-style decoder of 1.1B parameters (TinyLlama's shape: grouped-query attention, SwiGLU, RoPE)."""
-SHAPES = {"gpt2-small": (GPT2_SMALL, "gpu"), "llama-1b": (LLAMA_1B, "gpu_llama")}
+MOE = ["model.name=llama", "model.layers=16", "model.width=1024", "model.heads=16", "model.kv_heads=4",
+       "model.moe.experts=8", "model.moe.top_k=2", "model.moe.expert_hidden=2816", "model.vocab=32000",
+       "data.source=text", "data.seq_len=1024", "batch.global_size=8", "precision.policy=bf16", "trainer.steps=40",
+       "trainer.log_every=5", "trainer.profile_steps=[11,12]"]
+"""A Mixtral-style decoder of 1.2B parameters, 0.4B of them active (16 layers of 8 experts, top-2; MFU counts the
+active ones): the formulation model.moe.formulation=auto chooses, the router's metrics logged."""
+SHAPES = {"gpt2-small": (GPT2_SMALL, "gpu"), "llama-1b": (LLAMA_1B, "gpu_llama"), "moe": (MOE, "gpu_moe")}
 """--model: (the shape, the results file bench/results/NAME.json)."""
 SMOKE = ["model.name=gpt", "model.layers=2", "model.width=64", "model.heads=2", "data.source=text",
          "data.seq_len=64", "data.max_bytes=400000", "batch.global_size=8", "precision.policy=bf16",

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: one run on a machine with a GPU, a few minutes end to end. It builds xlatrain with the CUDA
-# extension, runs the CUDA collectives' tests on the GPU, then bench.gpu for GPT-2 small and a 1.1B Llama-style model
-# (the persistent compilation cache, a second start from it, one profiler trace each), and leaves every result in
-# one flat folder of at most 8 small files:
+# extension, runs the CUDA collectives' tests on the GPU, then bench.gpu for GPT-2 small, a 1.1B Llama-style model and a
+# Mixture of Experts (8 experts, top-2; the persistent compilation cache, a second start from it, one profiler trace
+# each), and leaves every result in one flat folder of at most 9 small files:
 #
 #   summary.txt      one line per step: ok or failed, and its seconds
 #   environment.txt  the GPU, Python, jax and the packages xlatrain needs, as found
 #   build.log        the build (-Ccmake.define.XLATRAIN_CUDA=ON)
 #   tests.log        tests/test_cuda_collectives.py and the NCCL test on the GPU
 #   bench.log        both benchmarks' output
-#   gpu.json, gpu_llama.json   what bench.gpu measured (also written to bench/results/ unless --smoke)
+#   gpu.json, gpu_llama.json, gpu_moe.json   what bench.gpu measured (also written to bench/results/ unless --smoke)
 #   trace.xplane.pb  GPT-2 small's profiler trace (left out above 16 MB)
 #
 #   bench/gpu_check.sh [--out DIR] [--wheels DIR] [--smoke]
@@ -131,7 +131,9 @@ step "gpu tests" "$out/tests.log" gpu_tests
 step "bench gpt2-small" "$out/bench.log" bench gpt2-small gpu.json
 if ((smoke)); then
   echo "bench llama-1b: skipped (--smoke: bench.gpu runs its one tiny GPT)" | tee -a "$out/summary.txt"
+  echo "bench moe: skipped (--smoke: bench.gpu runs its one tiny GPT)" | tee -a "$out/summary.txt"
 else
   step "bench llama-1b" "$out/bench.log" bench llama-1b gpu_llama.json
+  step "bench moe" "$out/bench.log" bench moe gpu_moe.json
 fi
 exit "$failed"

@@ -4,8 +4,8 @@
 2. transformers' MixtralForCausalLM of the same weights trained in eager PyTorch (the threads torch picks, SDPA
    attention), with its load-balancing loss (output_router_logits), as xlatrain trains with model.moe's;
 
-each formulation of the experts' matmuls (model.moe.formulation) beside the others, the same batch, AdamW with
-clipping, one host read of the loss per step on every side.
+each formulation of the experts' matmuls (model.moe.formulation; auto is blocked) beside the others, the same batch,
+AdamW with clipping, one host read of the loss per step on every side.
 
     python3 -m bench.moe    # writes bench/results/moe.json
 
@@ -36,6 +36,8 @@ from xlatrain.program import build_program  # noqa: E402
 from xlatrain.torch_bridge.eager import build_optimizer  # noqa: E402
 
 EXPERTS, TOP_K = 8, 2
+FORMULATIONS = ("blocked", "padded", "dense", "sorted")
+"""model.moe.formulation=auto's choice (blocked) first."""
 SHAPES = {
     "Mixtral 4 x 128 (GQA 4/2, 8 experts of 192, top-2), seq 64": dict(width=128, heads=4, kv_heads=2, hidden=192,
                                                                        seq_len=64),
@@ -92,24 +94,23 @@ def one_shape(directory: Path, model: transformers.MixtralForCausalLM, width: in
     dense = [*COMMON, "model.name=llama", "model.layers=4", f"model.width={width}", f"model.heads={heads}",
              f"model.kv_heads={kv_heads}", f"model.mlp_hidden={TOP_K * hidden}", f"data.seq_len={seq_len}"]
     built = {**{f"moe_{f}": build_program(load_config(None, [*moe, f"model.moe.formulation={f}"]), first)
-                for f in ("padded", "sorted", "dense")},
+                for f in FORMULATIONS},
              "dense_same_active_params": build_program(load_config(None, dense), first)}
     runners = {name: train_runner(program) for name, program in built.items()}
-    ours = runners["moe_padded"]()
+    ours, theirs = runners["moe_blocked"](), eager_runner(model, built["moe_blocked"])()
     first_losses = {"xlatrain": {"cross_entropy": float(ours["loss"]), "aux_loss": float(ours["router_aux_loss"])},
-                    "mixtral_eager": dict(zip(("cross_entropy", "aux_loss"), eager_runner(model, built["moe_padded"])(),
-                                              strict=True))}
-    runners = {"mixtral_eager": eager_runner(model, built["moe_padded"]), **runners}
-    medians = interleaved_medians(runners, rounds=10, steps_per_round=10, warmup=5)
-    auto = medians["moe_padded"]
+                    "mixtral_eager": dict(zip(("cross_entropy", "aux_loss"), theirs, strict=True))}
+    runners = {"mixtral_eager": eager_runner(model, built["moe_blocked"]), **runners}
+    medians = interleaved_medians(runners, rounds=5, steps_per_round=4, warmup=2)
+    auto = medians["moe_blocked"]
     return {"median_step_seconds": medians,
             "moe_over_dense_same_active_params": auto / medians["dense_same_active_params"],
             "moe_over_mixtral_eager": auto / medians["mixtral_eager"],
-            "formulations_over_padded": {f: medians[f"moe_{f}"] / auto for f in ("padded", "sorted", "dense")},
-            "first_step_loss": first_losses, "params": built["moe_padded"].param_count,
+            "formulations_over_blocked": {f: medians[f"moe_{f}"] / auto for f in FORMULATIONS},
+            "first_step_loss": first_losses, "params": built["moe_blocked"].param_count,
             "dense_params": built["dense_same_active_params"].param_count,
             "model_flops_per_step": {name: program.measured.model_flops_per_step
-                                     for name, program in (("moe", built["moe_padded"]),
+                                     for name, program in (("moe", built["moe_blocked"]),
                                                            ("dense", built["dense_same_active_params"]))}}
 
 

@@ -57,7 +57,13 @@ def test_each_formulation_equals_transformers_mixtral_block(formulation, weights
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
 
 
-def test_the_formulations_have_the_same_gradients(weights):
+@pytest.mark.parametrize("blocks_looped", [False, True])
+def test_the_formulations_have_the_same_gradients(blocks_looped, weights, monkeypatch):
+    """`blocked` runs its blocks at once or, where they are large, in a loop (LOOPED_BLOCK_PRODUCTS)."""
+    import xlatrain.models.moe as moe_module
+
+    monkeypatch.setattr(moe_module, "LOOPED_BLOCK_PRODUCTS", 0 if blocks_looped else 2**62)
+
     def loss(w, formulation):
         return jnp.sum(jnp.sin(moe(w, formulation)))
 

@@ -172,9 +172,10 @@ class MoEConfig(Strict):
     formulation: Literal["auto", "sorted", "dense", "padded", "blocked"] = "auto"
     """How the experts' matmuls run: sorted (grouped matmuls, jax.lax.ragged_dot), dense (every expert on every
     token, weighted by a [tokens, experts] matrix), padded (each expert's tokens gathered into a batch of the
-    capacity), blocked (the choices sorted into blocks of 64 rows, each expert's padded to whole blocks, each block
-    multiplied by its expert's weights). auto: the fastest on CPU by measurement (bench/README.md, the MoE
-    routing)."""
+    capacity), blocked (the choices sorted into blocks of 64 rows, each expert's padded to whole blocks, each
+    block multiplied by its expert's weights). auto: by measurement, blocked on CPU (the fastest), dense on GPUs
+    (the fewest bytes of an H100's compiled step; XLA:GPU expands ragged_dot into dense products) (bench/README.md,
+    the MoE routing)."""
 
     def hidden_of(self, mlp_hidden: int) -> int:
         return self.expert_hidden or mlp_hidden

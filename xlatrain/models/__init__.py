@@ -72,17 +72,21 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
     raise TypeError(f"model.name={config.name} is not a flax model")
 
 
-MOE_FORMULATION = "blocked"
-"""model.moe.formulation=auto: the fastest of the four on CPU (bench/results/moe_routing.json: 0.26-0.27x the
-sorted formulation's time at 8 experts, top-2, where padded takes 0.52-0.57x; 0.09x at 32, top-4, padded 0.28x),
-about the chosen experts' FLOPs; and on GPUs, where ragged_dot expands to dense products (jax 0.10)."""
+MOE_FORMULATIONS = {"cpu": "blocked", "gpu": "dense"}
+"""model.moe.formulation=auto per platform. CPU: the fastest of the four (bench/results/moe_routing.json: 0.21-0.26x
+the sorted formulation's time at 8 experts, top-2, where padded takes 0.52-0.60x; 0.08x at 32, top-4), about the
+chosen experts' FLOPs. GPUs, from the step compiled for an H100 (bench/results/moe_gpu_target.json): XLA:GPU
+expands ragged_dot into dense products (sorted 5.3x the model's FLOPs), blocked's loop over the blocks launches
+39,511 kernels moving 359 GB, and dense moves the fewest bytes of the rest (60 GB, 2.85x the FLOPs); other
+platforms as GPUs."""
 
 
 def moe_shape(config: LlamaConfig, formulation: str | None = None) -> MoEShape | None:
     moe = config.moe
     if moe is None:
         return None
-    chosen = formulation or (MOE_FORMULATION if moe.formulation == "auto" else moe.formulation)
+    auto = MOE_FORMULATIONS.get(lowering_platform(), MOE_FORMULATIONS["gpu"])
+    chosen = formulation or (auto if moe.formulation == "auto" else moe.formulation)
     return MoEShape(experts=moe.experts, top_k=moe.top_k, hidden=moe.hidden_of(config.mlp_width()),
                     shared_hidden=moe.shared_hidden, shared_gate=moe.shared_gate, score=moe.score,
                     normalise=moe.normalise, capacity_factor=moe.capacity_factor, formulation=chosen,

@@ -12,8 +12,8 @@ reaches every expert it chose. Three formulations of the experts' matmuls give t
   chosen experts (one einsum per weight: experts / top_k times the FLOPs, no gather or scatter);
 - `padded`: each expert's tokens gathered into a [experts, capacity, width] batch whose capacity is the most any
   expert can get (every token: dropless), then batched matmuls;
-- `blocked`: the choices sorted by expert into blocks of rows, each expert's padded to whole blocks, each block
-  multiplied by its expert's weights (gathered per block): about the chosen experts' FLOPs in dense batched matmuls.
+- `blocked`: the choices sorted by expert into blocks of rows, each expert's padded to whole blocks, a loop over
+  the blocks multiplying each by its expert's weights: about the chosen experts' FLOPs in small dense matmuls.
 
 Which runs where is chosen by measurement (bench/moe_routing.py).
 
@@ -28,6 +28,7 @@ device, so each destination's buffer holds `tokens x top_k` rows.
 from __future__ import annotations
 
 import contextlib
+import math
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, NamedTuple
@@ -198,13 +199,20 @@ def _padded(x, experts_TxK, weights_TxK, gate, up, down, capacity=None):
 
 BLOCK_ROWS = 64
 """Rows of a block of the blocked formulation (fewer where the choices are few)."""
+LOOPED_BLOCK_PRODUCTS = 2**23
+"""The blocked formulation loops over its blocks where a block's matmul has this many products (rows x width x
+hidden) or more, and otherwise runs them at once with each block's weights copied: on two CPU cores, at 64 x 512 x
+1024 the loop took 0.81x the time of the copies, at 64 x 256 x 512 1.0x, at 64 x 128 x 192 (the whole MoE step)
+1.18x (bench/HISTORY.md)."""
 
 
 def _blocked(x, experts_TxK, weights_TxK, gate, up, down):
     """The choices sorted by expert into blocks of BLOCK_ROWS rows, each expert's rows padded to whole blocks (at
-    most experts x (block - 1) padding rows in all), and each block multiplied by its expert's weights: one batched
-    matmul over the blocks per weight, the weights gathered per block (MegaBlocks' block-sparse layout as dense
-    blocks), about the chosen experts' FLOPs."""
+    most experts x (block - 1) padding rows in all), and each block multiplied by its expert's weights
+    (MegaBlocks' block-sparse layout as dense blocks): about the chosen experts' FLOPs. Large blocks run in a loop
+    over the blocks, each reading its expert's weights in place; small ones at once, the weights copied per block
+    (LOOPED_BLOCK_PRODUCTS). The rows move by gathers alone, forward and backward (`_rows_of_choices`,
+    `_choices_of_rows`)."""
     tokens, top_k = experts_TxK.shape
     count, choices = gate.shape[0], tokens * top_k
     block = max(8, min(BLOCK_ROWS, choices // count))
@@ -212,14 +220,70 @@ def _blocked(x, experts_TxK, weights_TxK, gate, up, down):
     flat = experts_TxK.reshape(-1)
     sizes = jnp.bincount(flat, length=count)
     ends = jnp.cumsum(-(-sizes // block) * block)  # each expert's region of whole blocks ends here
-    row = ends[flat] - -(-sizes // block)[flat] * block + _place_in_group(flat, count)
-    token = jnp.arange(choices) // top_k
-    rows_NxBxD = jnp.zeros((blocks * block, x.shape[1]), x.dtype).at[row].set(x[token]).reshape(blocks, block, -1)
+    row_A = ends[flat] - -(-sizes // block)[flat] * block + _place_in_group(flat, count)
+    choice_R = jnp.full((blocks * block,), -1, jnp.int32).at[row_A].set(jnp.arange(choices, dtype=jnp.int32))
+    rows_NxBxD = _rows_of_choices(x, row_A.reshape(tokens, top_k), choice_R).reshape(blocks, block, -1)
     expert_N = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), count - 1)
-    hidden = (jax.nn.silu(jnp.einsum("nbd,ndf->nbf", rows_NxBxD, gate[expert_N]))
-              * jnp.einsum("nbd,ndf->nbf", rows_NxBxD, up[expert_N]))
-    out = jnp.einsum("nbf,nfd->nbd", hidden, down[expert_N]).reshape(blocks * block, -1)
-    return jnp.zeros_like(x).at[token].add(out[row] * weights_TxK.reshape(-1)[:, None])
+    if block * math.prod(gate.shape[1:]) < LOOPED_BLOCK_PRODUCTS:  # every block at once, its expert's weights copied
+        hidden = (jax.nn.silu(jnp.einsum("nbd,ndf->nbf", rows_NxBxD, gate[expert_N]))
+                  * jnp.einsum("nbd,ndf->nbf", rows_NxBxD, up[expert_N]))
+        out_NxBxD = jnp.einsum("nbf,nfd->nbd", hidden, down[expert_N])
+    else:
+        def one_block(_, block_and_expert):
+            rows_BxD, e = block_and_expert
+            pick = lambda w: jax.lax.dynamic_index_in_dim(w, e, keepdims=False)  # noqa: E731
+            return None, (jax.nn.silu(rows_BxD @ pick(gate)) * (rows_BxD @ pick(up))) @ pick(down)
+
+        out_NxBxD = jax.lax.scan(one_block, None, (rows_NxBxD, expert_N))[1]
+    out_RxD = out_NxBxD.reshape(blocks * block, -1)
+    return _choices_of_rows(out_RxD, row_A.reshape(tokens, top_k), choice_R, weights_TxK)
+
+
+@jax.custom_vjp
+def _rows_of_choices(x_TxD, row_TxK, choice_R):
+    """[R, D]: row r the token of the choice choice_R[r] (t x top_k + k; -1: a padding row, zeros)."""
+    return _token_rows(x_TxD, choice_R, row_TxK.shape[1])
+
+
+def _rows_of_choices_forward(x_TxD, row_TxK, choice_R):
+    return _token_rows(x_TxD, choice_R, row_TxK.shape[1]), (row_TxK, choice_R)
+
+
+def _rows_of_choices_backward(saved, d_RxD):
+    row_TxK, choice_R = saved
+    return jnp.sum(d_RxD[row_TxK], axis=1), None, None  # each token's rows, one per choice
+
+
+_rows_of_choices.defvjp(_rows_of_choices_forward, _rows_of_choices_backward)
+
+
+@jax.custom_vjp
+def _choices_of_rows(out_RxD, row_TxK, choice_R, weights_TxK):
+    """[T, D]: each token's rows weighted by its choices' weights and summed."""
+    return jnp.einsum("tkd,tk->td", out_RxD[row_TxK], weights_TxK)
+
+
+def _choices_of_rows_forward(out_RxD, row_TxK, choice_R, weights_TxK):
+    picked_TxKxD = out_RxD[row_TxK]
+    return jnp.einsum("tkd,tk->td", picked_TxKxD, weights_TxK), (picked_TxKxD, row_TxK, choice_R, weights_TxK)
+
+
+def _choices_of_rows_backward(saved, d_TxD):
+    picked_TxKxD, row_TxK, choice_R, weights_TxK = saved
+    top_k = row_TxK.shape[1]
+    valid = choice_R >= 0
+    weight_R = jnp.where(valid, weights_TxK.reshape(-1)[jnp.maximum(choice_R, 0)], 0)
+    d_out = _token_rows(d_TxD, choice_R, top_k) * weight_R[:, None].astype(d_TxD.dtype)
+    return d_out, None, None, jnp.einsum("tkd,td->tk", picked_TxKxD, d_TxD).astype(weights_TxK.dtype)
+
+
+_choices_of_rows.defvjp(_choices_of_rows_forward, _choices_of_rows_backward)
+
+
+def _token_rows(x_TxD, choice_R, top_k):
+    """Row r: the token of choice choice_R[r], or zeros where it is -1 (padding)."""
+    valid = choice_R >= 0
+    return jnp.where(valid[:, None], x_TxD[jnp.maximum(choice_R, 0) // top_k], 0).astype(x_TxD.dtype)
 
 
 def _place_in_group(groups_A: jax.Array, count: int) -> jax.Array:
