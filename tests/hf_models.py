@@ -76,6 +76,19 @@ def hugging_face_model(kind: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def made_once(tmp_path_factory):
+    """kind -> (the transformers model, its checkpoint directory), each made once: a module's `checkpoints`."""
+    made = {}
+
+    def checkpoint(kind: str):
+        if kind not in made:
+            model = hugging_face_model(kind)
+            made[kind] = model, saved(model, tmp_path_factory.mktemp(kind))
+        return made[kind]
+
+    return checkpoint
+
+
 def saved(model, directory: Path, **save_options) -> Path:
     model.save_pretrained(directory, **save_options)
     return directory

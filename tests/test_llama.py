@@ -15,7 +15,7 @@ import pytest
 import test_multiprocess as multiprocess_tests
 import test_pipeline as pipeline_tests
 from conftest import TINY_GPT, token_batch
-from hf_models import VOCAB, hugging_face_model, logits_of, saved
+from hf_models import VOCAB, hugging_face_model, logits_of, made_once, saved
 from test_flops import gpt_flops
 
 from xlatrain.commands.launch import free_port
@@ -39,16 +39,7 @@ GEMMA_LAYERS = ["model.qk_norm=head", "model.norm_plus_one=true", "model.sandwic
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """kind -> (the transformers model, its checkpoint directory), each made once."""
-    made = {}
-
-    def checkpoint(kind: str):
-        if kind not in made:
-            model = hugging_face_model(kind)
-            made[kind] = model, saved(model, tmp_path_factory.mktemp(kind))
-        return made[kind]
-
-    return checkpoint
+    return made_once(tmp_path_factory)
 
 
 def imported(directory, *overrides, devices=None):

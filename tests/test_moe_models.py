@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import TINY_GPT, run_cli, token_batch
 from flax import nnx
-from hf_models import VOCAB, hugging_face_model, logits_of, saved
+from hf_models import VOCAB, hugging_face_model, logits_of, made_once
 from test_user_errors import assert_one_line_error
 
 from xlatrain.cli import main
@@ -32,15 +32,7 @@ FAMILIES = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
-
-    def checkpoint(kind: str):
-        if kind not in made:
-            model = hugging_face_model(kind)
-            made[kind] = model, saved(model, tmp_path_factory.mktemp(kind))
-        return made[kind]
-
-    return checkpoint
+    return made_once(tmp_path_factory)
 
 
 def logits(trained, tokens):
@@ -102,6 +94,16 @@ def step_results(overrides, devices, steps=2):
     return grads, losses, jax.device_get(state.model_state)
 
 
+def assert_same_steps(ours, reference):
+    """(gradients, steps' metrics) within rtol 1e-5 (gradients: atol 1e-6 x each leaf's largest) of the reference's."""
+    (grads, losses), (ref_grads, ref_losses) = ours, reference
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+    for got, expected in zip(losses, ref_losses, strict=True):
+        for key in expected:
+            np.testing.assert_allclose(got[key], expected[key], rtol=1e-5)
+
+
 PER_DEVICE = ["mesh.data=2", "parallel.mode=shard_map", "collectives.impl=custom"]
 
 
@@ -114,11 +116,7 @@ def test_data_parallel_replicas_with_accumulation_equal_one_device(layout, devic
     ref_grads, ref_losses, ref_state = step_results([*common, "mesh.data=1"], devices[:1])
     count = 4 if "mesh.data=4" in layout else 2
     grads, losses, state = step_results([*common, *layout], devices[:count])
-    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
-    for ours, theirs in zip(losses, ref_losses, strict=True):
-        for key in theirs:
-            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5)
+    assert_same_steps((grads, losses), (ref_grads, ref_losses))
     np.testing.assert_array_equal(state["blocks"]["moe"]["bias"], ref_state["blocks"]["moe"]["bias"])
     assert np.any(state["blocks"]["moe"]["bias"] != 0)
 
@@ -323,11 +321,7 @@ def test_expert_parallelism_equals_one_device(name, one_device_step, devices):
     extra = ["model.moe.capacity_factor=1.0"] if capacity else []
     ref_grads, ref_losses, _ = one_device_step(capacity)
     grads, losses, _ = step_results([*overrides, *extra], devices[:count])
-    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
-    for ours, theirs in zip(losses, ref_losses, strict=True):
-        for key in theirs:
-            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5)
+    assert_same_steps((grads, losses), (ref_grads, ref_losses))
 
 
 def test_the_experts_are_split_over_expert_and_meet_by_all_to_all(devices):
