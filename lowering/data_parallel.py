@@ -140,7 +140,8 @@ class DataParallel:
                                  self._split_dims(params) if strategy in ("zero1", "fsdp") else None,
                                  across_processes=c.impl == "custom" and self._data_axis_processes() > 1,
                                  params_split=strategy == "fsdp", complete=complete, context=self.config.mesh.context,
-                                 expert=self.config.mesh.expert, expert_leaves=self._expert_leaves(params))
+                                 expert=self.config.mesh.expert,
+                                 expert_leaves=self._expert_leaves(params) if self._experts_inside else None)
 
     def per_device(self, step: Any, specs: TrainState, out_specs: Any = None, steps: int | None = None,
                    batch_spec: P | None = None) -> Any:
@@ -209,9 +210,9 @@ class DataParallel:
         """Norms of param-shaped trees whose leaves split over a tensor group inside the per-device program are
         summed over it; `leading`: per leaf the mesh axes it is split over besides (a pipeline's blocks over
         `stage`), summed by `sums`."""
-        over = jax.tree.map(lambda spec, own: ((TENSOR,) if self.tensor_inside and split_over_tensor(spec) else ())
-                            + ((EXPERT,) if own else ()), self.tensor_specs(params), self._expert_leaves(params),
-                            is_leaf=_is_spec)
+        own = self._expert_leaves(params) if self._experts_inside else jax.tree.map(lambda _: False, params)
+        over = jax.tree.map(lambda spec, mine: ((TENSOR,) if self.tensor_inside and split_over_tensor(spec) else ())
+                            + ((EXPERT,) if mine else ()), self.tensor_specs(params), own, is_leaf=_is_spec)
         if leading is not None:
             over = jax.tree.map(lambda first, rest: first + rest, leading, over, is_leaf=lambda x: isinstance(x, tuple))
         sums = {**(sums or {}), **({TENSOR: self._tensor_group().all_reduce} if self.tensor_inside else {}),

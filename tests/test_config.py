@@ -134,7 +134,7 @@ def test_logical_rules_merge_over_defaults_and_name_real_mesh_axes(capsys):
     assert rules["embed"] == () and rules["mlp"] == ("tensor", "data")
     assert rules["vocab"] == ("data",) and rules["heads"] == ("data", "tensor")
     err = cli_error(capsys, "config", "parallel.logical_rules.embed=model")
-    assert "parallel.logical_rules" in err and "['data', 'tensor']" in err
+    assert "parallel.logical_rules" in err and "['data', 'expert', 'tensor']" in err
     assert "twice" in cli_error(capsys, "config", "parallel.logical_rules.mlp=[data,data]")
 
 
