@@ -17,6 +17,32 @@ import numpy as np
 RESULTS = Path(__file__).parent / "results"
 
 
+def eager_runner(model, program, objective: Callable) -> Callable[[], object]:
+    """A torch model trained in eager PyTorch on `program`'s first batch with its optimizer (xlatrain's AdamW and
+    clipping, as torch_parity builds them): each call one step of `objective(model, inputs, targets)` -> (the loss
+    to differentiate, what the call returns)."""
+    import torch
+
+    from xlatrain.commands.torch_parity import optimizer_spec
+    from xlatrain.torch_bridge.eager import build_optimizer
+
+    model.train()
+    spec = optimizer_spec(program.config, 1)
+    optimizer = build_optimizer(model, spec)
+    rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
+    inputs, targets = (torch.from_numpy(np.stack([r[k] for r in rows])).long() for k in ("inputs", "targets"))
+
+    def run():
+        optimizer.zero_grad(set_to_none=True)
+        loss, returned = objective(model, inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip_norm)
+        optimizer.step()
+        return returned
+
+    return run
+
+
 def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int, steps_per_round: int,
                         warmup: int) -> dict[str, float]:
     """Median seconds per call of each candidate; rounds alternate their order to cancel drift."""

@@ -31,13 +31,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
+from bench.common import eager_runner as common_eager_runner  # noqa: E402
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
-from xlatrain.commands.torch_parity import optimizer_spec  # noqa: E402
 from xlatrain.commands.trained import from_hugging_face  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.models.sampling import Sampling, generate  # noqa: E402
 from xlatrain.program import apply_cpu_devices, build_program  # noqa: E402
-from xlatrain.torch_bridge.eager import build_optimizer  # noqa: E402
 
 TRAIN_SHAPES = {
     "Llama 4 x 128 (GQA 4/2 heads, SwiGLU 384), seq 64": dict(width=128, heads=4, kv_heads=2, mlp=384, seq_len=64),
@@ -65,24 +64,16 @@ def hugging_face_llama(directory: Path, width: int, heads: int, kv_heads: int, m
     return model
 
 
+def cross_entropy(model: transformers.PreTrainedModel, inputs: torch.Tensor, targets: torch.Tensor) -> tuple:
+    """An eager step's objective (bench.common.eager_runner): the cross entropy, and its value."""
+    logits = model(input_ids=inputs).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return loss, loss.item()
+
+
 def eager_runner(model: transformers.LlamaForCausalLM, program) -> callable:
     """The transformers model trained in eager PyTorch on the program's first batch, with its optimizer."""
-    model.train()
-    spec = optimizer_spec(program.config, 1)
-    optimizer = build_optimizer(model, spec)
-    rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
-    inputs, targets = (torch.from_numpy(np.stack([r[k] for r in rows])).long() for k in ("inputs", "targets"))
-
-    def run():
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip_norm)
-        optimizer.step()
-        return loss.item()
-
-    return run
+    return common_eager_runner(model, program, cross_entropy)
 
 
 def llama_overrides(directory: Path, seq_len: int) -> list[str]:

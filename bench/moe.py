@@ -24,16 +24,14 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
+from bench.common import eager_runner as common_eager_runner  # noqa: E402
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
-from xlatrain.commands.torch_parity import optimizer_spec  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.program import build_program  # noqa: E402
-from xlatrain.torch_bridge.eager import build_optimizer  # noqa: E402
 
 EXPERTS, TOP_K = 8, 2
 FORMULATIONS = ("blocked", "padded", "dense", "sorted")
@@ -66,25 +64,17 @@ def hugging_face_mixtral(directory: Path, width: int, heads: int, kv_heads: int,
     return model
 
 
+def with_aux_loss(model: transformers.MixtralForCausalLM, inputs: torch.Tensor, targets: torch.Tensor) -> tuple:
+    """An eager step's objective (bench.common.eager_runner): cross entropy plus the weighted load-balancing loss,
+    and (cross entropy, auxiliary loss)."""
+    out = model(input_ids=inputs, output_router_logits=True)
+    cross_entropy = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), targets.reshape(-1))
+    return cross_entropy + AUX_LOSS_WEIGHT * out.aux_loss, (cross_entropy.item(), out.aux_loss.item())
+
+
 def eager_runner(model: transformers.MixtralForCausalLM, program) -> callable:
-    """The transformers model trained in eager PyTorch on the program's first batch: cross entropy plus the weighted
-    load-balancing loss, AdamW with clipping; returns (cross entropy, auxiliary loss)."""
-    model.train()
-    spec = optimizer_spec(program.config, 1)
-    optimizer = build_optimizer(model, spec)
-    rows = [program.dataset.train[i] for i in range(program.derived.global_batch)]
-    inputs, targets = (torch.from_numpy(np.stack([r[k] for r in rows])).long() for k in ("inputs", "targets"))
-
-    def run():
-        optimizer.zero_grad(set_to_none=True)
-        out = model(input_ids=inputs, output_router_logits=True)
-        cross_entropy = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), targets.reshape(-1))
-        (cross_entropy + AUX_LOSS_WEIGHT * out.aux_loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip_norm)
-        optimizer.step()
-        return cross_entropy.item(), out.aux_loss.item()
-
-    return run
+    """The transformers model trained in eager PyTorch on the program's first batch, AdamW with clipping."""
+    return common_eager_runner(model, program, with_aux_loss)
 
 
 def one_shape(directory: Path, model: transformers.MixtralForCausalLM, width: int, heads: int, kv_heads: int,

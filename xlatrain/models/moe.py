@@ -75,10 +75,10 @@ def routed_experts(x_TxD: jax.Array, routing: Routing, gate_ExDxF: jax.Array, up
     if run is None:
         raise ValueError(f"unknown formulation {formulation!r}: sorted, dense, padded or blocked")
     weights = routing.weights.astype(x_TxD.dtype)
+    if capacity is not None and formulation == "padded":  # its batches hold `capacity` rows: no place for the rest
+        return _padded(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD, capacity)
     if capacity is not None:
         weights = jnp.where(kept_choices(routing.experts, gate_ExDxF.shape[0], capacity), weights, 0)
-        if formulation == "padded":
-            return _padded(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD, capacity)
     return run(x_TxD, routing.experts, weights, gate_ExDxF, up_ExDxF, down_ExFxD)
 
 
