@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 from conftest import TINY_GPT, run_cli, token_batch
 from flax import nnx
-from hf_models import VOCAB, hugging_face_model, logits_of, made_once
+from hf_models import VOCAB, hugging_face_model, logits_of, made_once, saved
 from test_user_errors import assert_one_line_error
 
 from xlatrain.cli import main
 from xlatrain.commands.trained import from_hugging_face, from_run
 from xlatrain.config import load_config
+from xlatrain.config.hugging_face import hugging_face_config
+from xlatrain.errors import UserError
 from xlatrain.models.experts import MoEMLP, MoEShape
 from xlatrain.models.moe import Routing, kept_choices, route, routed_experts
 from xlatrain.program import build_program
@@ -50,6 +52,37 @@ def test_each_moe_family_loads_with_transformers_logits(kind, checkpoints):
     if kind == "olmoe":  # clip_qkv bites on these weights
         unclipped = hugging_face_model(kind, clip_qkv=None)
         assert np.max(np.abs(logits_of(unclipped, tokens) - theirs)) > 1e-3
+
+
+INTERLEAVED = {"qwen3_moe-lead0-between1-trail1": ("qwen3_moe", dict(num_hidden_layers=5, mlp_only_layers=[0],
+                                                                     decoder_sparse_step=2)),
+               "qwen2_moe-lead1": ("qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[0]))}
+"""Dense layers among the expert layers (Qwen's mlp_only_layers and decoder_sparse_step): layers 1 and 3 of 5 with
+experts (groups of a dense layer and an expert one, a dense layer after them); layers 1 and 2 of 3."""
+
+
+@pytest.mark.parametrize("name", INTERLEAVED)
+def test_dense_layers_among_expert_layers_load_and_sample_as_transformers(name, tmp_path):
+    from test_hugging_face import generated_by_transformers
+
+    from xlatrain.models.sampling import Sampling, generate
+
+    kind, layers = INTERLEAVED[name]
+    reference = hugging_face_model(kind, **layers)
+    trained = from_hugging_face(saved(reference, tmp_path), "test")
+    moe = trained.model.moe
+    assert (moe.dense_layers_first, moe.interleave) == (1, layers.get("decoder_sparse_step", 1))
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+    theirs = logits_of(reference, tokens)
+    np.testing.assert_allclose(logits(trained, tokens)[..., :VOCAB], theirs, rtol=1e-5,
+                               atol=1e-6 * np.abs(theirs).max())
+    prompt = np.random.default_rng(1).integers(0, VOCAB, (2, 7))
+    expected, margin = generated_by_transformers(reference, prompt, 12)
+    assert margin > 1e-4
+    graphdef, params = trained.module()
+    made = generate(graphdef, params, jnp.asarray(prompt, jnp.int32), jax.random.PRNGKey(0),
+                    Sampling(12, temperature=0.0, vocab_used=VOCAB))[0]
+    np.testing.assert_array_equal(np.asarray(made), expected)
 
 
 def mixtral_program(directory, *overrides, devices):
@@ -197,8 +230,10 @@ def test_moe_flops_count_the_active_parameters(devices):
     ("Qwen2MoeForCausalLM", ["model.qkv_bias=true", "model.moe.shared_hidden=48", "model.moe.shared_gate=true",
                              "model.moe.normalise=false"]),
     ("Qwen3MoeForCausalLM", ["model.qk_norm=head", "model.kv_heads=2"]),
-    ("OlmoeForCausalLM", ["model.qk_norm=projection", "model.clip_qkv=2.0", "model.kv_heads=2"])],
-    ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+    ("OlmoeForCausalLM", ["model.qk_norm=projection", "model.clip_qkv=2.0", "model.kv_heads=2"]),
+    ("Qwen3MoeForCausalLM", ["model.qk_norm=head", "model.kv_heads=2", "model.layers=3",
+                             "model.moe.dense_layers_first=1"])],
+    ids=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen3_moe-dense-first"])
 def test_an_exported_moe_run_has_transformers_own_keys_and_logits(family, model, tmp_path, devices):
     import transformers
 
@@ -218,6 +253,11 @@ def test_an_exported_moe_run_has_transformers_own_keys_and_logits(family, model,
             return set(f.keys())
 
     assert keys(out) == keys(again)
+    if "model.moe.dense_layers_first=1" in model:
+        assert loaded.config.mlp_only_layers == [0]
+        logged = next(line for line in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                      if "loss" in line)
+        assert {"router_cv_layer1", "router_cv_layer2"} <= set(logged) and "router_cv_layer0" not in logged
     tokens = np.random.default_rng(0).integers(0, 256, (2, 32))
     trained = from_run(run_dir, None, "test")[0]
     np.testing.assert_allclose(logits_of(loaded.eval(), tokens), logits(trained, tokens), rtol=1e-5, atol=1e-5)
@@ -253,7 +293,8 @@ def test_bad_moe_configs_and_checkpoints_are_one_line(checkpoints, tmp_path, cap
             (["model.moe.experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 is more than model.moe.experts=4"),
             (["model.moe.experts=4", "model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
             (["model.name=gpt", "model.moe.experts=4"], "model.moe"),
-            (["model.moe.experts=4", "mesh.stage=2"], "model.moe with mesh.stage=2")]:
+            (["model.moe.experts=4", "mesh.stage=2"], "model.moe with mesh.stage=2"),
+            (["model.moe.experts=4", "model.moe.dense_layers_first=2"], "leave none of model.layers=2 with experts")]:
         args = [o for o in base if not o.startswith("model.name") or "model.name=gpt" not in overrides]
         assert expected in one_line_error(capsys, "config", *args, *overrides)
     _, directory = checkpoints("mixtral")
@@ -264,6 +305,13 @@ def test_bad_moe_configs_and_checkpoints_are_one_line(checkpoints, tmp_path, cap
         config = json.loads((copy / "config.json").read_text())
         (copy / "config.json").write_text(json.dumps({**config, "num_local_experts": experts}))
         assert expected in one_line_error(capsys, "sample", f"hf:{copy}", "--prompt", "x", "--max-new-tokens", "1")
+    qwen = tmp_path / "qwen"
+    saved(hugging_face_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1]), qwen)
+    assert "mlp_only_layers=[1] are not the first layers" in one_line_error(capsys, "sample", f"hf:{qwen}",
+                                                                            "--prompt", "x")
+    dense_mixtral = load_config(None, [*MOE, "model.moe.dense_layers_first=1"]).model
+    with pytest.raises(UserError, match="mixtral has experts in every layer"):
+        hugging_face_config(dense_mixtral, 256, 64)
     deepseek = tmp_path / "deepseek"
     deepseek.mkdir()
     (deepseek / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
@@ -297,6 +345,22 @@ def one_device_step(devices):
         return found[capacity]
 
     return results
+
+
+@pytest.fixture(scope="module")
+def one_device_interleaved(devices):
+    return step_results(["model.layers=3", "model.moe.dense_layers_first=1"], devices[:1])
+
+
+@pytest.mark.parametrize("layout", [["mesh.expert=2"], ["mesh.expert=2", *PER_DEVICE[1:]]], ids=["e2", "e2-custom"])
+def test_dense_layers_among_expert_layers_train_expert_parallel_as_one_device(layout, one_device_interleaved,
+                                                                              devices):
+    """The dense layers' params are the replicas' (summed over `expert`), the expert layers' split over it."""
+    ref_grads, ref_losses, _ = one_device_interleaved
+    assert ref_grads["dense_blocks"]["gate"]["kernel"].shape[0] == 1
+    assert ref_grads["blocks"]["moe"]["gate"].shape[0] == 2
+    grads, losses, _ = step_results(["model.layers=3", "model.moe.dense_layers_first=1", *layout], devices[:2])
+    assert_same_steps((grads, losses), (ref_grads, ref_losses))
 
 
 EXPERT_LAYOUTS = {"e2": ["mesh.expert=2"], "e4": ["mesh.expert=4"], "e2-t2": ["mesh.expert=2", "mesh.tensor=2"],
@@ -360,3 +424,15 @@ def test_each_formulation_trains_inside_the_replicas_vmap_as_padded_does(formula
     np.testing.assert_allclose(sums["loss"], ref_sums["loss"], rtol=1e-5)
     for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6 * np.abs(theirs).max())
+
+
+def test_dense_and_expert_layers_unrolled_give_the_scans_gradients(devices):
+    """Leading dense layers, groups of a dense and an expert layer, with dropout: unrolled as scanned."""
+    found = []
+    for scan in ("true", "false"):
+        program = build_program(load_config(None, [*MOE, "model.layers=4", "model.moe.dense_layers_first=1",
+                                                   "model.moe.interleave=2", "model.dropout=0.1",
+                                                   f"model.scan_layers={scan}"]), devices[:1])
+        found.append(jax.device_get(program.gradients(program.create_state(), token_batch(program))))
+    for got, expected in zip(jax.tree.leaves(found[1]), jax.tree.leaves(found[0]), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())

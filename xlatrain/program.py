@@ -36,7 +36,7 @@ from xlatrain.data.identity import (
 from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, warn
-from xlatrain.hf.names import naming_of
+from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.tokenizer import other_tokens_than_the_checkpoints
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.lowering.compile import (
@@ -199,7 +199,7 @@ class Program:
     def _hugging_face_params(self) -> Any:
         model, directory = self.config.model, checkpoint_directory(self.config.model.init_from)
         given_as = f"model.init_from={model.init_from!r}"
-        weights = HuggingFaceWeights(directory, naming_of(model), given_as)
+        weights = HuggingFaceWeights(directory, naming_of(model), given_as, stacked_layers(model))
         weights.check(jax.eval_shape(self.model.init, jax.random.PRNGKey(0))[0])
         other_tokens = other_tokens_than_the_checkpoints(directory, self.dataset.spec.tokenizer,
                                                          isinstance(self.config.data, TextData))

@@ -19,7 +19,7 @@ from xlatrain.data.tokenizers import (
     bytes_as_hugging_face,
 )
 from xlatrain.errors import UserError, first_line
-from xlatrain.hf.names import naming_of
+from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
 from xlatrain.program import apply_cpu_devices, build_program
 from xlatrain.run.atomic import replace_file
@@ -75,7 +75,8 @@ def export_hugging_face(run_dir: Path, out: Path, step: int | None = None) -> tu
                    "bos_token_id": None, "eos_token_id": end, "dtype": "float32"}
     extra = {} if tokenizer is None else _tokenizer_files(tokenizer, trained.model.max_len)
     try:
-        write_checkpoint(out, config_json, checkpoint_tensors(naming_of(trained.model), trained.params), extra)
+        write_checkpoint(out, config_json, checkpoint_tensors(naming_of(trained.model), trained.params,
+                                                               stacked_layers(trained.model)), extra)
     except OSError as err:
         raise UserError(f"export --hf: {str(out)!r} cannot be written ({err.strerror or first_line(err)}); choose "
                         "a directory you can write to, with room for the weights") from None

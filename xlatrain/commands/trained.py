@@ -27,7 +27,7 @@ from xlatrain.data.sources import open_dataset, run_tokenizer
 from xlatrain.data.spec import DataSpec
 from xlatrain.data.tokenizers import Tokenizer
 from xlatrain.errors import UserError, first_line
-from xlatrain.hf.names import naming_of
+from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.tokenizer import checkpoint_tokenizer
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.models import flax_model, model_factory
@@ -150,7 +150,7 @@ def from_hugging_face(directory: Path, command: str) -> TrainedDecoder:
     except ValidationError as err:
         raise UserError(f"{named}: config.json describes a model xlatrain refuses: {first_line(err)}") from None
     abstract = _abstract_params(model)
-    weights = HuggingFaceWeights(directory, naming_of(model), named)
+    weights = HuggingFaceWeights(directory, naming_of(model), named, stacked_layers(model))
     weights.check(abstract)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = placed_params(weights, abstract, jax.tree.map(lambda _: one_device, abstract))

@@ -95,11 +95,13 @@ MOE_TOP_K = {"mixtral": 2, "qwen2_moe": 4, "qwen3_moe": 8, "olmoe": 8}
 
 def _moe(hf: dict, model_type: str, named: str) -> dict[str, Any]:
     """Mixtral (Mistral's attention), Qwen2-MoE (Qwen2's, a gated shared expert), Qwen3-MoE (Qwen3's) and OLMoE
-    (q/k norms over the projection, clip_qkv): every layer's MLP routed experts."""
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise UserError(f"{named}: config.json makes some layers dense (mlp_only_layers={hf.get('mlp_only_layers')}, "
-                        f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)}); model.moe puts experts in every "
-                        "layer")
+    (q/k norms over the projection, clip_qkv): routed experts in every layer's MLP, or (Qwen's mlp_only_layers and
+    decoder_sparse_step) in every decoder_sparse_step-th after the first dense ones."""
+    dense = list(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise UserError(f"{named}: config.json's mlp_only_layers={dense} are not the first layers; model.moe keeps "
+                        "the MLP in the first model.moe.dense_layers_first layers and those model.moe.interleave "
+                        "leaves")
     if hf.get("router_jitter_noise"):
         raise UserError(f"{named}: config.json sets router_jitter_noise={hf['router_jitter_noise']}, which the router "
                         "here does not draw; set it to 0 in config.json")
@@ -114,7 +116,8 @@ def _moe(hf: dict, model_type: str, named: str) -> dict[str, Any]:
            "expert_hidden": hf["intermediate_size"] if model_type in ("mixtral", "olmoe") else
            hf["moe_intermediate_size"], "shared_hidden": shared, "shared_gate": bool(shared),
            "normalise": True if model_type == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-           "aux_loss_weight": float(hf.get("router_aux_loss_coef", 0.01 if model_type == "olmoe" else 0.001))}
+           "aux_loss_weight": float(hf.get("router_aux_loss_coef", 0.01 if model_type == "olmoe" else 0.001)),
+           "dense_layers_first": len(dense), "interleave": hf.get("decoder_sparse_step") or 1}
     return {**keys, "moe": moe}
 
 
@@ -391,6 +394,10 @@ def _moe_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
     if missing:
         raise UserError(f"export --hf: this MoE model exports as {family}, which has {', '.join(missing)}; this "
                         "model has not")
+    if family in ("mixtral", "olmoe") and len(moe.layers_with_experts(model.layers)) < model.layers:
+        raise UserError(f"export --hf: {family} has experts in every layer, and model.moe.dense_layers_first="
+                        f"{moe.dense_layers_first}, interleave={moe.interleave} keep the MLP in some (Qwen's families "
+                        "have such layers: model.qk_norm=head, or q, k, v biases)")
     if model.clip_qkv is not None and family != "olmoe":
         raise UserError("export --hf: model.clip_qkv is OLMoE's (q/k norms over the projection: model.qk_norm="
                         "projection)")
@@ -410,7 +417,8 @@ def _moe_config(model: Any, vocab: int, max_len: int) -> dict[str, Any]:
     found.update(norm_topk_prob=moe.normalise, moe_intermediate_size=hidden)
     if family == "olmoe":
         return {**found, "intermediate_size": hidden, "clip_qkv": model.clip_qkv, "attention_bias": False}
-    found.update(decoder_sparse_step=1, mlp_only_layers=[], **_qwen_windows(windows, model.sliding_window))
+    found.update(decoder_sparse_step=moe.interleave, mlp_only_layers=list(range(moe.dense_layers_first)),
+                 **_qwen_windows(windows, model.sliding_window))
     if family == "qwen3_moe":
         return {**found, "attention_bias": False}
     return {**found, "qkv_bias": True, "shared_expert_intermediate_size": moe.shared_hidden}

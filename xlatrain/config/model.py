@@ -135,8 +135,9 @@ class RopeScaling(Strict):
 
 
 class MoEConfig(Strict):
-    """Mixture-of-Experts feed-forward layers in every block, in place of the gated MLP (Mixtral, Qwen2-MoE,
-    Qwen3-MoE, OLMoE, DeepSeek's routing): a router picks each token's model.moe.top_k experts (docs/models.md)."""
+    """Mixture-of-Experts feed-forward layers in place of the gated MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+    DeepSeek's routing), in every block or in those dense_layers_first and interleave leave: a router picks each
+    token's model.moe.top_k experts (docs/models.md)."""
 
     experts: PositiveInt
     """Routed experts per layer."""
@@ -177,8 +178,19 @@ class MoEConfig(Strict):
     (the fewest bytes of an H100's compiled step; XLA:GPU expands ragged_dot into dense products) (bench/README.md,
     the MoE routing)."""
 
+    dense_layers_first: NonNegativeInt = 0
+    """The first this many layers keep the dense gated MLP of width model.mlp_hidden (DeepSeek's
+    first_k_dense_replace; Qwen's mlp_only_layers [0, ..., n - 1])."""
+    interleave: PositiveInt = 1
+    """Of the other layers, every interleave-th has experts: layer i (from 0) when (i + 1) % interleave == 0
+    (Qwen's decoder_sparse_step); the rest keep the dense MLP; 1: every one."""
+
     def hidden_of(self, mlp_hidden: int) -> int:
         return self.expert_hidden or mlp_hidden
+
+    def layers_with_experts(self, layers: int) -> tuple[int, ...]:
+        """The numbers of the layers whose MLP is the experts, in order."""
+        return tuple(i for i in range(self.dense_layers_first, layers) if (i + 1) % self.interleave == 0)
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoEConfig:
@@ -283,6 +295,10 @@ class LlamaConfig(DecoderConfig):
         if self.rope_theta_sliding is not None and self.sliding_window is None:
             raise ValueError("model.rope_theta_sliding is the base of the sliding-window layers, and model."
                              "sliding_window is null: set the window, or drop model.rope_theta_sliding")
+        if self.moe is not None and not self.moe.layers_with_experts(self.layers):
+            raise ValueError(f"model.moe.dense_layers_first={self.moe.dense_layers_first} and model.moe.interleave="
+                             f"{self.moe.interleave} leave none of model.layers={self.layers} with experts: lower "
+                             "them, or drop model.moe")
         return self
 
 

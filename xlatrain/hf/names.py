@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from xlatrain.models.blocks import BLOCKS
+from xlatrain.models.blocks import BLOCKS, DENSE_BLOCKS
 
 LAYER = "{layer}"
 """Where a block's tensor names its layer."""
@@ -46,8 +46,8 @@ def _linear(ours: str, theirs: str, bias: bool = True) -> dict[tuple[str, ...], 
     return {**found, (ours, "bias"): Tensor(f"{theirs}.bias")} if bias else found
 
 
-def _in_blocks(names: dict[tuple[str, ...], Tensor], prefix: str) -> dict[tuple[str, ...], Tensor]:
-    return {(BLOCKS, *path): dataclasses.replace(t, name=f"{prefix}.{LAYER}.{t.name}") for path, t in names.items()}
+def _in_blocks(names: dict[tuple[str, ...], Tensor], prefix: str, stack: str = BLOCKS) -> dict[tuple[str, ...], Tensor]:
+    return {(stack, *path): dataclasses.replace(t, name=f"{prefix}.{LAYER}.{t.name}") for path, t in names.items()}
 
 
 LLAMA_LAYER = {("attn_norm", "scale"): Tensor("input_layernorm.weight"),
@@ -103,8 +103,9 @@ MIXTRAL = {**{path: tensor for path, tensor in LLAMA.items() if path[0] != BLOCK
            **_in_blocks({**LLAMA_ATTENTION, **_experts_layer("block_sparse_moe", "w1", "w3", "w2")}, "model.layers")}
 QWEN_MOE = {**{path: tensor for path, tensor in LLAMA.items() if path[0] != BLOCKS},
             **_in_blocks({**LLAMA_ATTENTION, **_experts_layer("mlp", "gate_proj", "up_proj", "down_proj")},
-                         "model.layers")}
-"""Qwen2-MoE's, Qwen3-MoE's and OLMoE's names."""
+                         "model.layers"),
+            **_in_blocks(LLAMA_LAYER, "model.layers", DENSE_BLOCKS)}
+"""Qwen2-MoE's, Qwen3-MoE's and OLMoE's names (Qwen's dense layers among the expert ones as Llama's)."""
 
 BY_NAMING = {"llama": LLAMA, "gemma": GEMMA, "gpt": GPT2, "mixtral": MIXTRAL, "qwen_moe": QWEN_MOE}
 
@@ -115,6 +116,21 @@ def naming_of(model) -> str:
     if getattr(model, "moe", None) is not None:
         return "qwen_moe" if model.qk_norm or model.qkv_bias or model.moe.shared_hidden else "mixtral"
     return "gemma" if getattr(model, "sandwich_norms", False) else model.name
+
+
+def stacked_layers(model) -> dict[str, tuple[int, ...]]:
+    """Which of the checkpoint's layers each stack holds, in order, where a decoder keeps its dense layers apart from
+    its expert layers (model.moe.dense_layers_first, interleave); {}: one stack, every layer in order."""
+    moe = getattr(model, "moe", None)
+    experts = () if moe is None else moe.layers_with_experts(model.layers)
+    if len(experts) in (0, model.layers):
+        return {}
+    return {BLOCKS: experts, DENSE_BLOCKS: tuple(i for i in range(model.layers) if i not in experts)}
+
+
+def checkpoint_layer(layers: dict[str, tuple[int, ...]], stack: str, index: int) -> int:
+    """The checkpoint's number of the layer at `index` of `stack` (stacked_layers' `layers`)."""
+    return layers[stack][index] if stack in layers else index
 
 
 def tensor_of(naming: str, path: tuple[str, ...]) -> Tensor:

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 
 from xlatrain.errors import UserError
-from xlatrain.hf.names import Tensor, tensor_of
+from xlatrain.hf.names import Tensor, checkpoint_layer, tensor_of
 from xlatrain.hf.tensors import CheckpointTensors
-from xlatrain.models.blocks import BLOCKS
+from xlatrain.models.blocks import STACKS
 
 
 def param_paths(params: Any) -> list[tuple[tuple[str, ...], Any]]:
@@ -26,9 +26,14 @@ def path_keys(path: tuple) -> tuple[str, ...]:
 
 
 class HuggingFaceWeights:
-    def __init__(self, directory: Path, naming: str, named: str):
+    def __init__(self, directory: Path, naming: str, named: str, layers: dict[str, tuple[int, ...]] | None = None):
+        """`layers`: which of the checkpoint's layers each stack holds (hf/names.py: stacked_layers)."""
         self.tensors = CheckpointTensors(directory, named)
-        self.naming, self.named = naming, named
+        self.naming, self.named, self.layers = naming, named, layers or {}
+
+    def layer_name(self, tensor: Tensor, path: tuple[str, ...], index: int) -> str:
+        """The name of `tensor` in the layer that its stack holds at `index`."""
+        return tensor.of_layer(checkpoint_layer(self.layers, path[0], index))
 
     def tensor(self, path: tuple[str, ...]) -> Tensor:
         return self.tensors.resolve(tensor_of(self.naming, path))
@@ -38,11 +43,11 @@ class HuggingFaceWeights:
         experts parameter one per expert, and no more experts than config.json says."""
         for path, leaf in param_paths(abstract_params):
             tensor = self.tensor(path)
-            stacked = path[0] == BLOCKS
+            stacked = path[0] in STACKS
             shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
             expected = tensor.stored_shape(shape)
             for layer in range(leaf.shape[0]) if stacked else (None,):
-                name = tensor.name if layer is None else tensor.of_layer(layer)
+                name = tensor.name if layer is None else self.layer_name(tensor, path, layer)
                 if tensor.experts:
                     self._check_expert_count(tensor.of_expert(name, shape[0]), shape[0], path)
                 for each in [tensor.of_expert(name, e) for e in range(shape[0])] if tensor.experts else [name]:
@@ -93,7 +98,8 @@ class HuggingFaceWeights:
 
         if layers is None:
             return one(tensor.name)
-        parts = {int(layer): one(tensor.of_layer(int(layer))) for layer in np.unique(layers) if layer >= 0}
+        parts = {int(layer): one(self.layer_name(tensor, path, int(layer)))
+                 for layer in np.unique(layers) if layer >= 0}
         sample = next(iter(parts.values()))
         zeros = np.zeros_like(sample)
         return np.stack([parts.get(int(layer), zeros) for layer in layers.ravel()]).reshape(
@@ -111,7 +117,7 @@ def placed_params(weights: HuggingFaceWeights, abstract_params: Any, shardings: 
         keys = path_keys(path)
 
         def piece(index: tuple[slice, ...]) -> np.ndarray:
-            if keys[0] != BLOCKS:
+            if keys[0] not in STACKS:
                 return weights.read(keys, None, index).astype(abstract.dtype)
             layers, rest = (np.arange(abstract.shape[0])[index[0]], index[1:]) if layers_at is None \
                 else layers_at(index)

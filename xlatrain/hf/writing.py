@@ -14,22 +14,24 @@ from typing import Any
 
 import numpy as np
 
-from xlatrain.hf.names import tensor_of
+from xlatrain.hf.names import checkpoint_layer, tensor_of
 from xlatrain.hf.tensors import INDEX_FILE
 from xlatrain.hf.weights import param_paths
-from xlatrain.models.blocks import BLOCKS
+from xlatrain.models.blocks import STACKS
 
 MAX_SHARD_BYTES = 5 * 2**30
 """transformers' own default shard size."""
 
 
-def checkpoint_tensors(naming: str, params: Any) -> dict[str, np.ndarray]:
-    """{checkpoint name: float32 array in its layout} of every parameter (blocks one tensor per layer)."""
-    found = {}
+def checkpoint_tensors(naming: str, params: Any, layers: dict[str, tuple[int, ...]] | None = None,
+                       ) -> dict[str, np.ndarray]:
+    """{checkpoint name: float32 array in its layout} of every parameter (blocks one tensor per layer). `layers`:
+    which of the checkpoint's layers each stack holds (hf/names.py: stacked_layers)."""
+    found, layers = {}, layers or {}
     for path, leaf in param_paths(params):
         tensor, value = tensor_of(naming, path), np.asarray(leaf, np.float32)
-        for layer, array in enumerate(value) if path[0] == BLOCKS else [(None, value)]:
-            name = tensor.name if layer is None else tensor.of_layer(layer)
+        for index, array in enumerate(value) if path[0] in STACKS else [(None, value)]:
+            name = tensor.name if index is None else tensor.of_layer(checkpoint_layer(layers, path[0], index))
             pieces = [(tensor.of_expert(name, e), each) for e, each in enumerate(array)] if tensor.experts else \
                 [(name, array)]
             for each_name, each in pieces:

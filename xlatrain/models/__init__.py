@@ -65,7 +65,8 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
                            sandwich_norms=config.sandwich_norms, embed_scale=config.embed_scale,
                            score_scale_dim=config.score_scale_dim, attn_softcap=config.attn_softcap,
                            logit_softcap=config.logit_softcap, clip_qkv=config.clip_qkv,
-                           moe=moe_shape(config, formulation))
+                           moe=moe_shape(config, formulation),
+                           moe_layers=() if config.moe is None else config.moe.layers_with_experts(config.layers))
         return lambda rngs: Llama(llama, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)
@@ -96,7 +97,9 @@ def moe_shape(config: LlamaConfig, formulation: str | None = None) -> MoEShape |
 def router_balance(config: ModelConfig) -> RouterBalance | None:
     """What the step makes of an MoE model's router statistics (None for other models)."""
     moe = getattr(config, "moe", None)
-    return None if moe is None else RouterBalance(moe.aux_loss_weight, moe.z_loss_weight, moe.bias_rate)
+    if moe is None:
+        return None
+    return RouterBalance(moe.aux_loss_weight, moe.z_loss_weight, moe.bias_rate, moe.layers_with_experts(config.layers))
 
 
 def decoder_sizes(config: DecoderConfig, spec: DataSpec) -> tuple[int, int]:

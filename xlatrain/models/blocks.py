@@ -17,6 +17,11 @@ from xlatrain.models.interface import Documents, Reported
 
 BLOCKS = "blocks"
 """The attribute (and top-level parameter key) that holds the stacked blocks."""
+DENSE_BLOCKS = "dense_blocks"
+"""Where an MoE decoder with dense layers among its expert layers keeps the dense ones, stacked likewise
+(models/interleave.py); its `blocks` are those with experts."""
+STACKS = (BLOCKS, DENSE_BLOCKS)
+"""The top-level parameter keys whose leaves stack layers [layers, ...]."""
 
 ApplyLayer = Callable[[Any, jax.Array, "jax.Array | None", "Documents | None", "jax.Array | None"], Any]
 """(one layer's params, x, dropout key, documents, the layer's number) -> x, or (x, the layer's report)."""
@@ -55,14 +60,20 @@ class BlockStack(nnx.Module):
 
     def __call__(self, inputs: jax.Array, *, rngs: jax.Array | None = None,
                  documents: Documents | None = None) -> jax.Array:
-        graphdef, params_Lx = nnx.split(getattr(self, BLOCKS))
-        layers = block_count(params_Lx)
-        x = run_blocks(layer_applier(graphdef), params_Lx, with_documents(self.before_blocks, documents)(inputs),
-                       layer_keys(rngs, layers), scan=self.scan_blocks, documents=documents,
-                       layers=layer_numbers(self.numbered_layers, 0, layers))
+        x = self.run_layers(with_documents(self.before_blocks, documents)(inputs),
+                            layer_keys(rngs, self.layer_count()), documents)
         if isinstance(x, tuple):
             return Reported(self.after_blocks(x[0]), x[1])
         return self.after_blocks(x)
+
+    def layer_count(self) -> int:
+        return block_count(nnx.state(getattr(self, BLOCKS), nnx.Param))
+
+    def run_layers(self, x: jax.Array, keys_L: jax.Array | None, documents: Documents | None) -> Any:
+        """x through every layer; (x, the layers' reports stacked) for blocks that report."""
+        graphdef, params_Lx = nnx.split(getattr(self, BLOCKS))
+        return run_blocks(layer_applier(graphdef), params_Lx, x, keys_L, scan=self.scan_blocks, documents=documents,
+                          layers=layer_numbers(self.numbered_layers, 0, block_count(params_Lx)))
 
 
 def with_documents(fn: Callable, documents: Documents | None) -> Callable:
@@ -76,7 +87,7 @@ def takes_documents(fn: Callable) -> bool:
 
 def in_blocks(path: tuple) -> bool:
     """Whether a params leaf at `path` (jax's key path) is one of a BlockStack's stacked layers."""
-    return bool(path) and getattr(path[0], "key", None) == BLOCKS
+    return bool(path) and getattr(path[0], "key", None) in STACKS
 
 
 def split_blocks(params: dict) -> tuple[Any, dict]:

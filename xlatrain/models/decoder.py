@@ -8,15 +8,16 @@ those of the new tokens into it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype
 
-from xlatrain.models.blocks import BLOCKS, BlockStack, layer_numbers
+from xlatrain.models.blocks import BLOCKS, DENSE_BLOCKS, BlockStack, layer_applier, layer_numbers
 from xlatrain.models.interface import Documents
+from xlatrain.models.interleave import Interleaving, in_layer_order, run_interleaved
 from xlatrain.models.linear import dense_dot_general
 from xlatrain.sharding import BATCH, LENGTH, SEQUENCE, constrain
 from xlatrain.tensor_group import enter_region, leave_region
@@ -57,26 +58,65 @@ class Decoder(BlockStack):
             logits_BxLxV = jnp.tanh(logits_BxLxV / self.logit_softcap) * self.logit_softcap
         return constrain(logits_BxLxV, BATCH, SEQUENCE, "vocab")
 
+    interleaving: Interleaving | None = None
+    """Layers of two kinds in two stacks (model.moe.dense_layers_first, interleave): those numbered
+    interleaving.second from `blocks`, the others from `dense_blocks` (models/interleave.py); None: `blocks` alone."""
+
+    def layer_count(self) -> int:
+        return super().layer_count() if self.interleaving is None else self.interleaving.layers
+
+    def run_layers(self, x: jax.Array, keys_L: jax.Array | None, documents: Documents | None) -> Any:
+        if self.interleaving is None:
+            return super().run_layers(x, keys_L, documents)
+
+        def kind(stack: str) -> tuple[Callable, Any]:
+            graphdef, params_Nx = nnx.split(getattr(self, stack))
+            apply = layer_applier(graphdef)
+
+            def run(params, x, inputs):
+                key, number = inputs
+                out = apply(params, x, key, documents, number)
+                return out if isinstance(out, tuple) else (out, None)
+
+            return run, params_Nx
+
+        (dense, dense_params), (experts, expert_params) = kind(DENSE_BLOCKS), kind(BLOCKS)
+        numbers = layer_numbers(self.numbered_layers, 0, self.interleaving.layers)
+        x, _, reports = run_interleaved(self.interleaving, dense, experts, dense_params, expert_params, x,
+                                        (keys_L, numbers), self.scan_blocks)
+        return x if reports is None else (x, reports)
+
     def empty_cache(self, batch: int, length: int, dtype: jnp.dtype) -> KVCache:
-        layers = jax.tree.leaves(nnx.state(getattr(self, BLOCKS), nnx.Param))[0].shape[0]
-        zeros = jnp.zeros((layers, batch, length, self.kv_heads, self.head_width), dtype)
+        zeros = jnp.zeros((self.layer_count(), batch, length, self.kv_heads, self.head_width), dtype)
         return KVCache(zeros, zeros)
 
     def decode(self, tokens_BxT: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
         """Logits of tokens at positions start, start + 1, ... of rows whose earlier tokens are in `cache`, and
         the cache with theirs added."""
         x = self.embed_at(tokens_BxT, start + jnp.arange(tokens_BxT.shape[1])[None])
-        graphdef, params_Lx = nnx.split(getattr(self, BLOCKS))
 
-        def layer(x, carried):
-            params, keys, values, number = carried
-            block = nnx.merge(graphdef, params)
-            x, keys, values = (block.decode(x, keys, values, start) if number is None else
-                               block.decode(x, keys, values, start, layer=number))
-            return x, (keys, values)
+        def kind(stack: str) -> tuple[Callable, Any]:
+            graphdef, params_Nx = nnx.split(getattr(self, stack))
 
-        numbers = layer_numbers(self.numbered_layers, 0, cache.keys.shape[0])
-        x, (keys, values) = jax.lax.scan(layer, x, (params_Lx, cache.keys, cache.values, numbers))
+            def layer(params, x, inputs):
+                keys, values, number = inputs
+                block = nnx.merge(graphdef, params)
+                x, keys, values = (block.decode(x, keys, values, start) if number is None else
+                                   block.decode(x, keys, values, start, layer=number))
+                return x, (keys, values)
+
+            return layer, params_Nx
+
+        layer, params_Lx = kind(BLOCKS)
+        inputs_L = (cache.keys, cache.values, layer_numbers(self.numbered_layers, 0, self.layer_count()))
+        if self.interleaving is None:
+            x, (keys, values) = jax.lax.scan(lambda x, carried: layer(carried[0], x, carried[1]), x,
+                                             (params_Lx, inputs_L))
+        else:
+            dense, dense_params = kind(DENSE_BLOCKS)
+            x, dense_out, expert_out = run_interleaved(self.interleaving, dense, layer, dense_params, params_Lx, x,
+                                                       inputs_L, scan=True)
+            keys, values = in_layer_order(self.interleaving, dense_out, expert_out)
         return self.after_blocks(x), KVCache(keys, values)
 
 

@@ -204,6 +204,8 @@ class RouterBalance:
     aux_loss_weight: float
     z_loss_weight: float
     bias_rate: float | None
+    layers: tuple[int, ...]
+    """The MoE layers' numbers among all the model's layers, in the order of their statistics."""
 
     def objective(self, stats: RouterStats, total) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(this replica's share of the weighted losses, its metric sums). `total` sums a value over every replica
@@ -220,10 +222,10 @@ class RouterBalance:
                 "router_dropped": stats.dropped, "router_tokens": stats.tokens}
         return self.aux_loss_weight * balance + self.z_loss_weight * z, sums
 
-    @staticmethod
-    def metrics(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """Per MoE layer: the busiest expert's share of the choices over the mean share (max / mean), their
-        coefficient of variation, and the fraction dropped by the capacity; and the worst layer's of each."""
+    def metrics(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Per MoE layer (named by its number among all the layers): the busiest expert's share of the choices over
+        the mean share (max / mean), their coefficient of variation, and the fraction dropped by the capacity; and
+        the worst layer's of each."""
         load_LxE, dropped_L = sums["router_load"], sums["router_dropped"]
         mean_L = jnp.mean(load_LxE, axis=-1)
         per_layer = {"router_max_over_mean": jnp.max(load_LxE, axis=-1) / mean_L,
@@ -232,7 +234,7 @@ class RouterBalance:
         found = {}
         for name, values in per_layer.items():
             found[name] = jnp.max(values)
-            found.update({f"{name}_layer{layer}": values[layer] for layer in range(values.shape[0])})
+            found.update({f"{name}_layer{layer}": values[index] for index, layer in enumerate(self.layers)})
         return found
 
     def rebalance(self, model_state: dict, load_LxE: jax.Array) -> dict:

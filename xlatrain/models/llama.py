@@ -3,13 +3,14 @@ GeGLU) and grouped-query attention, with optional q/k/v and output biases, queri
 (per head or over the projection), norms after attention and the MLP too (Gemma's sandwich), RMSNorms that scale by
 (1 + their parameter), scaled embeddings and a tied or untied head; layers of several kinds (a sliding window, a
 RoPE base of their own) in one stacked block; a BlockStack, so it can be pipelined. Its projections are kept apart
-(q, k, v; gate, up), as Hugging Face checkpoints store them (xlatrain/hf/). With model.moe every block's MLP is a
-Mixture of Experts (xlatrain/models/experts.py), and the block returns its router's statistics beside its output."""
+(q, k, v; gate, up), as Hugging Face checkpoints store them (xlatrain/hf/). With model.moe a block's MLP is a
+Mixture of Experts (xlatrain/models/experts.py), and the block returns its router's statistics beside its output;
+where some layers keep the MLP, those are a second stack (models/interleave.py)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_st
 from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.experts import MoEMLP, MoEShape, RouterStats
 from xlatrain.models.interface import Documents
+from xlatrain.models.interleave import Interleaving
 from xlatrain.models.linear import linear
 from xlatrain.models.rope import inverse_frequencies, rotate
 from xlatrain.sharding import BATCH, SEQUENCE, constrain
@@ -82,6 +84,14 @@ class LlamaShape:
     clip_qkv: float | None = None
     moe: MoEShape | None = None
     """Mixture-of-Experts feed-forward layers in place of the gated MLP (model.moe); None: the MLP."""
+    moe_layers: tuple[int, ...] = ()
+    """The layers with experts (model.moe); the others keep the MLP. (): every layer, where moe is set."""
+
+    def interleaving(self) -> Interleaving | None:
+        """The dense and expert layers' order where the model has both kinds (None: one kind)."""
+        if self.moe is None or not self.moe_layers or len(self.moe_layers) == self.layers:
+            return None
+        return Interleaving(self.layers, self.moe_layers)
 
     def layer_kinds(self) -> tuple[tuple[LayerKind, ...], tuple[int, ...]]:
         """(the distinct kinds of layer, each layer's index among them)."""
@@ -247,7 +257,14 @@ class Llama(Decoder):
         self.kv_heads, self.head_width = shape.kv_heads, shape.head_dim
         self.embed = TokenEmbed(shape.vocab, shape.width, dtype=shape.dtype,
                                 embedding_metadata=axes("vocab", "embed"), rngs=rngs)
-        self.blocks = stack_blocks(lambda layer_rngs: LlamaBlock(shape, rngs=layer_rngs), shape.layers, rngs)
+        self.interleaving = shape.interleaving()
+        if self.interleaving is None:
+            self.blocks = stack_blocks(lambda layer_rngs: LlamaBlock(shape, rngs=layer_rngs), shape.layers, rngs)
+        else:
+            self.dense_blocks = stack_blocks(lambda layer_rngs: LlamaBlock(replace(shape, moe=None), rngs=layer_rngs),
+                                             len(self.interleaving.first), rngs)
+            self.blocks = stack_blocks(lambda layer_rngs: LlamaBlock(shape, rngs=layer_rngs),
+                                       len(self.interleaving.second), rngs)
         self.scan_blocks = shape.scan_layers
         self.numbered_layers = len(shape.layer_kinds()[0]) > 1
         self.embed_scale = math.sqrt(shape.width) if shape.embed_scale else None
