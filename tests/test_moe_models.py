@@ -293,7 +293,10 @@ def test_bad_moe_configs_and_checkpoints_are_one_line(checkpoints, tmp_path, cap
             (["model.moe.experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 is more than model.moe.experts=4"),
             (["model.moe.experts=4", "model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
             (["model.name=gpt", "model.moe.experts=4"], "model.moe"),
-            (["model.moe.experts=4", "mesh.stage=2"], "model.moe with mesh.stage=2"),
+            (["model.moe.experts=4", "model.moe.bias_rate=0.1", "mesh.stage=2"],
+             "model.moe.bias_rate with mesh.stage=2"),
+            (["model.moe.experts=4", "model.layers=4", "model.moe.interleave=2", "mesh.stage=2"],
+             "a pipeline cuts one stack of layers"),
             (["model.moe.experts=4", "model.moe.dense_layers_first=2"], "leave none of model.layers=2 with experts")]:
         args = [o for o in base if not o.startswith("model.name") or "model.name=gpt" not in overrides]
         assert expected in one_line_error(capsys, "config", *args, *overrides)
@@ -436,3 +439,72 @@ def test_dense_and_expert_layers_unrolled_give_the_scans_gradients(devices):
         found.append(jax.device_get(program.gradients(program.create_state(), token_batch(program))))
     for got, expected in zip(jax.tree.leaves(found[1]), jax.tree.leaves(found[0]), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+PIPELINES = {"s2-d2-uneven": (["mesh.stage=2", "mesh.data=2", "model.layers=3"], 2),
+             "s2-e2-1f1b": (["mesh.stage=2", "mesh.expert=2"], 2),
+             "s2-e2-zbv-custom": (["mesh.stage=2", "mesh.expert=2", "model.layers=4", "parallel.pipeline.schedule=zbv",
+                                   "collectives.impl=custom"], 2)}
+"""MoE blocks in a pipeline's stages, and the devices that hold a replica's rows apart (over data or expert)."""
+
+
+def batch_in_order(program, order):
+    """The first global batch's rows in `order`, split into the program's microbatches and placed."""
+    from xlatrain.data.loader import make_global, split_microbatches
+    from xlatrain.mesh import train_batch_sharding
+
+    rows = [program.dataset.train[i] for i in order]
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    return make_global(split_microbatches(batch, program.derived.microbatches), train_batch_sharding(program.mesh),
+                       1, 1)
+
+
+@pytest.fixture(scope="module")
+def one_device_microbatches(devices):
+    """One device's gradients and step metrics with 4 accumulated microbatches, the rows of microbatch j those of
+    pipeline microbatch j on each of `holders` devices (a global microbatch is every holder's piece j)."""
+    found = {}
+
+    def results(layers: list, holders: int):
+        key = (tuple(layers), holders)
+        if key not in found:
+            rows, pieces = 8, 4
+            each = rows // (holders * pieces)
+            order = [d * rows // holders + j * each + k for j in range(pieces) for d in range(holders)
+                     for k in range(each)]
+            found[key] = pipeline_step_results(["batch.microbatches=4", *layers], devices[:1], order)
+        return found[key]
+
+    return results
+
+
+def pipeline_step_results(overrides, devices, order=range(8)):
+    program = build_program(load_config(None, [*MOE, "model.moe.aux_loss_weight=0.1", "model.moe.z_loss_weight=0.01",
+                                               *overrides]), devices)
+    state, batch = program.create_state(), batch_in_order(program, order)
+    grads = jax.device_get(program.gradients(state, batch)[0])
+    if program.pipeline is not None:
+        grads = jax.device_get(program.pipeline.layout.layer_params(grads))
+    metrics = program.train_step(state, batch)[1]
+    return grads, [{k: float(metrics[k]) for k in ("loss", "router_aux_loss", "router_z_loss", "router_cv")}]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if "zbv" in n else ()) for n in PIPELINES])
+def test_a_pipeline_of_moe_blocks_equals_one_device(name, one_device_microbatches, devices):
+    """Every layer's router statistics travel with the activation, and the auxiliary loss's gradient comes back
+    with the activation's: the loss, the router metrics and every gradient equal one device accumulating the same
+    global microbatches, under 1f1b and zbv, with the replica's rows over data or over an expert group."""
+    overrides, holders = PIPELINES[name]
+    layers = [o for o in overrides if o.startswith("model.layers")]
+    ours = pipeline_step_results([*overrides, "parallel.pipeline.microbatches=4"], devices[:2 * holders])
+    assert_same_steps(ours, one_device_microbatches(layers, holders))
+
+
+def test_a_pipeline_of_moe_blocks_evaluates_as_one_device(devices):
+    from test_pipeline import evaluated
+
+    pipelined = evaluated(build_program(load_config(None, [*MOE, "mesh.stage=2"]), devices[:2]))[0]
+    expected = evaluated(build_program(load_config(None, MOE), devices[:1]))[0]
+    assert set(pipelined) == set(expected)
+    for key in expected:
+        np.testing.assert_allclose(pipelined[key], expected[key], rtol=1e-5)

@@ -39,7 +39,8 @@ def measure_block_costs(parts: BlockParts, abstract_params: dict, micro: dict[st
 
     def block(params, x, key):
         layer = jnp.int32(0) if parts.numbered else None  # a block of several kinds: its switch's dearest branch
-        return parts.layer(cast_floats(params, policy.compute), x, key, None, layer)  # documents' mask: not counted
+        out = parts.layer(cast_floats(params, policy.compute), x, key, None, layer)  # documents' mask: not counted
+        return out[0] if isinstance(out, tuple) else out  # a block's report (router statistics): a few sums
 
     def after(params, x, batch):
         outputs = parts.after(cast_floats(params, policy.compute), x).astype(policy.output)

@@ -35,11 +35,12 @@ from xlatrain.lowering.pipeline.chunks import (
     scoped,
     split_rows,
     stage_blocks,
+    stage_reports,
     trace_chunks,
     zeros_of,
 )
 from xlatrain.lowering.pipeline.residuals import buffer_counts, empty_buffers, pack, unpack
-from xlatrain.lowering.pipeline.stage_link import StageLink, hand_over, receive
+from xlatrain.lowering.pipeline.stage_link import StageLink, hand_over, pool_of, read, receive
 
 from xlatrain.mesh import STAGE
 from xlatrain.models.blocks import BLOCKS, BlockParts, layer_keys
@@ -58,8 +59,8 @@ class SlotInputs(NamedTuple):
 
     cb: Tree
     cr: dict
-    x_in: jax.Array
-    dy: jax.Array
+    x_in: Tree
+    dy: Tree
     micro: dict
     microbatch: jax.Array
     start: jax.Array
@@ -71,8 +72,8 @@ class SlotState(NamedTuple):
     previous stage, and its pools of kept residuals and stashes."""
 
     totals: tuple
-    to_next: jax.Array
-    to_previous: jax.Array
+    to_next: Tree
+    to_previous: Tree
     residuals: dict[str, jax.Array]
     stashes: dict[str, jax.Array]
 
@@ -96,10 +97,13 @@ def write(pools: dict[str, jax.Array], index: jax.Array, values: dict[str, jax.A
 
 
 def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotProgram, microbatches: int,
-                            loss: str, policy: Policy, link: StageLink, remat: str = "full") -> Callable:
+                            loss: str, policy: Policy, link: StageLink, remat: str = "full", objective: Any = None,
+                            across: Callable[[jax.Array], jax.Array] | None = None) -> Callable:
     """(params, batch, key, scale, total_weight) -> (grads, loss sums) for this device's stage, where
     `batch` is the replica's [accumulation microbatches, rows, ...] and params are this stage's. `remat`:
-    "full" recomputes each chunk's forward in its backward slot, "none" keeps its residuals instead."""
+    "full" recomputes each chunk's forward in its backward slot, "none" keeps its residuals instead.
+    `objective`: ModelDef.reports of a model whose blocks report, whose reports travel with the activations
+    (chunks.StageReports); `across` sums a value over the microbatch's replicas."""
     keep_residuals = {"none": True, "full": False}[remat]
     if slots.splits_backward and not keep_residuals:
         raise ValueError("a schedule that splits the backward into B and W keeps the forward's residuals: remat none")
@@ -115,7 +119,7 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         return jax.lax.dynamic_slice_in_dim(padded, start, width)
 
     def run_round(blocks: Tree, rest: dict, batch: dict, key: jax.Array, scale: jax.Array,
-                  total_weight: jax.Array, totals: tuple, x_shape: jax.ShapeDtypeStruct) -> tuple:
+                  total_weight: jax.Array, totals: tuple, x_shape: Tree, reports: Any) -> tuple:
         """One accumulation microbatch cut into `microbatches` pieces, through every slot of the schedule."""
         stage = jax.lax.axis_index(STAGE)
         micro = split_rows(batch, microbatches)
@@ -124,19 +128,19 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
         starts = jnp.asarray(layout.starts)
         active_blocks = None if layout.even else jnp.asarray(layout.partition, jnp.int32)
         cr = compute(rest)
+        reporting = reports is not None
         arguments = chunk_arguments(compute(jax.tree.map(lambda b: b[0], blocks)), cr, x_shape,
                                     jax.tree.map(lambda x: x[0], micro), chunk_keys(key, jnp.int32(0)),
                                     None if active_blocks is None else active_blocks[0],
-                                    layers=chunk_layers(parts, jnp.int32(0), width))
-        traced = trace_chunks(parts, policy, loss, arguments, keep_residuals)
+                                    layers=chunk_layers(parts, jnp.int32(0), width, reporting))
+        traced = trace_chunks(parts, policy, loss, arguments, keep_residuals, reports)
         layouts = residual_layouts(traced) if keep_residuals else {}
         kept_counts = buffer_counts(list(layouts.values()))
         splits = backward_splits(traced) if slots.splits_backward else {}
         stash_counts = buffer_counts([split.stash_layout for split in splits.values()])
-        nothing = jnp.zeros(x_shape.shape, x_shape.dtype)
+        nothing = zeros_of(x_shape)
         one = jnp.ones((), jnp.float32)
-        pools = (jnp.zeros((slots.activation_buffers + 1, *x_shape.shape), x_shape.dtype),
-                 jnp.zeros((slots.cotangent_buffers + 1, *x_shape.shape), x_shape.dtype),
+        pools = (pool_of(x_shape, slots.activation_buffers + 1), pool_of(x_shape, slots.cotangent_buffers + 1),
                  empty_buffers(kept_counts, slots.residual_buffers + 1),
                  empty_buffers(stash_counts, slots.stash_buffers + 1))
 
@@ -145,15 +149,16 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
             at = {name: table[t, stage] for name, table in tables.items()}
             j, r = at["microbatch"], at["round"]
             chunk = chunk_table[r, stage]
-            inputs = SlotInputs(compute(jax.tree.map(lambda b: b[r], blocks)), cr, activations[at["activation_read"]],
-                                cotangents[at["cotangent_read"]], jax.tree.map(lambda x: x[j], micro), j,
+            inputs = SlotInputs(compute(jax.tree.map(lambda b: b[r], blocks)), cr,
+                                read(activations, at["activation_read"]), read(cotangents, at["cotangent_read"]),
+                                jax.tree.map(lambda x: x[j], micro), j,
                                 starts[chunk], None if active_blocks is None else active_blocks[chunk])
 
             def run_chunk(kind, i, x):
                 """(output, pullback) of the chunk on microbatch i: its dropout keys derived here, in the action."""
                 keys = chunk_keys(jax.random.fold_in(key, i.microbatch), i.start)
                 return traced[kind](i.cb, i.cr, x, i.micro, keys, i.active, scale, total_weight,
-                                    chunk_layers(parts, i.start, width))
+                                    chunk_layers(parts, i.start, width, reporting))
 
             def add(totals, grad_blocks=None, grad_rest=None, sums=None):
                 g_blocks, g_rest, s = totals
@@ -250,19 +255,21 @@ def make_pipeline_gradients(parts: BlockParts, layout: StageLayout, slots: SlotP
 
     def gradients(params: dict, batch: dict, key: jax.Array, scale: jax.Array, total_weight: jax.Array):
         blocks, rest = stage_blocks(params)
-        x_shape, sums_shape = microbatch_shapes(parts, policy, loss, blocks, rest,
-                                                split_rows(jax.tree.map(lambda x: x[0], batch), microbatches))
+        count = jax.tree.leaves(batch)[0].shape[0]
+        micro = split_rows(jax.tree.map(lambda x: x[0], batch), microbatches)
+        reports = stage_reports(parts, policy, objective, across, microbatches * count,
+                                jax.tree.map(lambda b: b[0, 0], blocks), rest, jax.tree.map(lambda x: x[0], micro))
+        x_shape, sums_shape = microbatch_shapes(parts, policy, loss, blocks, rest, micro, reports)
         totals = (jax.tree.map(lambda b: jnp.zeros(b.shape, jnp.float32), blocks),
                   jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rest), zeros_of(sums_shape))
-        count = jax.tree.leaves(batch)[0].shape[0]
         if count == 1:
             totals = run_round(blocks, rest, jax.tree.map(lambda x: x[0], batch), key, scale, total_weight, totals,
-                               x_shape)
+                               x_shape, reports)
         else:
             def one(totals, indexed):
                 index, round_batch = indexed
                 return run_round(blocks, rest, round_batch, jax.random.fold_in(key, index), scale, total_weight,
-                                 totals, x_shape), None
+                                 totals, x_shape, reports), None
 
             totals = jax.lax.scan(one, totals, (jnp.arange(count), batch))[0]
         grad_blocks, grad_rest, sums = totals

@@ -29,7 +29,7 @@ from xlatrain.pipeline.remat import RematChoice, choose_remat, configured
 from xlatrain.precision import Policy
 from xlatrain.runtime.device_memory import DeviceMemory
 from xlatrain.runtime.distributed import as_primary_has_it
-from xlatrain.sharding import without_axis
+from xlatrain.sharding import EXPERT, TENSOR, param_specs, rules_over, without_axis
 from xlatrain.state import TrainState, init_variables, state_specs
 
 
@@ -96,8 +96,15 @@ class PipelineParallel(DataParallel):
         return self.plan.layout.param_specs(params, within=self._model_tensor_specs(params))
 
     def _model_tensor_specs(self, params: Any) -> Any:
-        """The specs over `tensor` of the stage layout's params, in the model's layout."""
-        return super().tensor_specs(self.plan.layout.model_shapes(params))
+        """The specs over `tensor` (and over `expert`, an MoE layer's experts, when each device holds its own) of
+        the stage layout's params, in the model's layout."""
+        shapes = self.plan.layout.model_shapes(params)
+        axes = (TENSOR, EXPERT) if self._experts_inside else (TENSOR,)
+        return param_specs(shapes, self.model.logical_axes, rules_over(self._rules(), axes), self.mesh)
+
+    def _expert_leaves(self, params: Any) -> Any:
+        """Per param of the stage layout, whether each device holds its own part of it over `expert`."""
+        return super()._expert_leaves(self.plan.layout.model_shapes(params))
 
     def choose_remat(self, memory: DeviceMemory, most_bytes_with_residuals: Callable[[], int]) -> RematChoice:
         """parallel.pipeline.remat; `auto` measures the step compiled with remat: none against the budget."""
@@ -114,7 +121,8 @@ class PipelineParallel(DataParallel):
         plan, link = self.plan, self._link()
         return {"gradients": make_pipeline_gradients(self.model.blocks, plan.layout, plan.slots,
                                                      self.derived.pipeline_microbatches, self.config.model.loss,
-                                                     self.policy, link, remat),
+                                                     self.policy, link, remat, self.model.reports,
+                                                     self.replicas(params).across),
                 "trees": self._split_trees(params, leading=self._stage_split(params), sums={STAGE: link.sum},
                                            gather=self.gather_params(params))}
 
@@ -122,7 +130,7 @@ class PipelineParallel(DataParallel):
         """Each replica's rows through the stages, forward only; the replicas' sums added."""
         plan = self.plan
         evaluate = make_pipeline_eval(self.model.blocks, plan.layout, plan.eval_slots, plan.evaluation.microbatches,
-                                      self.config.model.loss, self.policy, self._link())
+                                      self.config.model.loss, self.policy, self._link(), self.model.reports)
         replicas, gather = self.replicas(params), self.gather_params(params)
 
         def eval_step(state: TrainState, batch: dict) -> dict:
@@ -180,10 +188,11 @@ def _plan(config: Config, derived: Derived, model: ModelDef, spec: DataSpec, pol
                                    split_backward=config.parallel.pipeline.splits_backward())
 
     def count_work(schedule, partition, remat):
-        return pipeline_work(model.blocks, *abstract(), config.model.loss, policy, schedule, partition, remat)
+        return pipeline_work(model.blocks, *abstract(), config.model.loss, policy, schedule, partition, remat,
+                             model.reports)
 
     def count_residual_bytes(partition, stash):
-        return residual_bytes(model.blocks, *abstract(), config.model.loss, policy, partition, stash)
+        return residual_bytes(model.blocks, *abstract(), config.model.loss, policy, partition, stash, model.reports)
 
     def as_process_0_chose(partition: tuple[int, ...]) -> tuple[int, ...]:
         """Every process measures the costs on its own devices, and one kind's may cut the blocks differently."""

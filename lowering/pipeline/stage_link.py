@@ -42,8 +42,17 @@ def next_stage_pairs(slots: SlotProgram, stages: int) -> tuple[tuple[int, int], 
     return tuple((s, (s + 1) % stages) for s in range(stages if slots.ring else stages - 1))
 
 
-def hand_over(link: StageLink, slots: SlotProgram, stage: jax.Array, round_: jax.Array, value: jax.Array,
-              gradient: bool) -> tuple[jax.Array, jax.Array | None]:
+def hand_over(link: StageLink, slots: SlotProgram, stage: jax.Array, round_: jax.Array, value: Tree,
+              gradient: bool) -> tuple[Tree, Tree | None]:
+    """`_hand_over` of each leaf of `value` (the activation, and an MoE's reports with it: chunks.StageReports)."""
+    leaves, tree = jax.tree.flatten(value)
+    arrived = [_hand_over(link, slots, stage, round_, leaf, gradient) for leaf in leaves]
+    usual = tree.unflatten([usual for usual, _ in arrived])
+    return usual, None if arrived[0][1] is None else tree.unflatten([reverse for _, reverse in arrived])
+
+
+def _hand_over(link: StageLink, slots: SlotProgram, stage: jax.Array, round_: jax.Array, value: jax.Array,
+               gradient: bool) -> tuple[jax.Array, jax.Array | None]:
     """What reaches this stage at the end of a slot (from the usual direction, and from the reverse one in a V)
     when every stage sends `value`: its output activation on to the next chunk, or with `gradient` its input
     gradient back to the previous chunk. In a loop activations go to the next stage and gradients to the
@@ -63,9 +72,17 @@ def hand_over(link: StageLink, slots: SlotProgram, stage: jax.Array, round_: jax
     return usual, jnp.where(tip, first, reverse)
 
 
-def receive(pool: jax.Array, arrivals: tuple[jax.Array, jax.Array | None], write: jax.Array,
-            write_reverse: jax.Array) -> jax.Array:
+def receive(pool: Tree, arrivals: tuple[Tree, Tree | None], write: jax.Array, write_reverse: jax.Array) -> Tree:
     """`pool` with `hand_over`'s arrivals stored where the slot program says (unused ones into its scratch)."""
     usual, reverse = arrivals
-    pool = pool.at[write].set(usual)
-    return pool if reverse is None else pool.at[write_reverse].set(reverse)
+    pool = jax.tree.map(lambda p, value: p.at[write].set(value), pool, usual)
+    return pool if reverse is None else jax.tree.map(lambda p, value: p.at[write_reverse].set(value), pool, reverse)
+
+
+def pool_of(shapes: Tree, buffers: int) -> Tree:
+    """`buffers` zeros of each leaf of `shapes` (what passes between stages), stacked in front."""
+    return jax.tree.map(lambda s: jnp.zeros((buffers, *s.shape), s.dtype), shapes)
+
+
+def read(pool: Tree, index: jax.Array) -> Tree:
+    return jax.tree.map(lambda p: p[index], pool)

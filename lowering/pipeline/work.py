@@ -26,6 +26,7 @@ from xlatrain.lowering.pipeline.chunks import (
     chunk_functions,
     chunk_layers,
     residual_layouts,
+    stage_reports,
     trace_chunks,
 )
 from xlatrain.lowering.pipeline.residuals import ResidualLayout, buffer_counts, unpack
@@ -51,18 +52,23 @@ class PipelineWork:
 
 
 def pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
-                  policy: Policy, schedule: Schedule, partition: tuple[int, ...], remat: str) -> PipelineWork:
-    """`micro`: one pipeline microbatch's abstract batch; `partition`: blocks per chunk, in model order. Traced
-    and compiled for the host's devices, also under `lower --target`."""
+                  policy: Policy, schedule: Schedule, partition: tuple[int, ...], remat: str,
+                  objective: Any = None) -> PipelineWork:
+    """`micro`: one pipeline microbatch's abstract batch; `partition`: blocks per chunk, in model order;
+    `objective`: ModelDef.reports of a model whose blocks report (chunks.StageReports). Traced and compiled for the
+    host's devices, also under `lower --target`."""
     with compiling_for(jax.default_backend()):
-        return _pipeline_work(parts, abstract_params, micro, loss, policy, schedule, partition, remat)
+        return _pipeline_work(parts, abstract_params, micro, loss, policy, schedule, partition, remat, objective)
 
 
 def _pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
-                   policy: Policy, schedule: Schedule, partition: tuple[int, ...], remat: str) -> PipelineWork:
+                   policy: Policy, schedule: Schedule, partition: tuple[int, ...], remat: str,
+                   objective: Any) -> PipelineWork:
     unrolled = copy.copy(parts)
     unrolled.scan = False
-    _, cr, x = abstract_chunk(unrolled, abstract_params, micro, policy, 1)
+    _, cr, x = abstract_chunk(unrolled, abstract_params, micro, policy, 1, objective)
+    reports = chunk_reports(unrolled, abstract_params, micro, policy, objective)
+    reporting = reports is not None
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     scales = (scalar, scalar)  # the loss scale and the total weight, as the step's chunks get them
 
@@ -77,8 +83,8 @@ def _pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
         """A chunk of `count` blocks: each kind traced as the step traces it, and with remat: none what each kind
         keeps and how a split backward divides it."""
         arguments = chunk_arguments(cast_blocks(count), cr, x, micro, keys_for(count), None, *scales,
-                                    chunk_layers(unrolled, 0, count))
-        chunks = trace_chunks(unrolled, policy, loss, arguments, keep=remat == "none")
+                                    chunk_layers(unrolled, 0, count, reporting))
+        chunks = trace_chunks(unrolled, policy, loss, arguments, keep=remat == "none", reports=reports)
         layouts = residual_layouts(chunks) if remat == "none" else {}
         return chunks, layouts, backward_splits(chunks) if schedule.splits_backward else {}
 
@@ -122,7 +128,8 @@ def _pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
             embedded = unrolled.before({**cr, BLOCKS: cb}, cast_floats(micro_j["inputs"], policy.compute),
                                        documents_of(micro_j))
             return chunk_functions(unrolled, policy, loss, micro_j, keys, None, *scales,
-                                   chunk_layers(unrolled, 0, layers))["last"](cb, cr, embedded)[0]
+                                   chunk_layers(unrolled, 0, layers, reporting), reports)["last"](
+                cb, cr, embedded if reports is None else reports.carried(embedded))[0]
 
         return jax.grad(scaled_loss, argnums=(0, 1))(cb, cr)
 
@@ -141,28 +148,38 @@ def _flops(fn, *args) -> float:
 
 
 def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], loss: str,
-                   policy: Policy, partition: tuple[int, ...], stash: bool = False) -> int:
+                   policy: Policy, partition: tuple[int, ...], stash: bool = False, objective: Any = None) -> int:
     """Bytes of the buffers that hold one microbatch's residuals on a stage with remat: none (every kind of
     chunk fits them), for chunks as the step runs them (padded to the largest, and masked when unequal).
     `stash`: the bytes of the buffers that hold a split backward's stash from B to W instead."""
     width = max(partition)
-    cb, cr, x = abstract_chunk(parts, abstract_params, micro, policy, width)
+    cb, cr, x = abstract_chunk(parts, abstract_params, micro, policy, width, objective)
+    reports = chunk_reports(parts, abstract_params, micro, policy, objective)
     active = None if len(set(partition)) == 1 else jax.ShapeDtypeStruct((), jnp.int32)
     arguments = chunk_arguments(cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32), active,
-                                layers=chunk_layers(parts, 0, width))
-    chunks = trace_chunks(parts, policy, loss, arguments, keep=True)
+                                layers=chunk_layers(parts, 0, width, reports is not None))
+    chunks = trace_chunks(parts, policy, loss, arguments, keep=True, reports=reports)
     layouts = ([split.stash_layout for split in backward_splits(chunks).values()] if stash
                else list(residual_layouts(chunks).values()))
     return sum(count * jnp.dtype(name).itemsize for name, count in buffer_counts(layouts).items())
 
 
 def abstract_chunk(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], policy: Policy,
-                   count: int) -> tuple[dict, dict, jax.ShapeDtypeStruct]:
+                   count: int, objective: Any = None) -> tuple[dict, dict, Any]:
     """A chunk of `count` blocks' inputs as the step's slots get them, abstract: its blocks and the other params
-    cast to the compute dtype, and the activation that enters it."""
+    cast to the compute dtype, and what enters it (the activation, and the reports so far where `objective`)."""
     blocks, rest = split_blocks(abstract_params)
     resized = jax.tree.map(lambda b: jax.ShapeDtypeStruct((count, *b.shape[1:]), b.dtype), blocks)
     cb, cr = jax.eval_shape(lambda b, r: cast_floats((b, r), policy.compute), resized, rest)
     x = jax.eval_shape(lambda cb, cr, m: parts.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute),
                                                       documents_of(m)), cb, cr, micro)
-    return cb, cr, x
+    reports = chunk_reports(parts, abstract_params, micro, policy, objective)
+    return cb, cr, x if reports is None else jax.eval_shape(reports.carried, x)
+
+
+def chunk_reports(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], policy: Policy,
+                  objective: Any):
+    """chunks.StageReports for counting a chunk's work (the layers' losses left out: they are a few sums)."""
+    blocks, rest = split_blocks(abstract_params)
+    return stage_reports(parts, policy, objective, None, 1,
+                         jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), blocks), rest, micro)

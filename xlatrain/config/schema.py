@@ -146,10 +146,14 @@ class Config(Strict):
             raise ValueError(f"mesh.expert={split} in parallel.mode=shard_map{chosen} runs parallel.strategy="
                              f"replicated (each device's own experts, the rest whole); zero1 and fsdp with experts "
                              "run in parallel.mode=jit")
-        if self.mesh.stage > 1:
-            raise ValueError(f"model.moe with mesh.stage={self.mesh.stage}: the MoE layers' router statistics do "
-                             "not travel between a pipeline's stages yet; set mesh.stage=1 (data, expert, fsdp, tensor "
-                             "and context parallelism run MoE models)")
+        if self.mesh.stage > 1 and moe.bias_rate is not None:
+            raise ValueError(f"model.moe.bias_rate with mesh.stage={self.mesh.stage}: the balancing bias is model "
+                             "state, which a pipeline's stages do not hold; drop bias_rate (balance by "
+                             "aux_loss_weight) or set mesh.stage=1")
+        if self.mesh.stage > 1 and len(moe.layers_with_experts(self.model.layers)) < self.model.layers:
+            raise ValueError(f"model.moe.dense_layers_first={moe.dense_layers_first} and interleave={moe.interleave} "
+                             f"with mesh.stage={self.mesh.stage}: a pipeline cuts one stack of layers, and the dense "
+                             "layers are a second; put experts in every layer or set mesh.stage=1")
         if self.mesh.tensor > 1 and self.parallel.mode != "jit":
             raise ValueError(f"model.moe with mesh.tensor={self.mesh.tensor} in parallel.mode={self.parallel.mode}: "
                              "a per-device program's tensor group has no collectives for the experts' matmuls yet; "
