@@ -39,6 +39,9 @@ class Decoder(BlockStack):
     head: nnx.Module | None
     logit_softcap: float | None = None
     """The logits soft-capped to (-c, c) as tanh(x / c) c (Gemma 2's final_logit_softcapping); None: as they are."""
+    interleaving: Interleaving | None = None
+    """Layers of two kinds in two stacks (model.moe.dense_layers_first, interleave): those numbered
+    interleaving.second from `blocks`, the others from `dense_blocks` (models/interleave.py); None: `blocks` alone."""
 
     def embed_at(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         raise NotImplementedError
@@ -57,10 +60,6 @@ class Decoder(BlockStack):
         if self.logit_softcap is not None:
             logits_BxLxV = jnp.tanh(logits_BxLxV / self.logit_softcap) * self.logit_softcap
         return constrain(logits_BxLxV, BATCH, SEQUENCE, "vocab")
-
-    interleaving: Interleaving | None = None
-    """Layers of two kinds in two stacks (model.moe.dense_layers_first, interleave): those numbered
-    interleaving.second from `blocks`, the others from `dense_blocks` (models/interleave.py); None: `blocks` alone."""
 
     def layer_count(self) -> int:
         return super().layer_count() if self.interleaving is None else self.interleaving.layers
