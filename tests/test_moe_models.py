@@ -137,6 +137,27 @@ def assert_same_steps(ours, reference):
             np.testing.assert_allclose(got[key], expected[key], rtol=1e-5)
 
 
+def batch_in_order(program, order):
+    """The first global batch's rows in `order`, split into the program's microbatches and placed."""
+    from xlatrain.data.loader import make_global, split_microbatches
+    from xlatrain.mesh import train_batch_sharding
+
+    rows = [program.dataset.train[i] for i in order]
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    return make_global(split_microbatches(batch, program.derived.microbatches), train_batch_sharding(program.mesh),
+                       1, 1)
+
+
+def gradient_results(overrides, devices, order=range(8)):
+    """A step's gradients (in the model's layout) and its sums of the loss, the router's losses and its loads."""
+    program = build_program(load_config(None, [*MOE, "model.moe.aux_loss_weight=0.1", "model.moe.z_loss_weight=0.01",
+                                               *overrides]), devices)
+    grads, sums = jax.device_get(program.gradients(program.create_state(), batch_in_order(program, order)))
+    if program.pipeline is not None:
+        grads = jax.device_get(program.pipeline.layout.layer_params(grads))
+    return grads, [{k: sums[k] for k in ("loss", "router_aux_loss", "router_z_loss", "router_load")}]
+
+
 PER_DEVICE = ["mesh.data=2", "parallel.mode=shard_map", "collectives.impl=custom"]
 
 
@@ -353,11 +374,10 @@ def test_dense_layers_among_expert_layers_train_expert_parallel_as_one_device(de
     """Per device with xlatrain's collectives: the dense layers' gradients are summed over `expert` with the rest
     of the replicas' params, the expert layers' own experts' are each device's."""
     overrides = ["model.layers=3", "model.moe.dense_layers_first=1"]
-    ref_grads, ref_losses, _ = step_results(overrides, devices[:1])
-    assert ref_grads["dense_blocks"]["gate"]["kernel"].shape[0] == 1
-    assert ref_grads["blocks"]["moe"]["gate"].shape[0] == 2
-    grads, losses, _ = step_results([*overrides, "mesh.expert=2", *PER_DEVICE[1:]], devices[:2])
-    assert_same_steps((grads, losses), (ref_grads, ref_losses))
+    reference = gradient_results(overrides, devices[:1])
+    assert reference[0]["dense_blocks"]["gate"]["kernel"].shape[0] == 1
+    assert reference[0]["blocks"]["moe"]["gate"].shape[0] == 2
+    assert_same_steps(gradient_results([*overrides, "mesh.expert=2", *PER_DEVICE[1:]], devices[:2]), reference)
 
 
 EXPERT_LAYOUTS = {"e4": ["mesh.expert=4"], "e2-t2": ["mesh.expert=2", "mesh.tensor=2"],
@@ -459,17 +479,6 @@ PIPELINES = {"s2-d2-uneven": (["mesh.stage=2", "mesh.data=2", "model.layers=3"],
 """MoE blocks in a pipeline's stages, and the devices that hold a replica's rows apart (over data or expert)."""
 
 
-def batch_in_order(program, order):
-    """The first global batch's rows in `order`, split into the program's microbatches and placed."""
-    from xlatrain.data.loader import make_global, split_microbatches
-    from xlatrain.mesh import train_batch_sharding
-
-    rows = [program.dataset.train[i] for i in order]
-    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-    return make_global(split_microbatches(batch, program.derived.microbatches), train_batch_sharding(program.mesh),
-                       1, 1)
-
-
 @pytest.fixture(scope="module")
 def one_device_microbatches(devices):
     """One device's gradients and step metrics with 4 accumulated microbatches, the rows of microbatch j those of
@@ -483,31 +492,20 @@ def one_device_microbatches(devices):
             each = rows // (holders * pieces)
             order = [d * rows // holders + j * each + k for j in range(pieces) for d in range(holders)
                      for k in range(each)]
-            found[key] = pipeline_step_results(["batch.microbatches=4", *layers], devices[:1], order)
+            found[key] = gradient_results(["batch.microbatches=4", *layers], devices[:1], order)
         return found[key]
 
     return results
 
 
-def pipeline_step_results(overrides, devices, order=range(8)):
-    program = build_program(load_config(None, [*MOE, "model.moe.aux_loss_weight=0.1", "model.moe.z_loss_weight=0.01",
-                                               *overrides]), devices)
-    state, batch = program.create_state(), batch_in_order(program, order)
-    grads = jax.device_get(program.gradients(state, batch)[0])
-    if program.pipeline is not None:
-        grads = jax.device_get(program.pipeline.layout.layer_params(grads))
-    metrics = program.train_step(state, batch)[1]
-    return grads, [{k: float(metrics[k]) for k in ("loss", "router_aux_loss", "router_z_loss", "router_cv")}]
-
-
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if "zbv" in n else ()) for n in PIPELINES])
 def test_a_pipeline_of_moe_blocks_equals_one_device(name, one_device_microbatches, devices):
     """Every layer's router statistics travel with the activation, and the auxiliary loss's gradient comes back
-    with the activation's: the loss, the router metrics and every gradient equal one device accumulating the same
-    global microbatches, under 1f1b and zbv, with the replica's rows over data or over an expert group."""
+    with the activation's: the loss, the router's losses and loads and every gradient equal one device accumulating
+    the same global microbatches, under 1f1b and zbv, with the replica's rows over data or over an expert group."""
     overrides, holders = PIPELINES[name]
     layers = [o for o in overrides if o.startswith("model.layers")]
-    ours = pipeline_step_results([*overrides, "parallel.pipeline.microbatches=4"], devices[:2 * holders])
+    ours = gradient_results([*overrides, "parallel.pipeline.microbatches=4"], devices[:2 * holders])
     assert_same_steps(ours, one_device_microbatches(layers, holders))
 
 
