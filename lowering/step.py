@@ -157,6 +157,14 @@ def loss_scale(state: TrainState, policy: Policy) -> jax.Array:
     return state.loss_scale.scale if policy.dynamic_scale else jnp.ones((), jnp.float32)
 
 
+def reported_objective(balance: Any, reports: Tree, across: Callable[[jax.Array], jax.Array], scale: jax.Array,
+                       total_weight: jax.Array, microbatches: int) -> tuple[jax.Array, Metrics]:
+    """The layers' own losses (ModelDef.reports' objective: an MoE's router losses) scaled as the loss is, each
+    microbatch's over the global microbatch and their mean over the step's `microbatches`; and their metric sums."""
+    layer_loss, layer_sums = balance.objective(reports, across)
+    return layer_loss * scale / microbatches, weighted_means(layer_sums, total_weight / microbatches)
+
+
 def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
                        replicas: PartitionedReplicas | ExplicitReplicas,
                        compute_params: Callable[[Tree], Tree] = lambda p: p, gradients: Callable | None = None,
@@ -175,10 +183,9 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
             sums = loss_sums(outputs, micro, loss)
             objective = sums["loss"] * scale / total_weight
             if reports is not None:
-                # the layers' own losses, each microbatch's over the global microbatch, their mean over microbatches
-                layer_loss, layer_sums = model.reports.objective(reports, replicas.across)
-                objective = objective + layer_loss * scale / microbatches
-                sums = {**sums, **weighted_means(layer_sums, total_weight / microbatches)}
+                layer_loss, layer_sums = reported_objective(model.reports, reports, replicas.across, scale,
+                                                            total_weight, microbatches)
+                objective, sums = objective + layer_loss, {**sums, **layer_sums}
             return objective, (sums, model_state)
 
     grad_fn = jax.grad(scaled_objective, has_aux=True)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from xlatrain.lowering.pipeline.residuals import ResidualLayout, saving_matmuls
 from xlatrain.lowering.pipeline.split_backward import BackwardSplit, abstract_value, split_pullback
-from xlatrain.lowering.step import loss_sums, weighted_means
+from xlatrain.lowering.step import loss_sums, reported_objective
 
 from xlatrain.compat.jaxprs import evaluate, without_exact_roundings
 from xlatrain.models.blocks import BLOCKS, BlockParts, layer_numbers, split_blocks
@@ -54,8 +54,7 @@ class StageReports:
 
     def objective_of(self, carried: tuple, scale: jax.Array, total_weight: jax.Array) -> tuple:
         """(the layers' scaled loss, their metric sums) of the last chunk's reports."""
-        loss, sums = self.objective.objective(carried[1], self.across)
-        return loss * scale / self.microbatches, weighted_means(sums, total_weight / self.microbatches)
+        return reported_objective(self.objective, carried[1], self.across, scale, total_weight, self.microbatches)
 
 
 def activation_of(carried: Any) -> jax.Array:
