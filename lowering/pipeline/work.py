@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from xlatrain.lowering.pipeline.chunks import (
     KINDS,
+    StageReports,
     backward_splits,
     chunk_arguments,
     chunk_functions,
@@ -66,8 +67,8 @@ def _pipeline_work(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
                    objective: Any) -> PipelineWork:
     unrolled = copy.copy(parts)
     unrolled.scan = False
-    _, cr, x = abstract_chunk(unrolled, abstract_params, micro, policy, 1, objective)
     reports = chunk_reports(unrolled, abstract_params, micro, policy, objective)
+    _, cr, x = abstract_chunk(unrolled, abstract_params, micro, policy, 1, reports)
     reporting = reports is not None
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     scales = (scalar, scalar)  # the loss scale and the total weight, as the step's chunks get them
@@ -153,8 +154,8 @@ def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
     chunk fits them), for chunks as the step runs them (padded to the largest, and masked when unequal).
     `stash`: the bytes of the buffers that hold a split backward's stash from B to W instead."""
     width = max(partition)
-    cb, cr, x = abstract_chunk(parts, abstract_params, micro, policy, width, objective)
     reports = chunk_reports(parts, abstract_params, micro, policy, objective)
+    cb, cr, x = abstract_chunk(parts, abstract_params, micro, policy, width, reports)
     active = None if len(set(partition)) == 1 else jax.ShapeDtypeStruct((), jnp.int32)
     arguments = chunk_arguments(cb, cr, x, micro, jax.ShapeDtypeStruct((width, 2), jnp.uint32), active,
                                 layers=chunk_layers(parts, 0, width, reports is not None))
@@ -165,20 +166,19 @@ def residual_bytes(parts: BlockParts, abstract_params: dict, micro: dict[str, ja
 
 
 def abstract_chunk(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], policy: Policy,
-                   count: int, objective: Any = None) -> tuple[dict, dict, Any]:
+                   count: int, reports: StageReports | None = None) -> tuple[dict, dict, Any]:
     """A chunk of `count` blocks' inputs as the step's slots get them, abstract: its blocks and the other params
-    cast to the compute dtype, and what enters it (the activation, and the reports so far where `objective`)."""
+    cast to the compute dtype, and what enters it (the activation, and with `reports` the reports so far)."""
     blocks, rest = split_blocks(abstract_params)
     resized = jax.tree.map(lambda b: jax.ShapeDtypeStruct((count, *b.shape[1:]), b.dtype), blocks)
     cb, cr = jax.eval_shape(lambda b, r: cast_floats((b, r), policy.compute), resized, rest)
     x = jax.eval_shape(lambda cb, cr, m: parts.before({**cr, BLOCKS: cb}, cast_floats(m["inputs"], policy.compute),
                                                       documents_of(m)), cb, cr, micro)
-    reports = chunk_reports(parts, abstract_params, micro, policy, objective)
     return cb, cr, x if reports is None else jax.eval_shape(reports.carried, x)
 
 
 def chunk_reports(parts: BlockParts, abstract_params: dict, micro: dict[str, jax.ShapeDtypeStruct], policy: Policy,
-                  objective: Any):
+                  objective: Any) -> StageReports | None:
     """chunks.StageReports for counting a chunk's work (the layers' losses left out: they are a few sums)."""
     blocks, rest = split_blocks(abstract_params)
     return stage_reports(parts, policy, objective, None, 1,

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from xlatrain.models.blocks import BLOCKS, DENSE_BLOCKS
+from xlatrain.models.interleave import interleaving_of
 
 LAYER = "{layer}"
 """Where a block's tensor names its layer."""
@@ -122,10 +123,8 @@ def stacked_layers(model) -> dict[str, tuple[int, ...]]:
     """Which of the checkpoint's layers each stack holds, in order, where a decoder keeps its dense layers apart from
     its expert layers (model.moe.dense_layers_first, interleave); {}: one stack, every layer in order."""
     moe = getattr(model, "moe", None)
-    experts = () if moe is None else moe.layers_with_experts(model.layers)
-    if len(experts) in (0, model.layers):
-        return {}
-    return {BLOCKS: experts, DENSE_BLOCKS: tuple(i for i in range(model.layers) if i not in experts)}
+    order = None if moe is None else interleaving_of(model.layers, moe.layers_with_experts(model.layers))
+    return {} if order is None else {BLOCKS: order.second, DENSE_BLOCKS: order.first}
 
 
 def checkpoint_layer(layers: dict[str, tuple[int, ...]], stack: str, index: int) -> int:

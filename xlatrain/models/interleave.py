@@ -47,6 +47,12 @@ class Interleaving:
             raise ValueError(f"layers {self.second} of {self.layers} are not evenly spaced")
 
 
+def interleaving_of(layers: int, second: tuple[int, ...]) -> Interleaving | None:
+    """The order of `layers` layers of which those numbered `second` are of the second kind; None where every layer
+    is of one kind."""
+    return Interleaving(layers, second) if 0 < len(second) < layers else None
+
+
 def run_interleaved(order: Interleaving, first: LayerFn, second: LayerFn, params_first: Any, params_second: Any,
                     x: jax.Array, inputs_L: Any, scan: bool) -> tuple[jax.Array, Any, Any]:
     """(x, the first kind's outputs stacked in their stack's order, the second's) of x through every layer in

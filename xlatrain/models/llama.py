@@ -23,7 +23,7 @@ from xlatrain.models.decoder import Decoder, by_heads, dropout_keys, residual_st
 from xlatrain.models.embedding import TokenEmbed
 from xlatrain.models.experts import MoEMLP, MoEShape, RouterStats
 from xlatrain.models.interface import Documents
-from xlatrain.models.interleave import Interleaving
+from xlatrain.models.interleave import Interleaving, interleaving_of
 from xlatrain.models.linear import linear
 from xlatrain.models.rope import inverse_frequencies, rotate
 from xlatrain.sharding import BATCH, SEQUENCE, constrain
@@ -89,9 +89,7 @@ class LlamaShape:
 
     def interleaving(self) -> Interleaving | None:
         """The dense and expert layers' order where the model has both kinds (None: one kind)."""
-        if self.moe is None or not self.moe_layers or len(self.moe_layers) == self.layers:
-            return None
-        return Interleaving(self.layers, self.moe_layers)
+        return None if self.moe is None else interleaving_of(self.layers, self.moe_layers)
 
     def layer_kinds(self) -> tuple[tuple[LayerKind, ...], tuple[int, ...]]:
         """(the distinct kinds of layer, each layer's index among them)."""
