@@ -363,7 +363,7 @@ def test_bad_prepare_input_is_one_line_naming_the_file(case, tmp_path):
         import pyarrow.parquet as parquet
 
         parquet.write_table(pyarrow.table({"body": ["x"]}), inputs / "d.parquet")
-        expected = "d.parquet has no column 'text' (it has: body)"
+        expected = "d.parquet is a record of no known format (its fields: body)"
     elif case == "not_a_shard_dir":
         (inputs / "a.txt").write_text("text")
         out.mkdir()

@@ -226,8 +226,12 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--train-tokenizer", type=_positive, metavar="VOCAB", help="train a byte-level BPE of VOCAB "
                        "ids on the training documents (saved as DIR/tokenizer.json)")
     prepare.add_argument("--glob", default="**/*", help="which files under an INPUT directory (default **/*)")
-    prepare.add_argument("--field", default="text", help="the text field of JSONL lines and Parquet rows "
-                         "(default text)")
+    prepare.add_argument("--field", help="read every JSONL line or Parquet row as a text document, its text in this "
+                         "field (default: the records' fields tell TRL's format: text, prompt and completion, or "
+                         "messages; docs/finetuning.md)")
+    prepare.add_argument("--loss-on", default="auto", choices=("auto", "completion", "assistant", "all"),
+                         help="which tokens of fine-tuning examples the loss counts (default auto: a completion "
+                         "after its prompt, a conversation's assistant turns)")
     prepare.add_argument("--holdout", type=float, default=0.01, help="fraction of documents held out for "
                          "evaluation, every k-th (default 0.01)")
     prepare.add_argument("--shard-tokens", type=_positive, default=1 << 28, metavar="N",
@@ -375,7 +379,7 @@ def _prepare(_config_path: str | None, _overrides: list[str], args: argparse.Nam
     from xlatrain.commands.prepare import Request, prepare
 
     prepare(Request(tuple(args.inputs), args.out, args.tokenizer, args.train_tokenizer, args.field, args.glob,
-                    args.holdout, args.shard_tokens, args.bos))
+                    args.holdout, args.shard_tokens, args.bos, args.loss_on))
     return 0
 
 

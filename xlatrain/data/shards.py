@@ -6,6 +6,10 @@ boundaries `SPLIT-NNNNN.idx.npy` (int64 offsets, documents + 1 of them), both re
 that made them (`tokenizer.json`, when it is a Hugging Face one); and `manifest.json`, written last: a shard the
 manifest does not list is never read, so an interrupted preparation leaves nothing that a run would take.
 
+Shards of fine-tuning examples (manifest version 2) also hold each token's loss weight as a target,
+`SPLIT-NNNNN.weights.npy` (uint8: 1 on an answer's tokens), and each of their documents is one example, read
+whole; version 1 shards (text) read with weight 1 everywhere.
+
 Before a run reads them, every shard's boundaries are checked (in order, inside the shard: cheap, one int64 per
 document) and its largest id is compared with the tokenizer's ids: the manifest records it (`max_id`) since
 `data prepare` wrote it; shards prepared before that are scanned once, and the scan kept beside the run
@@ -28,6 +32,9 @@ from xlatrain.errors import UserError, first_line
 MANIFEST = "manifest.json"
 FORMAT = "xlatrain-token-shards"
 VERSION = 1
+"""Shards of plain text: tokens and boundaries (written so still, byte for byte as before loss weights existed)."""
+WEIGHTED_VERSION = 2
+"""Shards whose documents are examples with per-token loss weights."""
 SPLITS = ("train", "eval")
 SCAN_CHUNK = 1 << 26
 """Ids read per step of a scan for the largest (128 MiB of uint16): a bounded buffer however large the shard."""
@@ -41,12 +48,18 @@ def index_name(shard: str) -> str:
     return shard.removesuffix(".bin") + ".idx.npy"
 
 
+def weights_name(shard: str) -> str:
+    return shard.removesuffix(".bin") + ".weights.npy"
+
+
 @dataclass(frozen=True)
 class Shard:
     tokens: np.ndarray
     """The shard's ids, memory-mapped."""
     bounds: np.ndarray
     """Document d is tokens[bounds[d]:bounds[d + 1]], its end-of-text last."""
+    weights: np.ndarray | None = None
+    """Each token's loss weight as a target (uint8, memory-mapped); None: every token counts."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,11 @@ class ShardSet:
     @property
     def fingerprint(self) -> str:
         return str(self.manifest["fingerprint"])
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the documents are examples with loss weights (to be kept whole, not split or windowed)."""
+        return self.manifest["version"] == WEIGHTED_VERSION
 
 
 def manifest_fingerprint(manifest: dict[str, Any]) -> str:
@@ -83,8 +101,9 @@ def read_manifest(directory: Path, named: str = "data.path") -> dict[str, Any]:
         raise UserError(f"{path} could not be read as JSON ({first_line(err)}); it is truncated or damaged: "
                         f"{prepare}") from None
     try:
-        if manifest["format"] != FORMAT or manifest["version"] != VERSION:
-            raise UserError(f"{path} is not an {FORMAT} manifest of version {VERSION}; {prepare}")
+        if manifest["format"] != FORMAT or manifest["version"] not in (VERSION, WEIGHTED_VERSION):
+            raise UserError(f"{path} is not an {FORMAT} manifest of version {VERSION} or {WEIGHTED_VERSION}; "
+                            f"{prepare}")
         fingerprint_ok = manifest["fingerprint"] == manifest_fingerprint(manifest)
         dtype = np.dtype(manifest["dtype"])
         vocab = int(manifest["tokenizer"]["vocab_size"])
@@ -92,6 +111,7 @@ def read_manifest(directory: Path, named: str = "data.path") -> dict[str, Any]:
         entries = [entry for split in SPLITS for entry in manifest["splits"][split]["shards"]]
         well_formed = all(isinstance(e["file"], str) and Path(e["file"]).name == e["file"] and int(e["tokens"]) >= 0
                           and int(e["documents"]) >= 0 and int(e.get("max_id", 0)) >= 0
+                          and (manifest["version"] == VERSION or e["weights"] == weights_name(e["file"]))
                           for e in entries)
     except (KeyError, TypeError, ValueError):
         well_formed = False
@@ -148,7 +168,8 @@ def open_shards(directory: Path, named: str = "data.path", scans: ShardScans | N
         if largest >= vocab:
             raise UserError(f"{path} holds the id {largest}, outside its tokenizer's {vocab} ids "
                             f"({manifest['tokenizer']['name']}): a model would read it as a padding row; {again}")
-        return Shard(tokens, bounds)
+        return Shard(tokens, bounds, _weights(directory, entry, again) if manifest["version"] == WEIGHTED_VERSION
+                     else None)
 
     splits = {split: tuple(opened(e) for e in manifest["splits"][split]["shards"]) for split in SPLITS}
     scans.keep()
@@ -157,6 +178,17 @@ def open_shards(directory: Path, named: str = "data.path", scans: ShardScans | N
             raise UserError(f"{directory / MANIFEST}: the {split} split holds no documents; prepare it from more "
                             "documents")
     return ShardSet(manifest, splits["train"], splits["eval"])
+
+
+def _weights(directory: Path, entry: dict[str, Any], again: str) -> np.ndarray:
+    path = directory / entry["weights"]
+    if not path.is_file():
+        raise UserError(f"{path} is missing, though {directory / MANIFEST} lists it; {again}")
+    weights = _read(path, lambda: np.load(path, mmap_mode="r"), again)
+    if weights.shape != (int(entry["tokens"]),) or weights.dtype != np.uint8:
+        raise UserError(f"{path} does not hold the {entry['tokens']} uint8 loss weights of {entry['file']}: it is "
+                        f"truncated or was changed; {again}")
+    return weights
 
 
 def largest_id(tokens: np.ndarray) -> int:

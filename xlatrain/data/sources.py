@@ -37,7 +37,7 @@ from xlatrain.data.tokenizers import (
     trained_tokenizer_name,
 )
 from xlatrain.data.tokens import PackedRows, ShardWindows
-from xlatrain.errors import UserError, first_line
+from xlatrain.errors import UserError, first_line, warn
 
 _SPLIT_SEED = 20261122
 """Held-out splits are fixed, independent of the run's seed, so eval numbers compare across runs."""
@@ -218,9 +218,14 @@ def _tokens(config: TokensData, scans: ShardScans) -> Dataset:
                             f"(fingerprint {made_with['fingerprint']}), not data.tokenizer="
                             f"{config.tokenizer!r} ({expected.fingerprint}); prepare the shards with it, or drop "
                             "data.tokenizer")
+    if shards.weighted and not config.packing:
+        raise UserError(f"data.path={config.path!r} holds fine-tuning examples with loss weights, each to be read "
+                        "whole: set data.packing=true")
     source = PackedRows if config.packing else ShardWindows
     train, held_out = source(shards.train, config.seq_len), source(shards.eval, config.seq_len)
     for split, examples in (("training", train), ("held-out", held_out)):
+        if shards.weighted:
+            _report_cut_examples(examples, split, config)
         if not len(examples):
             raise UserError(f"data.path={config.path!r}: its {split} shards hold too few tokens for one example of "
                             f"data.seq_len={config.seq_len}; lower data.seq_len or prepare more text")
@@ -228,6 +233,19 @@ def _tokens(config: TokensData, scans: ShardScans) -> Dataset:
                     f"data.path={config.path!r}", documents=config.packing,
                     tokenizer={**shards.manifest["tokenizer"], "shards": shards.fingerprint})
     return Dataset(train, held_out, spec)
+
+
+def _report_cut_examples(examples: PackedRows, split: str, config: TokensData) -> None:
+    """One line for the examples cut by seq_len (TRL's keep_start) and those skipped with no weighted token left;
+    a split left with none is an error."""
+    if not len(examples):
+        raise UserError(f"data.path={config.path!r}: none of its {split} examples has a token it trains on within "
+                        f"data.seq_len={config.seq_len} (all {examples.skipped} skipped); raise data.seq_len or "
+                        "prepare shorter examples")
+    if examples.truncated or examples.skipped:
+        warn(f"data.path={config.path!r}: {examples.truncated} {split} examples cut to their first "
+             f"{config.seq_len + 1} tokens (data.seq_len={config.seq_len}), {examples.skipped} skipped (no token "
+             "they train on within that)")
 
 
 def _text_paragraphs(tokens: np.ndarray, config: TextData, directory: Path) -> Dataset:

@@ -39,13 +39,21 @@ class PackedRows:
     """Whole documents packed in order into rows of seq_len positions, a document longer than a row split into
     pieces of seq_len + 1 tokens that overlap by one (every next-token pair is in one piece). Each record carries
     `segment_ids` (1, 2, ... per piece of the row, 0 on padding), `positions` (restarting at 0 in each piece) and
-    `mask` (1 on the pieces' targets), so that attention and the loss stay inside a document."""
+    `mask` (1 on the pieces' targets), so that attention and the loss stay inside a document.
+
+    Shards with loss weights hold examples (a conversation, a prompt and its completion): each is one piece,
+    never split (a later piece would lose the prompt), truncated to its first seq_len + 1 tokens (TRL's
+    `keep_start`); the mask is its targets' weights, and an example left with no weighted target is skipped
+    (`skipped` counts them, `truncated` those cut)."""
 
     shards: tuple[Shard, ...]
     seq_len: int
 
     def __post_init__(self):
-        pieces = [_pieces(s.bounds, self.seq_len) for s in self.shards]
+        whole = [_whole_examples(s.bounds, s.weights, self.seq_len) for s in self.shards if s.weights is not None]
+        object.__setattr__(self, "skipped", sum(skipped for _, skipped, _ in whole))
+        object.__setattr__(self, "truncated", sum(truncated for _, _, truncated in whole))
+        pieces = ([kept for kept, _, _ in whole] if whole else [_pieces(s.bounds, self.seq_len) for s in self.shards])
         shard_of = np.concatenate([np.full(len(p), i, np.int32) for i, p in enumerate(pieces)] or [np.zeros(0)])
         starts = np.concatenate([p[:, 0] for p in pieces] or [np.zeros(0, np.int64)])
         lengths = np.concatenate([p[:, 1] for p in pieces] or [np.zeros(0, np.int64)])
@@ -68,7 +76,8 @@ class PackedRows:
             row["inputs"][span], row["targets"][span] = tokens[:-1], tokens[1:]
             row["segment_ids"][span] = segment
             row["positions"][span] = np.arange(length - 1)
-            mask[span] = 1.0
+            weights = self.shards[self._shard[piece]].weights
+            mask[span] = 1.0 if weights is None else weights[start + 1:start + length]
             at += length - 1
         return {**row, "mask": mask}
 
@@ -85,6 +94,22 @@ def _pieces(bounds: np.ndarray, seq_len: int) -> np.ndarray:
     piece_start = starts[document] + offset
     piece_length = np.minimum(seq_len + 1, stops[document] - piece_start)
     return np.stack([piece_start, piece_length], axis=1)
+
+
+def _whole_examples(bounds: np.ndarray, weights: np.ndarray, seq_len: int) -> tuple[np.ndarray, int, int]:
+    """([n, 2] (start, length) of each example cut to its first seq_len + 1 tokens, those with no weighted target
+    in it left out; how many were left out; how many of those kept were cut)."""
+    starts, stops = np.asarray(bounds[:-1], np.int64), np.asarray(bounds[1:], np.int64)
+    lengths = np.minimum(stops - starts, seq_len + 1)
+    weighted = np.zeros(len(starts), np.int64)
+    pairs = np.flatnonzero(lengths > 1)
+    if len(pairs):  # the targets' weights summed per example: [start + 1, start + length), one pass over the file
+        edges = np.stack([starts[pairs] + 1, starts[pairs] + lengths[pairs]], axis=1).reshape(-1)
+        edges = edges[:-1] if edges[-1] == len(weights) else edges  # the last sum runs to the end anyway
+        weighted[pairs] = np.add.reduceat(np.asarray(weights), edges, dtype=np.int64)[::2]
+    kept = weighted > 0
+    pieces = np.stack([starts[kept], lengths[kept]], axis=1)
+    return pieces, int(np.sum(~kept)), int(np.sum(kept & (stops - starts > seq_len + 1)))
 
 
 def _next_fit(sizes: np.ndarray, capacity: int) -> np.ndarray:
