@@ -43,7 +43,7 @@ def chat_tokenizer(directory, template):
     tokenizer = HFTokenizer.from_str(train_bpe([" ".join(WORDS)] * 20, 300).serialized)
     tokenizer.add_special_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                                   "<|im_start|>", "<|im_end|>"])
-    directory.mkdir(parents=True)
+    directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     if template == "llama3":
         (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA3,

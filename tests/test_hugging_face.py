@@ -160,7 +160,7 @@ def test_sampling_a_gemma_checkpoint_begins_the_prompt_with_its_tokenizers_bos(t
     assert ids[0] == bos
     expected, margin = generated_by_transformers(reference, np.asarray([ids]), 8)
     assert margin > 1e-4
-    _, new = sample(Request(f"hf:{directory}", prompt, max_new_tokens=8, temperature=0.0))
+    _, new = sample(Request(f"hf:{directory}", (prompt,), max_new_tokens=8, temperature=0.0))[0]
     np.testing.assert_array_equal(new, expected[0][:len(new)])
     assert len(new) == 8 or expected[0][len(new)] == load_tokenizer(str(directory)).end_of_text
 
@@ -169,12 +169,12 @@ def test_the_decode_loop_is_traced_once_for_any_number_of_tokens(llama_run, monk
     traced = []
     original = decoder.Decoder.decode
 
-    def counted(self, tokens, cache, start):
+    def counted(self, tokens, cache, start, padding):
         traced.append(tokens.shape)
-        return original(self, tokens, cache, start)
+        return original(self, tokens, cache, start, padding)
 
     monkeypatch.setattr(decoder.Decoder, "decode", counted)
-    _, ids = sample(Request(str(llama_run), "import ", max_new_tokens=20, temperature=0.8, seed=3))
+    _, ids = sample(Request(str(llama_run), ("import ",), max_new_tokens=20, temperature=0.8, seed=3))[0]
     assert len(ids) == 20 and traced == [(1, 7), (1, 1)]  # the prompt, then one token: a while loop
 
 
@@ -190,8 +190,8 @@ def test_sampling_filters_as_asked_and_a_seed_repeats_its_choices(llama_run):
     assert kept(vocab_used=3) == [0, 1, 2]
     hot = np.asarray(filtered_logits(logits, Sampling(8, temperature=2.0)))
     np.testing.assert_allclose(hot, np.asarray(logits) / 2, rtol=1e-6)
-    request = Request(str(llama_run), "def ", max_new_tokens=16, temperature=1.5, top_k=50, top_p=0.95, seed=7)
-    first, again, other = sample(request), sample(request), sample(Request(**{**request.__dict__, "seed": 8}))
+    request = Request(str(llama_run), ("def ",), max_new_tokens=16, temperature=1.5, top_k=50, top_p=0.95, seed=7)
+    first, again, other = (sample(r)[0] for r in (request, request, Request(**{**request.__dict__, "seed": 8})))
     assert first[0] == again[0] and not np.array_equal(first[1], other[1])
 
 
@@ -206,13 +206,13 @@ def test_a_run_trained_pipelined_or_sharded_samples_on_one_device(layout, llama_
     result = run_cli("sample", str(run_dir), "--prompt", "import ", "--max-new-tokens", "12", "--temperature", "0")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("import ")
-    text, ids = sample(Request(str(run_dir), "import ", max_new_tokens=12, temperature=0.0))
+    text, ids = sample(Request(str(run_dir), ("import ",), max_new_tokens=12, temperature=0.0))[0]
     assert result.stdout == f"import {text}\n" and len(ids) == 12
 
 
 def test_a_trained_tokenizer_decodes_samples_to_text(tmp_path, devices):
     run_dir = trained_run(tmp_path / "run", "data.tokenizer.train.vocab_size=300", devices=devices[:1])
-    text, ids = sample(Request(str(run_dir), "import os\n", max_new_tokens=10, temperature=0.0))
+    text, ids = sample(Request(str(run_dir), ("import os\n",), max_new_tokens=10, temperature=0.0))[0]
     trained = from_run(run_dir, None, "test")[0]
     assert trained.model.vocab >= 300 and trained.tokenizer.name != "bytes"
     assert text == trained.tokenizer.decode(ids.tolist()) and len(ids) == 10 and text
@@ -315,5 +315,5 @@ def test_an_unreadable_checkpoint_is_one_line_naming_it(unreadable, llama_run, t
 
 
 def test_without_max_new_tokens_a_sample_runs_to_the_end_of_the_context(llama_run):
-    text, ids = sample(Request(str(llama_run), "x" * 20, temperature=0.0))
+    text, ids = sample(Request(str(llama_run), ("x" * 20,), temperature=0.0))[0]
     assert len(ids) == 12  # the context is 32

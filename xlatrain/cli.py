@@ -196,9 +196,16 @@ def _parser() -> argparse.ArgumentParser:
     sample = commands.add_parser("sample", help="continue a prompt with a gpt or llama run's weights, or a Hugging "
                                  "Face checkpoint's")
     sample.add_argument("source", metavar="RUN_DIR|hf:DIR")
-    sample.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    given = sample.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action="append", metavar="TEXT", help="the text to continue (again for more "
+                       "prompts, continued together in one batch)")
+    given.add_argument("--chat", action="append", metavar="MESSAGE", help="a user's message, rendered with the "
+                       "tokenizer's chat template and its generation prompt; the answer ends at an end-of-turn id "
+                       "(the tokenizer's eos_token, generation_config.json's eos_token_id); again for more")
     sample.add_argument("--max-new-tokens", type=_positive, metavar="N", help="at most N tokens (default 64, or "
                         "what the model's context leaves after the prompt); the end-of-text token ends sooner")
+    sample.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end a continuation before this "
+                        "text (again for more)")
     sample.add_argument("--temperature", type=_non_negative_float, default=1.0, metavar="T",
                         help="softmax temperature; 0: greedy (default 1.0)")
     sample.add_argument("--top-k", type=_positive, metavar="K", help="choose among the K most likely tokens")
@@ -513,9 +520,10 @@ def _export(_config_path: str | None, _overrides: list[str], args: argparse.Name
 def _sample(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.commands.sample import Request, sample
 
-    text, _ = sample(Request(args.source, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                             args.top_p, args.seed, args.step))
-    print(args.prompt + text)
+    prompts = tuple(args.chat or args.prompt)
+    continued = sample(Request(args.source, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                               args.seed, args.step, chat=args.chat is not None, stop=tuple(args.stop)))
+    print("\n\n".join(text if args.chat else prompt + text for prompt, (text, _) in zip(prompts, continued)))
     return 0
 
 

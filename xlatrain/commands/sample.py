@@ -1,5 +1,8 @@
-"""`xlatrain sample RUN_DIR|hf:DIR --prompt TEXT`: a continuation of the prompt from a built-in decoder's trained
-(or imported) weights, on one device, with a KV cache and one compiled decode loop (xlatrain/models/sampling.py)."""
+"""`xlatrain sample RUN_DIR|hf:DIR --prompt TEXT [--prompt TEXT ...]` (or `--chat MESSAGE`): a continuation of
+each prompt from a built-in decoder's trained (or imported) weights, on one device, with a KV cache and one
+compiled decode loop over the prompts left-padded into one batch (xlatrain/models/sampling.py). `--chat` renders
+each message as a user's turn with the tokenizer's chat template and its generation prompt, and stops at the
+end-of-turn ids."""
 
 from __future__ import annotations
 
@@ -7,15 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from xlatrain.commands.trained import TrainedDecoder, from_hugging_face, from_run
 from xlatrain.config import HUGGING_FACE_PREFIX
 from xlatrain.config.base import expanded
 from xlatrain.config.hugging_face import checkpoint_directory
+from xlatrain.data.chat import load_chat_template
 from xlatrain.errors import UserError
-from xlatrain.models.sampling import Sampling, generate
+from xlatrain.models.sampling import Sampling, generate_until
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -24,7 +27,8 @@ DEFAULT_NEW_TOKENS = 64
 class Request:
     source: str
     """A run directory, or hf:DIR."""
-    prompt: str
+    prompts: tuple[str, ...]
+    """The texts to continue, or with `chat` the user's messages."""
     max_new_tokens: int | None = None
     """None: DEFAULT_NEW_TOKENS, or fewer where the model's context ends sooner."""
     temperature: float = 1.0
@@ -33,6 +37,9 @@ class Request:
     seed: int = 0
     step: int | None = None
     """A run's checkpoint (default: the latest)."""
+    chat: bool = False
+    stop: tuple[str, ...] = ()
+    """Stop strings: a continuation ends before the first."""
 
 
 def trained_decoder(source: str, step: int | None) -> TrainedDecoder:
@@ -44,30 +51,41 @@ def trained_decoder(source: str, step: int | None) -> TrainedDecoder:
     return from_run(Path(expanded(source)), step, "sample")[0]
 
 
-def prompt_ids(trained: TrainedDecoder, request: Request) -> tuple[np.ndarray, int]:
-    """The prompt's ids (after the BOS token where the tokenizer, or the run's data, begins texts with one) and how
-    many tokens may follow them, checked against the model's context."""
-    if trained.tokenizer is None:
+def prompt_ids(trained: TrainedDecoder, request: Request) -> tuple[list[np.ndarray], int, tuple[int, ...]]:
+    """(each prompt's ids: after the BOS token where the tokenizer, or the run's data, begins texts with one, or
+    rendered by the chat template; how many tokens may follow the longest, checked against the model's context;
+    the ids a continuation stops at)."""
+    tokenizer = trained.tokenizer
+    if tokenizer is None:
         raise UserError(f"sample: {trained.source} has no tokenizer to encode --prompt with (a run on "
                         "data.source=arrays, or shards prepared without one)")
-    ids = trained.tokenizer.encode_batch([utf8_text(request.prompt, "--prompt")])[0].astype(np.int32)
-    if not len(ids):
-        raise UserError("sample: --prompt is empty; give the text to continue")
-    if trained.tokenizer.bos is not None:
-        ids = np.concatenate([[trained.tokenizer.bos], ids]).astype(np.int32)
-    if ids.max() >= trained.model.vocab:
-        raise UserError(f"sample: the tokenizer gives --prompt the id {ids.max()}, past the model's vocabulary of "
+    option = "--chat" if request.chat else "--prompt"
+    texts = [utf8_text(text, option) for text in request.prompts]
+    if not all(texts):
+        raise UserError(f"sample: a {option} is empty; give the text to continue")
+    stop_ids = (tokenizer.end_of_text,)
+    if request.chat:
+        template = load_chat_template(tokenizer.name, "sample --chat: the tokenizer")
+        prompts = [template.prompt_ids([{"role": "user", "content": text}], "sample --chat").astype(np.int32)
+                   for text in texts]
+        stop_ids = tuple(sorted({*stop_ids, *template.end_of_turn_ids()}))
+    else:
+        begin, _ = tokenizer.around_documents()
+        prompts = [np.concatenate([begin, ids]).astype(np.int32) for ids in tokenizer.encode_batch(texts)]
+    largest = max(int(p.max()) for p in prompts)
+    if largest >= trained.model.vocab:
+        raise UserError(f"sample: the tokenizer gives {option} the id {largest}, past the model's vocabulary of "
                         f"{trained.model.vocab}: {trained.source}'s tokenizer is not its model's")
-    context = trained.model.max_len
-    if len(ids) >= context:
-        raise UserError(f"sample: --prompt is {len(ids)} tokens, and the model's context is {context}; shorten it")
+    context, longest = trained.model.max_len, max(len(p) for p in prompts)
+    if longest >= context:
+        raise UserError(f"sample: {option} is {longest} tokens, and the model's context is {context}; shorten it")
     if request.max_new_tokens is None:
-        return ids, min(DEFAULT_NEW_TOKENS, context - len(ids))
-    if len(ids) + request.max_new_tokens > context:
-        raise UserError(f"sample: --prompt's {len(ids)} tokens and --max-new-tokens {request.max_new_tokens} "
+        return prompts, min(DEFAULT_NEW_TOKENS, context - longest), stop_ids
+    if longest + request.max_new_tokens > context:
+        raise UserError(f"sample: {option}'s {longest} tokens and --max-new-tokens {request.max_new_tokens} "
                         f"exceed the model's context of {context}; lower --max-new-tokens to at most "
-                        f"{context - len(ids)}")
-    return ids, request.max_new_tokens
+                        f"{context - longest}")
+    return prompts, request.max_new_tokens, stop_ids
 
 
 def utf8_text(text: str, named: str) -> str:
@@ -83,16 +101,13 @@ def utf8_text(text: str, named: str) -> str:
     return text
 
 
-def sample(request: Request) -> tuple[str, np.ndarray]:
-    """(the continuation as text, its ids; the end-of-text token, when chosen, ends both)."""
+def sample(request: Request) -> list[tuple[str, np.ndarray]]:
+    """Each prompt's continuation as (text, ids), ending before a stop id or a stop string."""
     trained = trained_decoder(request.source, request.step)
-    ids, new_tokens = prompt_ids(trained, request)
+    prompts, new_tokens, stop_ids = prompt_ids(trained, request)
     tokenizer = trained.tokenizer
     graphdef, params = trained.module()
-    sampling = Sampling(new_tokens, request.temperature, request.top_k, request.top_p,
-                        tokenizer.end_of_text, min(tokenizer.vocab_size, trained.model.vocab))
-    tokens, made = generate(graphdef, params, jnp.asarray(ids[None]), jax.random.PRNGKey(request.seed), sampling)
-    new = np.asarray(tokens)[0, :int(made)]
-    ended = np.flatnonzero(new == tokenizer.end_of_text)
-    new = new[:ended[0]] if len(ended) else new
-    return tokenizer.decode(new.tolist()), new
+    sampling = Sampling(new_tokens, request.temperature, request.top_k, request.top_p, stop_ids,
+                        min(tokenizer.vocab_size, trained.model.vocab))
+    return generate_until(graphdef, params, prompts, jax.random.PRNGKey(request.seed), sampling, tokenizer.decode,
+                          request.stop)

@@ -10,6 +10,7 @@ next (an assistant turn is then what its message adds after the generation promp
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +24,16 @@ from xlatrain.errors import UserError, first_line
 GENERATION_SPAN = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     tokenizer: Any
     """transformers' PreTrainedTokenizerFast, its chat template set."""
     name: str
+    directory: Path
+    """Where the tokenizer and its template are."""
 
     @property
     def marks_generation(self) -> bool:
@@ -40,6 +46,18 @@ class ChatTemplate:
         except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
             raise UserError(f"{where}: the chat template of {self.name} refused these messages "
                             f"({first_line(err)[:160]})") from None
+
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The ids a model ends its turn with: the tokenizer's `eos_token`, and `generation_config.json`'s
+        `eos_token_id` (an id or a list of them) where the directory has one."""
+        ids = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        path = self.directory / GENERATION_CONFIG
+        try:
+            given = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.is_file() else None
+        except (OSError, ValueError, AttributeError) as err:
+            raise UserError(f"{path} is not readable JSON ({first_line(err)[:120]}); repair or remove it") from None
+        given = given if isinstance(given, list) else [given]
+        return tuple(sorted({*ids, *(int(i) for i in given if isinstance(i, int) and not isinstance(i, bool))}))
 
     def prompt_ids(self, messages: list[dict], where: str) -> np.ndarray:
         """The ids of a conversation followed by the generation prompt: what a model continues with its answer."""
@@ -117,4 +135,4 @@ def load_chat_template(spec: str, named: str) -> ChatTemplate:
     if not isinstance(tokenizer.chat_template, str):
         raise UserError(f"{named}={spec!r} has no chat template (no chat_template in tokenizer_config.json, no "
                         "chat_template.jinja beside it); add the model's template there, or give text records")
-    return ChatTemplate(tokenizer, spec)
+    return ChatTemplate(tokenizer, spec, file.parent)

@@ -253,15 +253,18 @@ def dot_attention(q_BxQxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Arr
 
 def cached_attention(q_BxTxHxK: jax.Array, k_BxTxGxK: jax.Array, v_BxTxGxK: jax.Array, keys_BxSxGxK: jax.Array,
                      values_BxSxGxK: jax.Array, start: jax.Array, window: int | None = None,
-                     scale: float | None = None, softcap: float | None = None,
+                     scale: float | None = None, softcap: float | None = None, padding_B: jax.Array | None = None,
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Decoding: the new tokens' keys and values written into the cache at `start`, then each new query attends
-    the cached keys up to its own position (its `window` latest, when given). Returns (attended, keys, values)."""
+    the cached keys up to its own slot (its `window` latest, when given), past its row's left padding (padding_B,
+    None: none). Returns (attended, keys, values)."""
     keys = jax.lax.dynamic_update_slice(keys_BxSxGxK, k_BxTxGxK.astype(keys_BxSxGxK.dtype), (0, start, 0, 0))
     values = jax.lax.dynamic_update_slice(values_BxSxGxK, v_BxTxGxK.astype(values_BxSxGxK.dtype), (0, start, 0, 0))
     queries, length = q_BxTxHxK.shape[1], keys.shape[1]
-    visible_TxS = sees(start + jnp.arange(queries)[:, None], jnp.arange(length)[None, :], window)
-    attended = dot_attention(q_BxTxHxK, keys, values, mask=visible_TxS[None, None], scale=scale, softcap=softcap)
+    visible = sees(start + jnp.arange(queries)[:, None], jnp.arange(length)[None, :], window)[None, None]
+    if padding_B is not None:
+        visible = visible & (jnp.arange(length)[None, :] >= padding_B[:, None])[:, None, None, :]
+    attended = dot_attention(q_BxTxHxK, keys, values, mask=visible, scale=scale, softcap=softcap)
     return attended, keys, values
 
 

@@ -89,10 +89,14 @@ class Decoder(BlockStack):
         zeros = jnp.zeros((self.layer_count(), batch, length, self.kv_heads, self.head_width), dtype)
         return KVCache(zeros, zeros)
 
-    def decode(self, tokens_BxT: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Logits of tokens at positions start, start + 1, ... of rows whose earlier tokens are in `cache`, and
-        the cache with theirs added."""
-        x = self.embed_at(tokens_BxT, start + jnp.arange(tokens_BxT.shape[1])[None])
+    def decode(self, tokens_BxT: jax.Array, cache: KVCache, start: jax.Array, padding_B: jax.Array | None = None
+               ) -> tuple[jax.Array, KVCache]:
+        """Logits of tokens in cache slots start, start + 1, ... of rows whose earlier tokens are in `cache`, and
+        the cache with theirs added. `padding_B`: each row's left padding, the first slots, which no query reads;
+        a row's positions begin after it (None: none)."""
+        positions_BxT = start + jnp.arange(tokens_BxT.shape[1])[None]
+        positions_BxT = positions_BxT if padding_B is None else jnp.maximum(positions_BxT - padding_B[:, None], 0)
+        x = self.embed_at(tokens_BxT, positions_BxT)
 
         def kind(stack: str) -> tuple[Callable, Any]:
             graphdef, params_Nx = nnx.split(getattr(self, stack))
@@ -100,8 +104,8 @@ class Decoder(BlockStack):
             def layer(params, x, inputs):
                 keys, values, number = inputs
                 block = nnx.merge(graphdef, params)
-                x, keys, values = (block.decode(x, keys, values, start) if number is None else
-                                   block.decode(x, keys, values, start, layer=number))
+                x, keys, values = (block.decode(x, keys, values, start, positions_BxT, padding_B) if number is None
+                                   else block.decode(x, keys, values, start, positions_BxT, padding_B, layer=number))
                 return x, (keys, values)
 
             return layer, params_Nx

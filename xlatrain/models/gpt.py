@@ -64,8 +64,9 @@ class Block(nnx.Module):
         attended_BxLxHxK = by_heads(causal_attention(q, k, v, segment_ids, positions=positions))
         return self._after_attention(x_BxLxD, attended_BxLxHxK, keys)
 
-    def decode(self, x_BxTxD, keys_BxSxHxK, values_BxSxHxK, start):
-        attended_BxTxHxK, keys, values = cached_attention(*self._qkv(x_BxTxD), keys_BxSxHxK, values_BxSxHxK, start)
+    def decode(self, x_BxTxD, keys_BxSxHxK, values_BxSxHxK, start, positions_BxT, padding_B):
+        attended_BxTxHxK, keys, values = cached_attention(*self._qkv(x_BxTxD), keys_BxSxHxK, values_BxSxHxK, start,
+                                                          padding_B=padding_B)
         return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None)), keys, values
 
     def _qkv(self, x_BxLxD):

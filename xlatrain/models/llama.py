@@ -179,12 +179,13 @@ class LlamaBlock(nnx.Module):
         x_BxLxD, stats = self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
         return x_BxLxD if stats is None else (x_BxLxD, stats)
 
-    def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start, layer: jax.Array | None = None):
-        q, k, v, positions = self._qkv(x_BxTxD, start + jnp.arange(x_BxTxD.shape[1]))
+    def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start, positions_BxT, padding_B,
+               layer: jax.Array | None = None):
+        q, k, v, positions = self._qkv(x_BxTxD, positions_BxT)
 
         def attend(kind: LayerKind):
             return cached_attention(*self._rotated(q, k, positions, kind), v, keys_BxSxGxK, values_BxSxGxK, start,
-                                    kind.window, scale=self.score_scale, softcap=self.softcap)
+                                    kind.window, scale=self.score_scale, softcap=self.softcap, padding_B=padding_B)
 
         attended_BxTxHxK, keys, values = self._by_kind(layer, attend)
         return self._after_attention(x_BxTxD, attended_BxTxHxK, (None, None))[0], keys, values
