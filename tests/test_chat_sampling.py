@@ -111,3 +111,37 @@ def test_chat_sampling_renders_the_template_and_stops_at_the_end_of_turn_ids(tmp
     assert main(["sample", f"hf:{directory}", "--chat", "say one two", "--max-new-tokens", "20",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out == text + "\n"
+
+
+def test_a_run_on_chat_shards_samples_chats_and_exports_its_template(tmp_path, devices):
+    """The shards keep the tokenizer's chat template beside its tokenizer.json; `sample RUN --chat` renders with
+    it, and `export --hf` writes it with the end of a turn among config.json's eos ids: the exported checkpoint
+    renders and answers alike."""
+    from test_finetuning_data import conversation, write_records
+    from transformers import PreTrainedTokenizerFast
+
+    from xlatrain.commands.prepare import Request as Prepare
+    from xlatrain.commands.prepare import prepare
+    from xlatrain.config import load_config
+    from xlatrain.trainer import train
+
+    tokenizer = chat_tokenizer(tmp_path / "tokenizer", "qwen")
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    rng = np.random.default_rng(0)
+    records = write_records(tmp_path / "chats.jsonl", [conversation(rng, n) for n in range(16)])
+    prepare(Prepare((records,), tmp_path / "shards", str(tokenizer), holdout=0.25))
+    run = tmp_path / "run"
+    train(load_config(None, ["model.name=llama", "model.layers=1", "model.width=32", "model.heads=2",
+                             "model.kv_heads=1", "data.source=tokens", f"data.path={tmp_path / 'shards'}",
+                             "data.packing=true", "data.seq_len=64", "batch.global_size=4", "trainer.steps=2",
+                             f"trainer.run_dir={run}"]), devices=devices[:1], echo=lambda _: None)
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    messages = [{"role": "user", "content": "say one"}]
+    exported = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "hf"))
+    assert exported.apply_chat_template(messages, add_generation_prompt=True) == PreTrainedTokenizerFast.\
+        from_pretrained(str(tokenizer)).apply_chat_template(messages, add_generation_prompt=True)
+    end_of_turn = exported.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn in json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"]
+    answers = [sample(Request(source, ("say one",), max_new_tokens=12, temperature=0.0, chat=True))[0][1]
+               for source in (str(run), f"hf:{tmp_path / 'hf'}")]
+    np.testing.assert_array_equal(*answers)

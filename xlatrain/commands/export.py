@@ -12,6 +12,7 @@ import numpy as np
 from xlatrain.commands.trained import from_run, read_checkpoint
 from xlatrain.config import TorchModelConfig
 from xlatrain.config.hugging_face import hugging_face_config
+from xlatrain.data.chat import TEMPLATE_FILES, template_files
 from xlatrain.data.tokenizers import (
     TOKENIZER_FILE,
     Tokenizer,
@@ -71,9 +72,11 @@ def export_hugging_face(run_dir: Path, out: Path, step: int | None = None) -> tu
     # generate() would stop at: this model's end-of-text, where its vocabulary holds one (text read as bytes has
     # none), and no beginning-of-text token.
     end = tokenizer.end_of_text if tokenizer is not None and tokenizer.end_of_text < trained.model.vocab else None
+    extra, end_of_turn = ({}, None) if tokenizer is None else _tokenizer_files(tokenizer, trained.model.max_len)
+    ends = sorted({i for i in (end, end_of_turn) if i is not None and i < trained.model.vocab})
     config_json = {**hugging_face_config(trained.model, trained.model.vocab, trained.model.max_len),
-                   "bos_token_id": None, "eos_token_id": end, "dtype": "float32"}
-    extra = {} if tokenizer is None else _tokenizer_files(tokenizer, trained.model.max_len)
+                   "bos_token_id": None, "eos_token_id": ends[0] if len(ends) == 1 else (ends or None),
+                   "dtype": "float32"}
     try:
         write_checkpoint(out, config_json, checkpoint_tensors(naming_of(trained.model), trained.params,
                                                                stacked_layers(trained.model)), extra)
@@ -83,18 +86,24 @@ def export_hugging_face(run_dir: Path, out: Path, step: int | None = None) -> tu
     return out, step
 
 
-def _tokenizer_files(tokenizer: Tokenizer, max_len: int) -> dict[str, str]:
-    """tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer reads; none for a sentencepiece
-    model, which has no tokenizer.json (and whose .model transformers reads with Llama's conventions, which change
-    its ids)."""
+def _tokenizer_files(tokenizer: Tokenizer, max_len: int) -> tuple[dict[str, str], int | None]:
+    """(tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer reads, with the chat template
+    beside the run's tokenizer where it has one; the id of that template's eos_token, which ends a turn). None for
+    a sentencepiece model, which has no tokenizer.json (and whose .model transformers reads with Llama's
+    conventions, which change its ids)."""
     from tokenizers import Tokenizer as HFTokenizer
 
     serialized = tokenizer.serialized
     if serialized is None and tokenizer.fingerprint == byte_tokenizer().fingerprint:
         serialized = bytes_as_hugging_face()
     if serialized is None:
-        return {}
-    end = HFTokenizer.from_str(serialized).id_to_token(tokenizer.end_of_text)
+        return {}, None
+    loaded = HFTokenizer.from_str(serialized)
+    end = loaded.id_to_token(tokenizer.end_of_text)
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
                 **({"eos_token": end} if end is not None else {})}
-    return {TOKENIZER_FILE: serialized, "tokenizer_config.json": json.dumps(settings, indent=2)}
+    files = template_files(tokenizer.name)
+    given = json.loads(files.pop(TEMPLATE_FILES[0], "{}"))
+    settings |= {k: given[k] for k in ("chat_template", "bos_token", "eos_token") if isinstance(given.get(k), str)}
+    end_of_turn = loaded.token_to_id(settings["eos_token"]) if "eos_token" in settings else None
+    return {TOKENIZER_FILE: serialized, TEMPLATE_FILES[0]: json.dumps(settings, indent=2), **files}, end_of_turn

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from xlatrain.config.data import BPE_VOCAB, stays_inside
+from xlatrain.data.chat import TEMPLATE_FILES, template_files
 from xlatrain.data.records import LANGUAGE_MODELING, LOSS_ON, Weighting, record_format, weighting
 from xlatrain.data.shards import (
     FORMAT,
@@ -199,6 +200,8 @@ def _write_shards(request: Request, files: list[Path], given: Tokenizer | None, 
                         "rest; give more documents or raise --holdout")
     if tokenizer.serialized is not None:
         replace_file(request.out / TOKENIZER_FILE, lambda p: p.write_text(tokenizer.serialized, encoding="utf-8"))
+    for name, text in (template_files(request.tokenizer) if weighted is not None else {}).items():
+        replace_file(request.out / name, lambda p, text=text: p.write_text(text, encoding="utf-8"))
     manifest = {"format": FORMAT, "version": VERSION if weighted is None else WEIGHTED_VERSION, "request": asked,
                 "tokenizer": tokenizer.describe(), "dtype": dtype.name, "holdout_every": every, "inputs": len(files),
                 "splits": {split: writer.summary() for split, writer in writers.items()}}
@@ -472,7 +475,7 @@ def _clear_partial_run(out: Path) -> None:
 
 def _written_here(name: str) -> bool:
     bare = name.removesuffix(".partial")
-    return (bare == TOKENIZER_FILE
+    return (bare in (TOKENIZER_FILE, *TEMPLATE_FILES)
             or any(bare.startswith(f"{split}-") and bare.endswith((".bin", ".idx.npy", ".weights.npy"))
                    for split in SPLITS))
 

@@ -115,6 +115,27 @@ class ChatTemplate:
                 np.asarray(encoded["offset_mapping"], np.int64).reshape(-1, 2))
 
 
+TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
+"""Where a chat template and the special tokens it names are kept beside a tokenizer.json."""
+
+
+def template_files(spec: str) -> dict[str, str]:
+    """{name: text} of TEMPLATE_FILES beside a Hugging Face tokenizer (`spec`: its tokenizer.json or directory),
+    those present, when one of them holds a chat template; {} otherwise. They go where the tokenizer is saved (a
+    shard directory, an exported checkpoint) so that what is made from it renders chats as it does."""
+    path = Path(spec)
+    directory = path if path.is_dir() else path.parent
+    if spec == "bytes" or not (directory / TOKENIZER_FILE).is_file():
+        return {}
+    found = {name: (directory / name).read_text(encoding="utf-8") for name in TEMPLATE_FILES
+             if (directory / name).is_file()}
+    try:
+        in_config = "chat_template" in json.loads(found.get(TEMPLATE_FILES[0], "{}"))
+    except (ValueError, TypeError):  # not JSON, or not an object: the tokenizer's loading names it
+        in_config = bool(found.pop(TEMPLATE_FILES[0]))
+    return found if in_config or TEMPLATE_FILES[1] in found else {}
+
+
 def load_chat_template(spec: str, named: str) -> ChatTemplate:
     """The chat template beside a Hugging Face tokenizer (`spec`: its tokenizer.json or directory)."""
     path = Path(spec)
