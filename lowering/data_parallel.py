@@ -38,6 +38,7 @@ from xlatrain.mesh import (
 )
 from xlatrain.models.context import inside_context_group
 from xlatrain.models.interface import ModelDef
+from xlatrain.models.lora import RANK_AXIS
 from xlatrain.models.moe import inside_expert_group
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
@@ -134,7 +135,7 @@ class DataParallel:
         complete = None
         if self.tensor_inside:
             complete = summed_over_tensor(self._tensor_group(), partial_gradients(
-                self.tensor_specs(params), self.model.logical_axes, self.derived.tensor_whole or (),
+                self.tensor_specs(params), self.model.logical_axes, (*(self.derived.tensor_whole or ()), RANK_AXIS),
                 self.config.parallel.sequence_parallel))
         return explicit_replicas(DATA, self.derived.data_parallel, c.bucket_bytes, c.impl, c.timeout_s,
                                  self._split_dims(params) if strategy in ("zero1", "fsdp") else None,

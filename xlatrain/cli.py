@@ -190,7 +190,10 @@ def _parser() -> argparse.ArgumentParser:
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--torch", type=_path, metavar="OUT.pt", help="a torch run: where to write the state_dict")
     target.add_argument("--hf", type=_path, metavar="OUT", help="a gpt or llama run: the directory to write "
-                        "(config.json, safetensors, the tokenizer) for transformers' from_pretrained")
+                        "(config.json, safetensors, the tokenizer) for transformers' from_pretrained; LoRA's "
+                        "adapters merged into their weights")
+    target.add_argument("--peft", type=_path, metavar="OUT", help="a llama run with model.lora: its adapters as a "
+                        "PEFT adapter directory for peft.PeftModel.from_pretrained(base, OUT)")
     export.add_argument("--step", type=_non_negative, help="which checkpoint (default: the latest)")
     export.set_defaults(command=_export, args=[])
     sample = commands.add_parser("sample", help="continue a prompt with a gpt or llama run's weights, or a Hugging "
@@ -507,10 +510,12 @@ def _parity_against_torch(args: argparse.Namespace) -> int:
 
 
 def _export(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
-    from xlatrain.commands.export import export_hugging_face, export_torch_state_dict
+    from xlatrain.commands.export import export_hugging_face, export_peft, export_torch_state_dict
 
     if args.hf is not None:
         path, step = export_hugging_face(args.run_dir, args.hf, args.step)
+    elif args.peft is not None:
+        path, step = export_peft(args.run_dir, args.peft, args.step)
     else:
         path, step = export_torch_state_dict(args.run_dir, args.torch, args.step)
     print(f"wrote {path} (step {step})")

@@ -37,6 +37,7 @@ from xlatrain.data.sources import Dataset, open_dataset
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError, warn
 from xlatrain.hf.names import naming_of, stacked_layers
+from xlatrain.hf.peft import adapter_weights
 from xlatrain.hf.tokenizer import other_tokens_than_the_checkpoints
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.lowering.compile import (
@@ -60,6 +61,7 @@ from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, train_batch_sha
 from xlatrain.models import flax_model, model_factory, router_balance
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.models.interface import PARTLY_FROZEN, ModelDef, documents_of, outputs_and_reports
+from xlatrain.models.lora import adapters_of, base_of, joined
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
@@ -188,25 +190,40 @@ class Program:
     def create_state(self) -> TrainState:
         """A new run's state: the model's own initialisation, the values it comes with (a torch module's), or
         a Hugging Face checkpoint's weights (model.init_from=hf:DIR), read as each device holds them."""
-        if isinstance(self.config.model, DECODERS) and self.config.model.init_from is not None:
-            state = create_state(self.init, self.specs, self.mesh, (self._hugging_face_params(), {}), arranged=True)
+        model = self.config.model
+        if isinstance(model, DECODERS) and (model.init_from is not None or (
+                model.lora is not None and model.lora.init_from is not None)):
+            state = create_state(self.init, self.specs, self.mesh, (self._checkpoint_params(), {}), arranged=True)
         else:
             given = self.model.initial_values() if self.model.initial_values is not None else None
             state = create_state(self.init, self.specs, self.mesh, given)
         verify_replicas_identical(state, self.specs, self.mesh)
         return state
 
-    def _hugging_face_params(self) -> Any:
-        model, directory = self.config.model, checkpoint_directory(self.config.model.init_from)
-        given_as = f"model.init_from={model.init_from!r}"
-        weights = HuggingFaceWeights(directory, naming_of(model), given_as, stacked_layers(model))
-        weights.check(jax.eval_shape(self.model.init, jax.random.PRNGKey(0))[0])
-        other_tokens = other_tokens_than_the_checkpoints(directory, self.dataset.spec.tokenizer,
-                                                         isinstance(self.config.data, TextData))
-        if other_tokens and is_primary():
-            warn(f"{given_as}: {other_tokens}")
+    def _checkpoint_params(self) -> Any:
+        """The params that checkpoints give, each device's piece read from them: a Hugging Face checkpoint's
+        (model.init_from) and a PEFT adapter's (model.lora.init_from); with adapters, a checkpoint without them
+        gives the base, and what no checkpoint gives is initialised (state.completed)."""
+        model = self.config.model
         layers_at = None if self.pipeline is None else self.pipeline.layout.layers_at
-        return placed_params(weights, self.abstract_state.params, named(self.mesh, self.specs.params), layers_at)
+        model_params = jax.eval_shape(self.model.init, jax.random.PRNGKey(0))[0]
+        abstract, shardings = self.abstract_state.params, named(self.mesh, self.specs.params)
+        parts = []
+        if model.init_from is not None:
+            directory, given_as = checkpoint_directory(model.init_from), f"model.init_from={model.init_from!r}"
+            weights = HuggingFaceWeights(directory, naming_of(model), given_as, stacked_layers(model))
+            weights.check(base_of(model_params))
+            other_tokens = other_tokens_than_the_checkpoints(directory, self.dataset.spec.tokenizer,
+                                                             isinstance(self.config.data, TextData))
+            if other_tokens and is_primary():
+                warn(f"{given_as}: {other_tokens}")
+            parts.append(placed_params(weights, base_of(abstract), base_of(shardings), layers_at))
+        if model.lora is not None and model.lora.init_from is not None:
+            adapter = adapter_weights(Path(model.lora.init_from), model.lora,
+                                      f"model.lora.init_from={model.lora.init_from!r}", stacked_layers(model))
+            adapter.check(adapters_of(model_params))
+            parts.append(placed_params(adapter, adapters_of(abstract), adapters_of(shardings), layers_at))
+        return joined(*parts)
 
     def gradients(self, state: TrainState, batch: dict) -> tuple[Any, dict]:
         """One batch's gradients as the train step computes them (synchronised over the replicas, unscaled,

@@ -55,11 +55,23 @@ def make_init(model: ModelDef, tx: optax.GradientTransformation, seed: int, poli
     def init(given: Any = None, arranged: bool = False) -> TrainState:
         init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
         params, model_state = init_variables(model, init_key, policy, given)
+        if given is not None and model.frozen is not None:
+            # LoRA from checkpoints: the base's (model.init_from) or the adapters' (model.lora.init_from) or both;
+            # what neither gives is the model's own (XLA drops the rest of that initialisation)
+            own = cast_floats(model.init(init_key)[0], policy.param)
+            params = completed(params, arrange(own) if arrange is not None and arranged else own)
         params = arrange(params) if arrange is not None and not arranged else params
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                           opt_state=tx.init(params), rng=train_key, loss_scale=initial_loss_scale(policy))
 
     return init
+
+
+def completed(given: Any, own: Any) -> Any:
+    """`own`'s nested dicts, each leaf `given`'s where `given` has it."""
+    if not isinstance(own, dict):
+        return given
+    return {key: completed(given[key], value) if key in given else value for key, value in own.items()}
 
 
 def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.GradientTransformation,

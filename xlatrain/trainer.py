@@ -123,6 +123,18 @@ def _silent(_: str) -> None:
     pass
 
 
+def _frozen(program: Program) -> str:
+    """What of the params trains, where some are frozen (a torch module's requires_grad, LoRA's base)."""
+    if program.model.frozen is None:
+        return ""
+    if program.model.torch is not None:
+        return f" ({program.model.torch.describe_frozen()})"
+    sizes = [leaf.size for leaf in jax.tree.leaves(program.abstract_state.params)]
+    trained = sum(size for size, frozen in zip(sizes, jax.tree.leaves(program.model.frozen), strict=True)
+                  if frozen is False)
+    return f" ({trained:,} of them in the adapters, which train; the rest frozen)"
+
+
 def _describe(program: Program, echo: Callable[[str], None]) -> None:
     d = program.derived
     echo(f"xlatrain: {program.config.name} -> {program.config.run_dir()}")
@@ -131,7 +143,7 @@ def _describe(program: Program, echo: Callable[[str], None]) -> None:
         " (sequence parallel)" if program.config.parallel.sequence_parallel else "")
     echo(f"  devices {d.devices} ({jax.devices()[0].platform}), data-parallel {d.data_parallel}{split}, "
          f"strategy {program.config.parallel.strategy}, params {program.param_count:,}"
-         + (f" ({program.model.torch.describe_frozen()})" if program.model.frozen else ""))
+         + _frozen(program))
     missing = (fused_attention_missing(jax.devices()[0].platform, program.policy.compute)
                if isinstance(program.config.model, DECODERS) else None)
     if missing and is_primary():

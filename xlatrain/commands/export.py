@@ -1,5 +1,6 @@
 """`xlatrain export RUN_DIR --torch OUT.pt`: a run's trained weights as the torch module's state_dict;
-`xlatrain export RUN_DIR --hf OUT`: a built-in decoder's as a Hugging Face checkpoint directory."""
+`xlatrain export RUN_DIR --hf OUT`: a built-in decoder's as a Hugging Face checkpoint directory (LoRA's adapters
+merged into their weights); `xlatrain export RUN_DIR --peft OUT`: a LoRA run's adapters as a PEFT adapter."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 
 from xlatrain.commands.trained import from_run, read_checkpoint
-from xlatrain.config import TorchModelConfig
+from xlatrain.config import HUGGING_FACE_PREFIX, TorchModelConfig
 from xlatrain.config.hugging_face import hugging_face_config
 from xlatrain.data.chat import TEMPLATE_FILES, template_files
 from xlatrain.data.tokenizers import (
@@ -21,7 +22,9 @@ from xlatrain.data.tokenizers import (
 )
 from xlatrain.errors import UserError, first_line
 from xlatrain.hf.names import naming_of, stacked_layers
+from xlatrain.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_NAMING, adapter_config
 from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
+from xlatrain.models.lora import adapters_of, merged
 from xlatrain.program import apply_cpu_devices, build_program
 from xlatrain.run.atomic import replace_file
 from xlatrain.run.directory import pinned_partition, read_run_config
@@ -77,12 +80,35 @@ def export_hugging_face(run_dir: Path, out: Path, step: int | None = None) -> tu
     config_json = {**hugging_face_config(trained.model, trained.model.vocab, trained.model.max_len),
                    "bos_token_id": None, "eos_token_id": ends[0] if len(ends) == 1 else (ends or None),
                    "dtype": "float32"}
+    lora = getattr(trained.model, "lora", None)
+    params = trained.params if lora is None else merged(jax.tree.map(np.asarray, trained.params),
+                                                        lora.alpha / lora.rank)
     try:
-        write_checkpoint(out, config_json, checkpoint_tensors(naming_of(trained.model), trained.params,
+        write_checkpoint(out, config_json, checkpoint_tensors(naming_of(trained.model), params,
                                                                stacked_layers(trained.model)), extra)
     except OSError as err:
         raise UserError(f"export --hf: {str(out)!r} cannot be written ({err.strerror or first_line(err)}); choose "
                         "a directory you can write to, with room for the weights") from None
+    return out, step
+
+
+def export_peft(run_dir: Path, out: Path, step: int | None = None) -> tuple[Path, int]:
+    """Write the adapters of a run with model.lora at `step` (default: the latest) as a PEFT adapter directory
+    `out`: peft.PeftModel.from_pretrained(base, out) loads them onto the run's base model."""
+    check_new_output(out, "export --peft", "directory")
+    trained, config, step = from_run(run_dir, step, "export --peft")
+    lora = getattr(trained.model, "lora", None)
+    if lora is None:
+        raise UserError(f"export --peft: {str(run_dir)!r} trained without model.lora: it has no adapters; export "
+                        "the whole model with --hf")
+    base = trained.model.init_from[len(HUGGING_FACE_PREFIX):] if trained.model.init_from else None
+    tensors = checkpoint_tensors(PEFT_NAMING, adapters_of(trained.params), stacked_layers(trained.model))
+    try:
+        write_checkpoint(out, adapter_config(lora, base), tensors, {}, config_file=ADAPTER_CONFIG,
+                         weights_stem=ADAPTER_WEIGHTS)
+    except OSError as err:
+        raise UserError(f"export --peft: {str(out)!r} cannot be written ({err.strerror or first_line(err)}); choose "
+                        "a directory you can write to") from None
     return out, step
 
 

@@ -49,6 +49,38 @@ HUGGING_FACE_PREFIX = "hf:"
 """model.init_from=hf:DIR: a local Hugging Face checkpoint directory (config.json and *.safetensors)."""
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The projections LoRA adapts, by their short names (PEFT's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+down_proj)."""
+
+
+class LoRAConfig(Strict):
+    """Low-rank adapters on the decoder's projections (PEFT's LoRA): each adapted projection W x becomes
+    W x + (alpha / rank) B A dropout(x), W frozen and A, B trained (docs/finetuning.md)."""
+
+    rank: PositiveInt = 8
+    """The adapters' rank r (PEFT's r)."""
+    alpha: float = Field(8.0, gt=0)
+    """The adapters' scale is alpha / rank (PEFT's lora_alpha)."""
+    dropout: DropoutRate = 0.0
+    """Dropout on an adapter's input while training (PEFT's lora_dropout)."""
+    targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = ("q", "v")
+    """Which projections get adapters: q, k, v, o (attention's), gate, up, down (the MLP's). Default: PEFT's for
+    Llama, q and v."""
+    init_from: PathText | None = None
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start the adapters from; its
+    rank and targets must be these. null: A drawn as PEFT draws it, B zero."""
+
+    @field_validator("targets")
+    @classmethod
+    def _names_some(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError(f"names no projection; give some of {', '.join(LORA_TARGETS)}")
+        if len(set(value)) < len(value):
+            raise ValueError("names a projection twice")
+        return value
+
+
 class DecoderConfig(ModelBase):
     """What the built-in decoders (gpt, llama) share."""
 
@@ -81,6 +113,8 @@ class DecoderConfig(ModelBase):
     init_from: str | None = None
     """hf:DIR: start from a local Hugging Face checkpoint (config.json and *.safetensors, sharded or not): the
     architecture is read from its config.json; a model key set here that disagrees with it is an error."""
+    lora: LoRAConfig | None = None
+    """Low-rank adapters (LoRA) trained on a frozen model (model.name=llama); null: every parameter trains."""
 
     @field_validator("init_from", mode="before")
     @classmethod
@@ -115,6 +149,9 @@ class GPTConfig(DecoderConfig):
     def _heads_divide_width(self) -> GPTConfig:
         if self.width % self.heads:
             raise ValueError(f"model.width={self.width} must be divisible by model.heads={self.heads}")
+        if self.lora is not None:
+            raise ValueError("model.lora adapts the separate q, k, v and MLP projections of model.name=llama (PEFT's "
+                             "layout); the GPT's fused qkv has none: fine-tune a llama, or drop model.lora")
         return self
 
 
@@ -295,6 +332,9 @@ class LlamaConfig(DecoderConfig):
         if self.rope_theta_sliding is not None and self.sliding_window is None:
             raise ValueError("model.rope_theta_sliding is the base of the sliding-window layers, and model."
                              "sliding_window is null: set the window, or drop model.rope_theta_sliding")
+        if self.lora is not None and self.moe is not None and {"gate", "up", "down"} & set(self.lora.targets):
+            raise ValueError(f"model.lora.targets={list(self.lora.targets)}: gate, up and down name no projection of a "
+                             "model whose MLPs are experts (model.moe); adapt q, k, v and o")
         if self.moe is not None and not self.moe.layers_with_experts(self.layers):
             raise ValueError(f"model.moe.dense_layers_first={self.moe.dense_layers_first} and model.moe.interleave="
                              f"{self.moe.interleave} leave none of model.layers={self.layers} with experts: lower "

@@ -108,7 +108,19 @@ QWEN_MOE = {**{path: tensor for path, tensor in LLAMA.items() if path[0] != BLOC
             **_in_blocks(LLAMA_LAYER, "model.layers", DENSE_BLOCKS)}
 """Qwen2-MoE's, Qwen3-MoE's and OLMoE's names (Qwen's dense layers among the expert ones as Llama's)."""
 
-BY_NAMING = {"llama": LLAMA, "gemma": GEMMA, "gpt": GPT2, "mixtral": MIXTRAL, "qwen_moe": QWEN_MOE}
+PROJECTIONS = {"q": ("q", "self_attn.q_proj"), "k": ("k", "self_attn.k_proj"), "v": ("v", "self_attn.v_proj"),
+               "o": ("attn_out", "self_attn.o_proj"), "gate": ("gate", "mlp.gate_proj"),
+               "up": ("up", "mlp.up_proj"), "down": ("down", "mlp.down_proj")}
+"""model.lora.targets' names: (the Llama block's module, its module in transformers' Llama layers)."""
+PEFT_PREFIX = "base_model.model.model.layers"
+"""Where a PEFT adapter of a causal LM keeps its layers' modules."""
+PEFT = {(stack, ours, adapter): Tensor(f"{PEFT_PREFIX}.{LAYER}.{theirs}.lora_{which}.weight", transposed=True)
+        for stack in (BLOCKS, DENSE_BLOCKS) for ours, theirs in PROJECTIONS.values()
+        for adapter, which in (("lora_a", "A"), ("lora_b", "B"))}
+"""LoRA's adapters in PEFT's names: lora_A [rank, in] and lora_B [out, rank], where ours are [in, rank] and
+[rank, out]."""
+
+BY_NAMING = {"llama": LLAMA, "gemma": GEMMA, "gpt": GPT2, "mixtral": MIXTRAL, "qwen_moe": QWEN_MOE, "peft": PEFT}
 
 
 def naming_of(model) -> str:

@@ -51,23 +51,25 @@ def shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.
 
 
 def write_checkpoint(out: Path, config_json: dict, tensors: dict[str, np.ndarray], extra_files: dict[str, str],
-                     max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+                     max_shard_bytes: int = MAX_SHARD_BYTES, config_file: str = "config.json",
+                     weights_stem: str = "model") -> None:
     """`extra_files`: {name: text} written beside the weights (the tokenizer's). A failure (a full disk, a signal)
-    removes what was written."""
+    removes what was written. `config_file` and `weights_stem`: the names (a PEFT adapter's differ)."""
     from safetensors.numpy import save_file
 
     partial = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
     try:
         groups = shards(tensors, max_shard_bytes)
-        names = ["model.safetensors"] if len(groups) == 1 else \
-            [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        names = [f"{weights_stem}.safetensors"] if len(groups) == 1 else \
+            [f"{weights_stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         for name, group in zip(names, groups, strict=True):
             save_file(group, str(partial / name), metadata={"format": "pt"})
         if len(groups) > 1:
             weight_map = {tensor: name for name, group in zip(names, groups, strict=True) for tensor in group}
             index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
-            (partial / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
-        (partial / "config.json").write_text(json.dumps(config_json, indent=2), encoding="utf-8")
+            (partial / INDEX_FILE.replace("model", weights_stem, 1)).write_text(json.dumps(index, indent=2),
+                                                                                encoding="utf-8")
+        (partial / config_file).write_text(json.dumps(config_json, indent=2), encoding="utf-8")
         for name, text in extra_files.items():
             (partial / name).write_text(text, encoding="utf-8")
         # mkdtemp's directory and safetensors' files are the user's alone: a checkpoint is shared as other files are

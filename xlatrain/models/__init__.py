@@ -27,6 +27,7 @@ from xlatrain.models.flax_module import flax_model, takes_rngs
 from xlatrain.models.gpt import GPT, GPTShape
 from xlatrain.models.interface import ModelDef
 from xlatrain.models.llama import Llama, LlamaShape
+from xlatrain.models.lora import LoRAShape
 from xlatrain.models.mlp import MLP
 from xlatrain.models.targets import check_kwargs, import_target
 from xlatrain.runtime.platform import lowering_platform
@@ -66,7 +67,9 @@ def model_factory(config: ModelConfig, spec: DataSpec, compute_dtype: jnp.dtype 
                            score_scale_dim=config.score_scale_dim, attn_softcap=config.attn_softcap,
                            logit_softcap=config.logit_softcap, clip_qkv=config.clip_qkv,
                            moe=moe_shape(config, formulation),
-                           moe_layers=() if config.moe is None else config.moe.layers_with_experts(config.layers))
+                           moe_layers=() if config.moe is None else config.moe.layers_with_experts(config.layers),
+                           lora=None if config.lora is None else LoRAShape(config.lora.rank, config.lora.alpha,
+                                                                           config.lora.dropout, config.lora.targets))
         return lambda rngs: Llama(llama, rngs=rngs)
     if isinstance(config, CustomModelConfig):
         return _custom_factory(config)

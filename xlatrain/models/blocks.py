@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlatrain.models.interface import Documents, Reported
+from xlatrain.models.lora import stop_frozen
 
 BLOCKS = "blocks"
 """The attribute (and top-level parameter key) that holds the stacked blocks."""
@@ -181,21 +182,26 @@ class BlockParts:
     under "blocks" (any arrays of the right tree structure will do, e.g. one chunk's blocks). `documents`: the
     microbatch's packed documents (None when it has none), which every chunk reads from its microbatch."""
 
-    def __init__(self, abstract_model: BlockStack):
+    def __init__(self, abstract_model: BlockStack, trained: Callable[[tuple], bool] | None = None):
+        """`trained`: whether a parameter trains, by its path (None: every one); the others' gradients stop."""
         self.graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
         blocks = getattr(abstract_model, BLOCKS)
         block_graphdef, params_Lx = nnx.split(blocks, nnx.Param, ...)[:2]
-        self.layer = layer_applier(block_graphdef)
+        applied = layer_applier(block_graphdef)
+        self.layer = applied if trained is None else (
+            lambda params, *rest: applied(stop_frozen(params, trained), *rest))
+        self.trained = trained
         self.layers = block_count(params_Lx)
         self.scan = abstract_model.scan_blocks
         self.numbered = abstract_model.numbered_layers
         self.takes_documents = takes_documents(abstract_model.before_blocks) and takes_documents(type(blocks).__call__)
 
     def before(self, params: dict, inputs: jax.Array, documents: Documents | None = None) -> jax.Array:
+        params = stop_frozen(params, self.trained)
         return with_documents(nnx.merge(self.graphdef, params).before_blocks, documents)(inputs)
 
     def after(self, params: dict, x: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, params).after_blocks(x)
+        return nnx.merge(self.graphdef, stop_frozen(params, self.trained)).after_blocks(x)
 
     def run(self, params_Nx: Any, x: jax.Array, keys_N: jax.Array | None, active: jax.Array | None = None,
             documents: Documents | None = None, layers: jax.Array | None = None) -> jax.Array:

@@ -19,6 +19,7 @@ from xlatrain.models.blocks import BLOCKS, DENSE_BLOCKS, BlockStack, layer_appli
 from xlatrain.models.interface import Documents
 from xlatrain.models.interleave import Interleaving, in_layer_order, run_interleaved
 from xlatrain.models.linear import dense_dot_general
+from xlatrain.models.lora import LoRALinear
 from xlatrain.sharding import BATCH, LENGTH, SEQUENCE, constrain
 from xlatrain.tensor_group import enter_region, leave_region
 
@@ -39,6 +40,8 @@ class Decoder(BlockStack):
     head: nnx.Module | None
     logit_softcap: float | None = None
     """The logits soft-capped to (-c, c) as tanh(x / c) c (Gemma 2's final_logit_softcapping); None: as they are."""
+    adapted: bool = False
+    """Whether the model is trained through low-rank adapters (models/lora.py), its other parameters frozen."""
     interleaving: Interleaving | None = None
     """Layers of two kinds in two stacks (model.moe.dense_layers_first, interleave): those numbered
     interleaving.second from `blocks`, the others from `dense_blocks` (models/interleave.py); None: `blocks` alone."""
@@ -129,13 +132,15 @@ def residual_stream(x_BxLxD: jax.Array) -> jax.Array:
     return constrain(x_BxLxD, BATCH, LENGTH, None)
 
 
-def row_parallel(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+def row_parallel(layer: nnx.Linear, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
     """`layer(x)` for a layer whose input features are split over a tensor group (attention's output projection,
-    the MLP's last layer): each device's product summed over the group (xlatrain/tensor_group.py) before the
-    bias, which is added once."""
+    the MLP's last layer): each device's product (and its adapter's, a LoRALinear's, with dropout `key`) summed
+    over the group (xlatrain/tensor_group.py) before the bias, which is added once."""
+    adapted = layer.delta(x, key) if isinstance(layer, LoRALinear) else None
     x, kernel, bias = promote_dtype((x, layer.kernel[...], None if layer.bias is None else layer.bias[...]),
                                     dtype=layer.dtype)
-    y = leave_region(dense_dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision))
+    y = dense_dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
+    y = leave_region(y if adapted is None else y + adapted)
     return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
 
 

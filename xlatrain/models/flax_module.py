@@ -18,6 +18,7 @@ from xlatrain.models.blocks import (
     with_documents,
 )
 from xlatrain.models.interface import Documents, ModelDef
+from xlatrain.models.lora import stop_frozen, trains
 
 
 class ModelState(nnx.Variable):
@@ -43,7 +44,10 @@ def flax_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
     axes = jax.tree_util.tree_map_with_path(
         lambda path, _: logical_axes_of(flat[tuple(_key(k) for k in path)]), pure)
     uses_rngs = takes_rngs(abstract)
-    parts = BlockParts(abstract) if isinstance(abstract, BlockStack) else None
+    trained = trains if getattr(abstract, "adapted", False) else None
+    frozen = None if trained is None else jax.tree_util.tree_map_with_path(
+        lambda path, _: not trained(tuple(_key(k) for k in path)), pure)
+    parts = BlockParts(abstract, trained) if isinstance(abstract, BlockStack) else None
     documents_taken = parts.takes_documents if parts else takes_documents(type(abstract).__call__)
 
     def init(key: jax.Array) -> tuple[Any, dict]:
@@ -52,10 +56,11 @@ def flax_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
 
     def run(params: Any, model_state: dict, inputs: jax.Array, key: jax.Array | None,
             documents: Documents | None = None) -> tuple[jax.Array, dict]:
+        params = stop_frozen(params, trained)
         module = with_documents(nnx.merge(graphdef, params, with_values(state, model_state)), documents)
         return (module(inputs, rngs=key) if uses_rngs else module(inputs)), model_state
 
-    return ModelDef(axes, init, run, blocks=parts, takes_documents=documents_taken)
+    return ModelDef(axes, init, run, blocks=parts, takes_documents=documents_taken, frozen=frozen)
 
 
 def with_values(state: nnx.State, values: dict) -> nnx.State:

@@ -25,6 +25,7 @@ from xlatrain.models.experts import MoEMLP, MoEShape, RouterStats
 from xlatrain.models.interface import Documents
 from xlatrain.models.interleave import Interleaving, interleaving_of
 from xlatrain.models.linear import linear
+from xlatrain.models.lora import LoRAShape, projected, projection
 from xlatrain.models.rope import inverse_frequencies, rotate
 from xlatrain.sharding import BATCH, SEQUENCE, constrain
 from xlatrain.tensor_group import dropped, enter_region, kv_heads_for_local_queries
@@ -86,6 +87,8 @@ class LlamaShape:
     """Mixture-of-Experts feed-forward layers in place of the gated MLP (model.moe); None: the MLP."""
     moe_layers: tuple[int, ...] = ()
     """The layers with experts (model.moe); the others keep the MLP. (): every layer, where moe is set."""
+    lora: LoRAShape | None = None
+    """Low-rank adapters on the projections (model.lora); None: none."""
 
     def interleaving(self) -> Interleaving | None:
         """The dense and expert layers' order where the model has both kinds (None: one kind)."""
@@ -135,6 +138,13 @@ def qk_norms(shape: LlamaShape, rngs: nnx.Rngs) -> tuple[nnx.Module | None, nnx.
     return None, None
 
 
+def adapters_dropout_keys(rngs: jax.Array | None, lora: LoRAShape | None) -> dict | None:
+    """A dropout key per adapted projection while training with adapter dropout; None otherwise."""
+    if rngs is None or lora is None or lora.dropout == 0:
+        return None
+    return {name: jax.random.fold_in(rngs, 1 + index) for index, name in enumerate(lora.targets)}
+
+
 class LlamaBlock(nnx.Module):
     def __init__(self, shape: LlamaShape, *, rngs: nnx.Rngs):
         d, k = shape.width, shape.head_dim
@@ -144,31 +154,34 @@ class LlamaBlock(nnx.Module):
         self.softcap = shape.attn_softcap
         self.activation = shape.mlp_activation
         self.attn_norm = rms_norm(shape, rngs)
-        self.q = linear(d, shape.heads * k, use_bias=shape.qkv_bias, kernel_metadata=axes("embed", "heads"),
-                        bias_metadata=axes("heads"), rngs=rngs)
-        self.k, self.v = (linear(d, shape.kv_heads * k, use_bias=shape.qkv_bias,
-                                 kernel_metadata=axes("embed", "kv_heads"), bias_metadata=axes("kv_heads"), rngs=rngs)
-                          for _ in range(2))
+        lora = shape.lora
+        self.q = projection(d, shape.heads * k, "q", lora, in_axis="embed", out_axis="heads",
+                            use_bias=shape.qkv_bias, rngs=rngs)
+        self.k, self.v = (projection(d, shape.kv_heads * k, name, lora, in_axis="embed", out_axis="kv_heads",
+                                     use_bias=shape.qkv_bias, rngs=rngs) for name in ("k", "v"))
         self.qk_norm = shape.qk_norm
         self.q_norm, self.k_norm = qk_norms(shape, rngs)
         self.clip_qkv = shape.clip_qkv
-        self.attn_out = linear(shape.heads * k, d, use_bias=shape.out_bias, kernel_metadata=axes("heads", "embed"),
-                               bias_metadata=axes("embed"), rngs=rngs)
+        self.attn_out = projection(shape.heads * k, d, "o", lora, in_axis="heads", out_axis="embed",
+                                   use_bias=shape.out_bias, rngs=rngs)
         self.post_attn_norm = rms_norm(shape, rngs) if shape.sandwich_norms else None
         self.mlp_norm = rms_norm(shape, rngs)
         if shape.moe is None:
-            self.gate, self.up = (linear(d, shape.mlp_hidden, use_bias=False, kernel_metadata=axes("embed", "mlp"),
-                                         rngs=rngs) for _ in range(2))
-            self.down = linear(shape.mlp_hidden, d, use_bias=False, kernel_metadata=axes("mlp", "embed"), rngs=rngs)
+            self.gate, self.up = (projection(d, shape.mlp_hidden, name, lora, in_axis="embed", out_axis="mlp",
+                                             use_bias=False, rngs=rngs) for name in ("gate", "up"))
+            self.down = projection(shape.mlp_hidden, d, "down", lora, in_axis="mlp", out_axis="embed",
+                                   use_bias=False, rngs=rngs)
             self.moe = None
         else:
             self.moe = MoEMLP(d, shape.moe, rngs=rngs)
         self.post_mlp_norm = rms_norm(shape, rngs) if shape.sandwich_norms else None
         self.dropout = nnx.Dropout(shape.dropout)
+        self.lora = lora
 
     def __call__(self, x_BxLxD, *, rngs: jax.Array | None = None, documents: Documents | None = None,
                  layer: jax.Array | None = None):
-        q, k, v, positions = self._qkv(x_BxLxD, None if documents is None else documents.positions)
+        adapter_keys = adapters_dropout_keys(rngs, self.lora)
+        q, k, v, positions = self._qkv(x_BxLxD, None if documents is None else documents.positions, adapter_keys)
         segment_ids = None if documents is None else documents.segment_ids
 
         def attend(kind: LayerKind):
@@ -176,7 +189,7 @@ class LlamaBlock(nnx.Module):
                                     scale=self.score_scale, softcap=self.softcap, positions=positions)
 
         attended_BxLxHxK = by_heads(self._by_kind(layer, attend))
-        x_BxLxD, stats = self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs))
+        x_BxLxD, stats = self._after_attention(x_BxLxD, attended_BxLxHxK, dropout_keys(rngs), adapter_keys)
         return x_BxLxD if stats is None else (x_BxLxD, stats)
 
     def decode(self, x_BxTxD, keys_BxSxGxK, values_BxSxGxK, start, positions_BxT, padding_B,
@@ -199,15 +212,17 @@ class LlamaBlock(nnx.Module):
         index = jnp.asarray(self.kind_of_layer, jnp.int32)[layer]
         return jax.lax.switch(index, [lambda kind=kind: attend(kind) for kind in self.kinds])
 
-    def _qkv(self, x_BxLxD, positions):
+    def _qkv(self, x_BxLxD, positions, adapter_keys: dict | None = None):
         """q, k, v before RoPE, and the positions to rotate them by. Heads are -1: a device of a tensor group holds
         some of them (xlatrain/tensor_group.py). Positions: those of the whole sequence (None: 0, 1, ...), which
         sequence parallelism gathers before attention."""
         normed = enter_region(self.attn_norm(x_BxLxD))
         positions = jnp.arange(normed.shape[1]) if positions is None else positions
-        q_BxLxHxK = self._heads(self.q(normed), self.q_norm)
-        k_BxLxGxK, v_BxLxGxK = (kv_heads_for_local_queries(self._heads(proj(normed), norm), self.kv_heads)
-                                for proj, norm in ((self.k, self.k_norm), (self.v, None)))
+        keys = adapter_keys or {}
+        q_BxLxHxK = self._heads(projected(self.q, normed, keys.get("q")), self.q_norm)
+        k_BxLxGxK, v_BxLxGxK = (
+            kv_heads_for_local_queries(self._heads(projected(proj, normed, keys.get(name)), norm), self.kv_heads)
+            for name, proj, norm in (("k", self.k, self.k_norm), ("v", self.v, None)))
         return q_BxLxHxK, k_BxLxGxK, by_heads(v_BxLxGxK, "kv_heads"), positions
 
     def _rotated(self, q_BxLxHxK, k_BxLxGxK, positions, kind: LayerKind):
@@ -226,19 +241,22 @@ class LlamaBlock(nnx.Module):
             heads_BxLxHxK = norm(heads_BxLxHxK)
         return heads_BxLxHxK if self.clip_qkv is None else jnp.clip(heads_BxLxHxK, -self.clip_qkv, self.clip_qkv)
 
-    def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys) -> tuple[jax.Array, RouterStats | None]:
+    def _after_attention(self, x_BxLxD, attended_BxLxHxK, keys, adapter_keys: dict | None = None
+                         ) -> tuple[jax.Array, RouterStats | None]:
         """(the block's output, its router's statistics where it has experts)."""
         batch, length = attended_BxLxHxK.shape[:2]
-        attended = self._sandwiched(self.post_attn_norm,
-                                    row_parallel(self.attn_out, attended_BxLxHxK.reshape(batch, length, -1)))
+        adapter_keys = adapter_keys or {}
+        attended = self._sandwiched(self.post_attn_norm, row_parallel(
+            self.attn_out, attended_BxLxHxK.reshape(batch, length, -1), adapter_keys.get("o")))
         x_BxLxD = residual_stream(x_BxLxD + self._drop(attended, keys[0]))
         normed = enter_region(self.mlp_norm(x_BxLxD))
         stats = None
         if self.moe is not None:
             out, stats = self.moe(normed)
         else:
-            gated = ACTIVATIONS[self.activation](self.gate(normed)) * self.up(normed)
-            out = row_parallel(self.down, constrain(gated, BATCH, SEQUENCE, "mlp"))
+            gated = (ACTIVATIONS[self.activation](projected(self.gate, normed, adapter_keys.get("gate")))
+                     * projected(self.up, normed, adapter_keys.get("up")))
+            out = row_parallel(self.down, constrain(gated, BATCH, SEQUENCE, "mlp"), adapter_keys.get("down"))
         out = self._sandwiched(self.post_mlp_norm, out)
         return residual_stream(x_BxLxD + self._drop(out, keys[1])), stats
 
@@ -268,6 +286,7 @@ class Llama(Decoder):
         self.numbered_layers = len(shape.layer_kinds()[0]) > 1
         self.embed_scale = math.sqrt(shape.width) if shape.embed_scale else None
         self.logit_softcap = shape.logit_softcap
+        self.adapted = shape.lora is not None
         self.norm = rms_norm(shape, rngs)
         self.head = None if shape.tie_embeddings else linear(
             shape.width, shape.vocab, use_bias=False, kernel_metadata=axes("embed", "vocab"), rngs=rngs)
