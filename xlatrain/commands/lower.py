@@ -66,20 +66,29 @@ def lower_report(program: Program, compiled: Any) -> dict[str, Any]:
 
 
 def memory_split(program: Program, compiled: Any) -> dict[str, int]:
-    """Bytes per device: the parameters and the optimizer state (their sharded shapes), beside XLA's arguments
-    and temporaries (memory analysis: the activations and the step's working buffers)."""
+    """Bytes per device: the parameters, their float32 gradients (of those that train: none of a frozen one,
+    LoRA's base) and the optimizer state (their sharded shapes), beside XLA's arguments and temporaries (memory
+    analysis: the activations and the step's working buffers)."""
     shardings = program.state_shardings
     stats = compiled.memory_analysis()
-    return {"params_bytes": _bytes_per_device(program.abstract_state.params, shardings.params),
+    params = program.abstract_state.params
+    frozen = jax.tree.leaves(program.model.frozen) if program.model.frozen is not None else None
+    return {"params_bytes": _bytes_per_device(params, shardings.params),
+            "gradient_bytes": _bytes_per_device(params, shardings.params, itemsize=4,
+                                                counted=None if frozen is None else [f is not True for f in frozen]),
             "optimizer_bytes": _bytes_per_device(program.abstract_state.opt_state, shardings.opt_state),
             "argument_bytes": int(stats.argument_size_in_bytes) if stats is not None else 0,
             "temp_bytes": int(stats.temp_size_in_bytes) if stats is not None else 0}
 
 
-def _bytes_per_device(abstract: Any, shardings: Any) -> int:
-    """The largest shard of each leaf (what the most loaded device holds), summed."""
-    return sum(math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings), strict=True))
+def _bytes_per_device(abstract: Any, shardings: Any, itemsize: int | None = None,
+                      counted: list[bool] | None = None) -> int:
+    """The largest shard of each leaf (what the most loaded device holds), summed; `itemsize`: each element's
+    bytes (None: the leaf's dtype's); `counted`: which leaves count (None: all)."""
+    leaves, placed = jax.tree.leaves(abstract), jax.tree.leaves(shardings)
+    return sum(math.prod(sharding.shard_shape(leaf.shape)) * (itemsize or leaf.dtype.itemsize)
+               for leaf, sharding, counts in zip(leaves, placed, counted or [True] * len(leaves), strict=True)
+               if counts)
 
 
 def amp_order_problems(program: Program) -> list[str]:
@@ -210,9 +219,10 @@ def _attention_lines(paths: list[dict]) -> list[str]:
 
 def _memory_line(memory: dict) -> str:
     mib = {key: value / 2**20 for key, value in memory.items()}
-    return (f"  per device       params {mib['params_bytes']:.2f} MiB, optimizer state {mib['optimizer_bytes']:.2f} "
-            f"MiB (their sharded shapes); XLA: arguments {mib['argument_bytes']:.2f} MiB, temporaries "
-            f"{mib['temp_bytes']:.2f} MiB (activations and working buffers)")
+    return (f"  per device       params {mib['params_bytes']:.2f} MiB, gradients {mib['gradient_bytes']:.2f} MiB, "
+            f"optimizer state {mib['optimizer_bytes']:.2f} MiB (their sharded shapes); XLA: arguments "
+            f"{mib['argument_bytes']:.2f} MiB, temporaries {mib['temp_bytes']:.2f} MiB (activations and working "
+            "buffers)")
 
 
 def _pipeline_lines(p: dict) -> list[str]:

@@ -62,9 +62,9 @@ class LoRALinear(nnx.Linear):
             kept = jax.random.bernoulli(key, 1.0 - self.lora_dropout, x.shape)
             x = jnp.where(kept, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
         x, a, b = promote_dtype((x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
-        low = jax.lax.dot_general(x, a, (((x.ndim - 1,), (0,)), ((), ())))
-        return jax.lax.dot_general(low, b, (((low.ndim - 1,), (0,)), ((), ()))) * jnp.asarray(self.lora_scale,
-                                                                                              low.dtype)
+        low = dense_dot_general(x, a, (((x.ndim - 1,), (0,)), ((), ())))
+        return dense_dot_general(low, b, (((low.ndim - 1,), (0,)), ((), ()))) * jnp.asarray(self.lora_scale,
+                                                                                            low.dtype)
 
 
 def projection(in_features: int, out_features: int, name: str, lora: LoRAShape | None, *, in_axis: str | None,
