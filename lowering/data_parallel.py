@@ -21,6 +21,7 @@ from xlatrain.lowering.grad_sync import (
     PartitionedReplicas,
     explicit_replicas,
 )
+from xlatrain.lowering.preference import objective_of
 from xlatrain.lowering.step import SplitTrees, make_eval_step
 from xlatrain.lowering.tensor_link import partial_gradients, split_over_tensor, summed_over_tensor, tensor_group
 
@@ -170,7 +171,7 @@ class DataParallel:
 
     def eval_step(self, specs: TrainState, params: Any) -> Callable[[TrainState, dict], dict]:
         """One global program over the whole eval batch."""
-        return self._laid_out(make_eval_step(self.model, self.config.model.loss, self.policy,
+        return self._laid_out(make_eval_step(self.model, objective_of(self.config.model), self.policy,
                                              self.gather_params(params)), rows_on=DATA)
 
     def _laid_out(self, step: Callable, rows_on: str | None = None) -> Callable:

@@ -14,6 +14,7 @@ of DESIGN.md in the order the code reads:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas
+from xlatrain.lowering.preference import Preference, pairs_as_rows, preference_sums
 
 from xlatrain.errors import UserError
 from xlatrain.models.context import balanced_order, current_context_group
@@ -40,6 +42,27 @@ def per_position_weights(batch: dict) -> jax.Array:
     if "mask" in batch:
         return batch["mask"].astype(jnp.float32)
     return jnp.ones(batch["targets"].shape, jnp.float32)
+
+
+def objective_sums(outputs: jax.Array, batch: dict, loss: str | Preference) -> Metrics:
+    """loss_sums over the tokens, or with a Preference DPO's objective over the batch's pairs (lowering/preference.py),
+    the outputs the model's of pairs_as_rows(batch)."""
+    if not isinstance(loss, Preference):
+        return loss_sums(outputs, batch, loss)
+    targets = pairs_as_rows(batch)["targets"]
+    return preference_sums(-cross_entropy_with_integer_labels(outputs, targets).astype(jnp.float32), batch, loss)
+
+
+def model_inputs(batch: dict, loss: str | Preference) -> jax.Array:
+    """The inputs the model runs: the batch's, or its pairs' rows."""
+    return pairs_as_rows(batch)["inputs"] if isinstance(loss, Preference) else batch["inputs"]
+
+
+def objective_weight(batch: dict, loss: str | Preference) -> jax.Array:
+    """What the objective's sums are divided by, this device's share: the weighted tokens, or the pairs."""
+    if isinstance(loss, Preference):
+        return jnp.asarray(math.prod(batch["reference"].shape[:-1]), jnp.float32)
+    return jnp.sum(per_position_weights(batch))
 
 
 def loss_sums(outputs: jax.Array, batch: dict, loss: str) -> Metrics:
@@ -165,7 +188,7 @@ def reported_objective(balance: Any, reports: Tree, across: Callable[[jax.Array]
     return layer_loss * scale / microbatches, weighted_means(layer_sums, total_weight / microbatches)
 
 
-def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
+def make_gradient_step(model: ModelDef, loss: str | Preference, policy: Policy, *,
                        replicas: PartitionedReplicas | ExplicitReplicas,
                        compute_params: Callable[[Tree], Tree] = lambda p: p, gradients: Callable | None = None,
                        ) -> Callable[[TrainState, dict], tuple[Tree, Metrics, Tree]]:
@@ -178,9 +201,9 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
 
     def scaled_objective(params, model_state, micro, key, scale, total_weight, microbatches):
         with jax.named_scope("forward"):  # the backward's ops are named transpose(jvp(forward))
-            outputs, model_state = forward(params, model_state, micro["inputs"], key, documents_of(micro))
+            outputs, model_state = forward(params, model_state, model_inputs(micro, loss), key, documents_of(micro))
             outputs, reports = outputs_and_reports(outputs)
-            sums = loss_sums(outputs, micro, loss)
+            sums = objective_sums(outputs, micro, loss)
             objective = sums["loss"] * scale / total_weight
             if reports is not None:
                 layer_loss, layer_sums = reported_objective(model.reports, reports, replicas.across, scale,
@@ -218,7 +241,7 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
         batch = in_context_order(batch)
         step_key = jax.random.fold_in(state.rng, state.step)
         scale = loss_scale(state, policy)
-        total_weight = replicas.total(jnp.sum(per_position_weights(batch)))
+        total_weight = replicas.total(objective_weight(batch, loss))
         by_replica = replicas.split(batch)
         keys = jax.vmap(lambda r: jax.random.fold_in(step_key, r))(replicas.indices())
         per_replica = pipeline_gradients if gradients is not None else replica_gradients
@@ -236,8 +259,8 @@ def make_gradient_step(model: ModelDef, loss: str, policy: Policy, *,
     return gradient_step
 
 
-def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule, loss: str,
-                    policy: Policy, *, clip_norm: float | None, skip_nonfinite: bool,
+def make_train_step(model: ModelDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    loss: str | Preference, policy: Policy, *, clip_norm: float | None, skip_nonfinite: bool,
                     replicas: PartitionedReplicas | ExplicitReplicas,
                     compute_params: Callable[[Tree], Tree] = lambda p: p,
                     gradients: Callable | None = None, trees: Any = WholeTrees(),
@@ -303,14 +326,14 @@ def clip_to_norm(grads: Tree, norm: jax.Array, max_norm: float) -> Tree:
     return jax.tree.map(lambda g: jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm), grads)
 
 
-def make_eval_step(model: ModelDef, loss: str, policy: Policy,
+def make_eval_step(model: ModelDef, loss: str | Preference, policy: Policy,
                    compute_params: Callable[[Tree], Tree] = lambda p: p) -> Callable[[TrainState, dict], Metrics]:
     forward = make_forward(model, policy, compute_params)
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
         batch = in_context_order(batch)
-        outputs = forward(state.params, state.model_state, batch["inputs"], None, documents_of(batch))[0]
-        return eval_metrics(loss_sums(outputs_and_reports(outputs)[0], batch, loss))
+        outputs = forward(state.params, state.model_state, model_inputs(batch, loss), None, documents_of(batch))[0]
+        return eval_metrics(objective_sums(outputs_and_reports(outputs)[0], batch, loss))
 
     return eval_step
 

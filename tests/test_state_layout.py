@@ -43,7 +43,8 @@ def layouts_text(layouts: dict[str, list[list]]) -> str:
 
 def example_overrides(config_path, tmp_path) -> list[str]:
     """What makes an example build here: its data small (text) or made (token shards), its run directory apart."""
-    source = yaml.safe_load(config_path.read_text())["data"]["source"]
+    example = yaml.safe_load(config_path.read_text())
+    source = example["data"]["source"]
     overrides = [f"trainer.run_dir={tmp_path / 'run'}"]
     if source == "text":
         overrides += TEXT_READ_FAST
@@ -51,7 +52,11 @@ def example_overrides(config_path, tmp_path) -> list[str]:
         corpus = tmp_path / "corpus"
         corpus.mkdir()
         for i in range(4):
-            (corpus / f"{i}.txt").write_text("a few words of text, again and again. " * 200)
+            if "dpo" in example["model"]:  # preference pairs, in bytes
+                (corpus / f"{i}.jsonl").write_text(json.dumps({"prompt": "a few words", "chosen": " again and again",
+                                                               "rejected": " of text"}) + "\n")
+            else:
+                (corpus / f"{i}.txt").write_text("a few words of text, again and again. " * 200)
         prepare(Request((corpus,), tmp_path / "shards", holdout=0.5))
         overrides.append(f"data.path={tmp_path / 'shards'}")
     return overrides

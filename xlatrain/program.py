@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -39,7 +40,7 @@ from xlatrain.errors import UserError, warn
 from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.peft import adapter_weights
 from xlatrain.hf.tokenizer import other_tokens_than_the_checkpoints
-from xlatrain.hf.weights import HuggingFaceWeights, placed_params
+from xlatrain.hf.weights import HuggingFaceWeights, path_keys, placed_params
 from xlatrain.lowering.compile import (
     CompileBook,
     StepExecutables,
@@ -50,12 +51,14 @@ from xlatrain.lowering.data_parallel import DataParallel
 from xlatrain.lowering.flops import UncountedLoop, step_flops
 from xlatrain.lowering.inspect import peak_memory_bytes
 from xlatrain.lowering.pipeline.parallel import pipeline_parallel, refuse_unpipelinable
+from xlatrain.lowering.preference import objective_of, reference_log_probs
 from xlatrain.lowering.step import (
     fuse_steps,
-    loss_sums,
     make_forward,
     make_gradient_step,
     make_train_step,
+    model_inputs,
+    objective_sums,
 )
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, train_batch_sharding
 from xlatrain.models import flax_model, model_factory, router_balance
@@ -67,6 +70,7 @@ from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
 from xlatrain.precision import Policy, resolve_policy
 from xlatrain.run.directory import SHARD_SCANS_FILE
+from xlatrain.run.reference import REFERENCE_FILE, read_reference, write_reference
 from xlatrain.runtime import cpu_devices
 from xlatrain.runtime.compile_cache import use_compile_cache
 from xlatrain.runtime.device_memory import (
@@ -200,6 +204,34 @@ class Program:
         verify_replicas_identical(state, self.specs, self.mesh)
         return state
 
+    def use_reference(self, state: TrainState | None, run_dir: Path) -> None:
+        """With model.dpo: the reference log-probabilities of every pair, given to the data's pairs. A new run
+        (`state`: the state it starts from) computes them, from its weights with any adapters off (the base, as
+        TRL's DPO with peft), and keeps them in the run directory, which a resumed one (`state` None) reads."""
+        if not self.dataset.spec.pairs:
+            return
+        path, identity = run_dir / REFERENCE_FILE, self.dataset.spec.tokenizer["shards"]
+        if state is None:
+            values = read_reference(path, identity)
+        else:
+            values = {split: self._reference_of(state, getattr(self.dataset, split)) for split in ("train", "eval")}
+            if is_primary():
+                write_reference(path, identity, values)
+        for split in ("train", "eval"):
+            getattr(self.dataset, split).use_reference(values[split])
+
+    def _reference_of(self, state: TrainState, pairs: Any) -> np.ndarray:
+        forward = make_forward(self.model, self.policy)
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: jnp.zeros_like(leaf) if path_keys(path)[-1] == "lora_b" else leaf, state.params)
+        compute = jax.jit(lambda params, model_state, batch: reference_log_probs(forward, params, model_state, batch))
+        rows, found = self.derived.global_batch, []
+        for first in range(0, len(pairs), rows):
+            chosen = [pairs[min(i, len(pairs) - 1)] for i in range(first, first + rows)]
+            batch = {key: np.stack([c[key] for c in chosen]) for key in ("inputs", "targets", "mask")}
+            found.append(np.asarray(compute(params, state.model_state, batch)))
+        return np.concatenate(found)[:len(pairs)]
+
     def _checkpoint_params(self) -> Any:
         """The params that checkpoints give, each device's piece read from them: a Hugging Face checkpoint's
         (model.init_from) and a PEFT adapter's (model.lora.init_from); with adapters, a checkpoint without them
@@ -233,7 +265,7 @@ class Program:
     def compiled_gradients(self, state: TrainState, batch: dict) -> Any:
         """`gradients`' compiled program for such arguments: its HLO is the train step's without the update."""
         params = self.abstract_state.params
-        gradient_step = make_gradient_step(self.model, self.config.model.loss, self.policy,
+        gradient_step = make_gradient_step(self.model, objective_of(self.config.model), self.policy,
                                            replicas=self.parallel.replicas(params),
                                            compute_params=self.parallel.gather_params(params),
                                            gradients=self.parallel.gradient_parts(self._remat_name, params)
@@ -263,7 +295,7 @@ class Program:
     def _train_step_for(self, remat: str) -> StepExecutables:
         if remat not in self._train_steps:
             params = self.abstract_state.params
-            fn = make_train_step(self.model, self.tx, self.schedule, self.config.model.loss, self.policy,
+            fn = make_train_step(self.model, self.tx, self.schedule, objective_of(self.config.model), self.policy,
                                  clip_norm=self.config.optimizer.clip_norm,
                                  skip_nonfinite=self.config.trainer.on_nonfinite == "skip",
                                  replicas=self.parallel.replicas(params),
@@ -310,6 +342,7 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
     if config.collectives.impl == "custom":
         prepare_custom_collectives(mesh)
     dataset = open_dataset(config.data, config.model.loss, config.run_dir(), config.run_dir() / SHARD_SCANS_FILE)
+    _refuse_preference_misfits(config, dataset.spec.pairs)
     examples, digest = data_identity(dataset)
     check_every_process_reads_the_same(config.data, identity_record(examples, digest))
     policy = resolve_policy(config.precision, config.collectives.dtype)
@@ -378,15 +411,40 @@ def _model_flops(config: Config, derived: Derived, model: ModelDef, spec: DataSp
             config.model, spec, policy.compute, derived.scan_layers, formulation="sorted")).run)
     forward = make_forward(model, policy)
 
+    loss = objective_of(config.model)
+
     def objective(params, model_state, batch):
-        outputs, _ = forward(params, model_state, batch["inputs"], jax.random.PRNGKey(0), documents_of(batch))
-        return loss_sums(outputs_and_reports(outputs)[0], batch, config.model.loss)["loss"]
+        outputs, _ = forward(params, model_state, model_inputs(batch, loss), jax.random.PRNGKey(0),
+                             documents_of(batch))
+        return objective_sums(outputs_and_reports(outputs)[0], batch, loss)["loss"]
 
     params, model_state = jax.eval_shape(lambda: init_variables(model, jax.random.PRNGKey(0), policy))
     try:
         return step_flops(jax.grad(objective), params, model_state, spec.abstract_batch((derived.global_batch,)))
     except UncountedLoop:
         return None
+
+
+def _refuse_preference_misfits(config: Config, pairs: bool) -> None:
+    """DPO and preference pairs go together, and (for now) without what splits a pair's sequences or the step's
+    loss otherwise: pipeline stages, context parallelism, MoE routers' losses."""
+    dpo = getattr(config.model, "dpo", None)
+    if dpo is None and pairs:
+        raise UserError(f"config: data.path={config.data.path!r} holds preference pairs, which train with DPO: set "
+                        "model.dpo (e.g. model.dpo.beta=0.1)")
+    if dpo is None:
+        return
+    if not pairs:
+        raise UserError("config: model.dpo trains on preference pairs, and the data holds none: prepare preference "
+                        "records (prompt, chosen, rejected) with `xlatrain data prepare` and train on those shards "
+                        "(data.source=tokens)")
+    refused = {"mesh.stage": config.mesh.stage > 1, "mesh.context": config.mesh.context > 1,
+               "model.moe": getattr(config.model, "moe", None) is not None}
+    for key, found in refused.items():
+        if found:
+            raise UserError(f"config: model.dpo is not built with {key} yet (a pipeline's last stage, a context "
+                            "group's split sequences and a router's losses would each need DPO's own sum); drop "
+                            f"{key}")
 
 
 def _refuse_nothing_to_train(config: Config, params: Any, frozen: Any) -> None:

@@ -407,8 +407,11 @@ class _Run:
         abstract = with_shardings(self.program.abstract_state, self.program.specs, self.program.mesh)
         restored = self.checkpoints.restore_newest_verified(abstract, warn=warn)
         if restored is None:
-            return self.program.create_state(), None, 0
+            state = self.program.create_state()
+            self.program.use_reference(state, self.run_dir)
+            return state, None, 0
         (state, data_state, trained_on), step = restored
+        self.program.use_reference(None, self.run_dir)
         self.echo(f"  resuming from checkpoint at step {step} (verified)")
         check_same_tokenizer(self.config.data, trained_on, self.data_identity, step)
         change = data_change(self.config.data, trained_on, self.data_identity)

@@ -118,6 +118,10 @@ class ShardWriter:
         if self.weighted:
             self._weights.append(weights)
         self._bounds.append(self._bounds[-1] + sum(len(piece) for piece in pieces))
+
+    def close_if_full(self) -> None:
+        """Ends the shard once it holds shard_tokens; called after a record's documents (a preference pair's two
+        stay in one shard)."""
         if self._bounds[-1] >= self.shard_tokens:
             self.close()
 
@@ -183,13 +187,16 @@ def _write_shards(request: Request, files: list[Path], given: Tokenizer | None, 
               disable=None) as progress:
         if weighted is None:
             read = _read_ahead(_batches(files, request.text_field))
-            encoded_batches = _read_ahead(([((begin, ids, end), None) for ids in tokenizer.encode_batch(texts)],
+            encoded_batches = _read_ahead(([[((begin, ids, end), None)] for ids in tokenizer.encode_batch(texts)],
                                            size) for texts, size in read)
         else:
             encoded_batches = _read_ahead(_weighted_batches(files, weighted))
         for encoded, size in encoded_batches:
-            for pieces, weights in encoded:
-                writers["eval" if index % every == 0 else "train"].add(*pieces, weights=weights)
+            for documents in encoded:
+                writer = writers["eval" if index % every == 0 else "train"]
+                for pieces, weights in documents:
+                    writer.add(*pieces, weights=weights)
+                writer.close_if_full()
                 index += 1
             progress.update(min(size, total - progress.n))
         progress.update(total - progress.n)
@@ -367,17 +374,16 @@ def _parquet_rows(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _weighted_batches(files: list[Path], weighted: Weighting, batch: int = 256
-                      ) -> Iterator[tuple[list[tuple[tuple[np.ndarray], np.ndarray]], int]]:
-    """Each record as ((ids,), weights), in batches, each file's size counted when it is read; a record of another
-    format than the first is refused."""
+                      ) -> Iterator[tuple[list[list[tuple[tuple[np.ndarray], np.ndarray]]], int]]:
+    """Each record's documents as ((ids,), weights), in batches, each file's size counted when it is read; a record
+    of another format than the first is refused."""
     documents: list = []
     for path in files:
         for where, record in records(path):
             if (found := record_format(record, where)) != weighted.format:
                 raise UserError(f"data prepare: {where} is a {found} record in a file of {weighted.format} records; "
                                 "give one format per preparation")
-            ids, weights = weighted.document(record, where)
-            documents.append(((ids,), weights))
+            documents.append([((ids,), weights) for ids, weights in weighted.documents(record, where)])
             if len(documents) == batch:
                 yield documents, 0
                 documents = []

@@ -81,6 +81,19 @@ class LoRAConfig(Strict):
         return value
 
 
+class DPOConfig(Strict):
+    """Direct preference optimisation (Rafailov et al.; TRL's DPOTrainer) on preference pairs (data prepare of
+    preference records): the policy against a frozen reference, whose log-probabilities of every pair are computed
+    once, at the run's start, from the weights it starts with (with model.lora: the base, its adapters off), as
+    TRL's precompute_ref_log_probs (docs/finetuning.md)."""
+
+    beta: float = Field(0.1, gt=0)
+    """How far from the reference the policy may go (TRL's beta)."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: -log sigmoid(beta x the margin of log-ratios) (DPO); ipo: (the margin of the sequences' mean
+    log-ratios - 1 / (2 beta))^2 (IPO, as TRL's loss_type=ipo)."""
+
+
 class DecoderConfig(ModelBase):
     """What the built-in decoders (gpt, llama) share."""
 
@@ -115,6 +128,8 @@ class DecoderConfig(ModelBase):
     architecture is read from its config.json; a model key set here that disagrees with it is an error."""
     lora: LoRAConfig | None = None
     """Low-rank adapters (LoRA) trained on a frozen model (model.name=llama); null: every parameter trains."""
+    dpo: DPOConfig | None = None
+    """Train on preference pairs with DPO's objective in place of the next-token loss; null: the next-token loss."""
 
     @field_validator("init_from", mode="before")
     @classmethod

@@ -3,8 +3,8 @@
 - language modelling: `text`;
 - prompt-completion: `prompt` and `completion`, both text or both lists of messages;
 - conversational: `messages`, a list of {role, content};
-- preference: `chosen` and `rejected` (with a `prompt`, or the prompt implicit in both), which `data prepare`
-  refuses: pairs are an objective's data, not an example's.
+- preference: `chosen` and `rejected`, with a `prompt` or the prompt implicit in both (text or messages): a pair
+  of documents, the prompt with each answer, side by side in one shard (model.dpo trains on them).
 
 A record becomes one document of ids with a loss weight per id (1 where the token is a target the loss counts):
 `completion` (a prompt-completion record's completion and the end-of-text after it), `assistant` (a
@@ -64,10 +64,18 @@ class Weighting:
     def template(self) -> ChatTemplate:
         return load_chat_template(self.tokenizer_spec, "--tokenizer")
 
+    def documents(self, record: dict, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, weights) of each document a record makes: one, or a preference record's two (its prompt with the
+        chosen answer, then with the rejected one, each weighted on its answer)."""
+        if self.format != PREFERENCE:
+            return [self.document(record, where)]
+        prompt, chosen, rejected = preference_parts(record, where)
+        return [self.document({"prompt": prompt, "completion": answer}, where) for answer in (chosen, rejected)]
+
     def document(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids, weights) of one record as a whole document: its ids and the end-of-text token, uint32 and uint8."""
         end = np.asarray([self.tokenizer.end_of_text], np.uint32)
-        if self.format == PROMPT_COMPLETION and isinstance(record["prompt"], str):
+        if "prompt" in record and isinstance(record["prompt"], str):
             prompt, completion = (_text(record, name, where) for name in ("prompt", "completion"))
             begin, _ = self.tokenizer.around_documents()
             prompt_ids, completion_ids = self.tokenizer.encode_batch([prompt, completion])
@@ -75,7 +83,7 @@ class Weighting:
             answer = np.zeros(len(ids), np.uint8)
             answer[len(begin) + len(prompt_ids):] = 1
             return ids, answer if self.loss_on != "all" else np.ones(len(ids), np.uint8)
-        if self.format == PROMPT_COMPLETION:
+        if "prompt" in record:
             prompt, completion = (messages(record, name, where) for name in ("prompt", "completion"))
             ids, answer = self.template.rendered(prompt + completion, where, answers_after=prompt)
         else:
@@ -86,15 +94,32 @@ class Weighting:
 
 def weighting(format: str, loss_on: str, tokenizer: Tokenizer, tokenizer_spec: str) -> Weighting:
     """The weighting of a file's records; one line for a loss option that does not fit its format."""
-    if format == PREFERENCE:
-        raise UserError("data prepare: preference records (chosen, rejected) are pairs for a preference objective, "
-                        "not examples to fine-tune on; give prompt-completion records or conversations")
-    fits = {PROMPT_COMPLETION: ("auto", "completion", "all"), CONVERSATIONAL: ("auto", "assistant", "all")}
+    fits = {PROMPT_COMPLETION: ("auto", "completion", "all"), CONVERSATIONAL: ("auto", "assistant", "all"),
+            PREFERENCE: ("auto", "completion")}
     if loss_on not in fits[format]:
         raise UserError(f"data prepare: --loss-on {loss_on} does not fit {format} records; give one of "
                         f"{', '.join(fits[format])}")
-    resolved = {"auto": "completion" if format == PROMPT_COMPLETION else "assistant"}.get(loss_on, loss_on)
+    resolved = {"auto": "assistant" if format == CONVERSATIONAL else "completion"}.get(loss_on, loss_on)
     return Weighting(format, resolved, tokenizer, tokenizer_spec)
+
+
+def preference_parts(record: dict, where: str) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) of a preference record: its `prompt`, or the one implicit in both answers (TRL's
+    extract_prompt: the messages they begin with alike, or the text up to where they part, less a space before
+    it); text or lists of messages alike."""
+    chosen, rejected = record["chosen"], record["rejected"]
+    if "prompt" in record:
+        return record["prompt"], chosen, rejected
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        common = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        common -= 1 if common and chosen[common - 1] == " " else 0
+    else:
+        chosen, rejected = messages(record, "chosen", where), messages(record, "rejected", where)
+        common = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    if not common:
+        raise UserError(f"data prepare: {where}: `chosen` and `rejected` share no prompt to begin with; give the "
+                        "prompt in a `prompt` field")
+    return chosen[:common], chosen[common:], rejected[common:]
 
 
 def messages(record: dict, name: str, where: str) -> list[dict[str, str]]:

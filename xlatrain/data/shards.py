@@ -77,6 +77,11 @@ class ShardSet:
         return str(self.manifest["fingerprint"])
 
     @property
+    def pairs(self) -> bool:
+        """Whether the documents are preference pairs (data prepare of preference records)."""
+        return self.manifest.get("examples", {}).get("format") == "preference"
+
+    @property
     def weighted(self) -> bool:
         """Whether the documents are examples with loss weights (to be kept whole, not split or windowed)."""
         return self.manifest["version"] == WEIGHTED_VERSION

@@ -36,7 +36,7 @@ from xlatrain.data.tokenizers import (
     trained_or_saved,
     trained_tokenizer_name,
 )
-from xlatrain.data.tokens import PackedRows, ShardWindows
+from xlatrain.data.tokens import PackedRows, PreferencePairs, ShardWindows
 from xlatrain.errors import UserError, first_line, warn
 
 _SPLIT_SEED = 20261122
@@ -94,7 +94,7 @@ class TokenSpans:
         return {"inputs": window[:-1], "targets": window[1:]}
 
 
-Source = ArraySource | TokenWindows | TokenSpans | ShardWindows | PackedRows
+Source = ArraySource | TokenWindows | TokenSpans | ShardWindows | PackedRows | PreferencePairs
 
 
 @dataclass(frozen=True)
@@ -218,10 +218,13 @@ def _tokens(config: TokensData, scans: ShardScans) -> Dataset:
                             f"(fingerprint {made_with['fingerprint']}), not data.tokenizer="
                             f"{config.tokenizer!r} ({expected.fingerprint}); prepare the shards with it, or drop "
                             "data.tokenizer")
-    if shards.weighted and not config.packing:
+    if shards.pairs and config.packing:
+        raise UserError(f"data.path={config.path!r} holds preference pairs, each sequence a row of its own, which "
+                        "are not packed: set data.packing=false")
+    if shards.weighted and not shards.pairs and not config.packing:
         raise UserError(f"data.path={config.path!r} holds fine-tuning examples with loss weights, each to be read "
                         "whole: set data.packing=true")
-    source = PackedRows if config.packing else ShardWindows
+    source = PreferencePairs if shards.pairs else PackedRows if config.packing else ShardWindows
     train, held_out = source(shards.train, config.seq_len), source(shards.eval, config.seq_len)
     for split, examples in (("training", train), ("held-out", held_out)):
         if shards.weighted:
@@ -231,11 +234,11 @@ def _tokens(config: TokensData, scans: ShardScans) -> Dataset:
                             f"data.seq_len={config.seq_len}; lower data.seq_len or prepare more text")
     spec = DataSpec((config.seq_len,), np.dtype(np.int32), (config.seq_len,), np.dtype(np.int32), shards.vocab_size,
                     f"data.path={config.path!r}", documents=config.packing,
-                    tokenizer={**shards.manifest["tokenizer"], "shards": shards.fingerprint})
+                    tokenizer={**shards.manifest["tokenizer"], "shards": shards.fingerprint}, pairs=shards.pairs)
     return Dataset(train, held_out, spec)
 
 
-def _report_cut_examples(examples: PackedRows, split: str, config: TokensData) -> None:
+def _report_cut_examples(examples: PackedRows | PreferencePairs, split: str, config: TokensData) -> None:
     """One line for the examples cut by seq_len (TRL's keep_start) and those skipped with no weighted token left;
     a split left with none is an error."""
     if not len(examples):

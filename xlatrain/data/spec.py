@@ -30,12 +30,19 @@ class DataSpec:
     """Packed documents: examples carry `segment_ids` and `positions` (DOCUMENT_KEYS) and a `mask`."""
     tokenizer: dict | None = None
     """The tokenizer's name, vocab_size, end_of_text and fingerprint (token data), for the run's records."""
+    pairs: bool = False
+    """Preference pairs: each example is two sequences (chosen, rejected) [2, ...] with a `mask`, and their
+    `reference` log-probabilities [2]; the model sees each as one of its input_shape."""
 
     def abstract_batch(self, rows: tuple[int, ...], sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
         """Abstract batch entries [*rows, *example shape] (with a `mask` when examples are padded)."""
-        shapes = {"inputs": (self.input_shape, self.input_dtype), "targets": (self.target_shape, self.target_dtype)}
-        if self.buckets is not None or self.documents:
-            shapes["mask"] = (self.target_shape, np.dtype(np.float32))
+        pair = (2,) if self.pairs else ()
+        shapes = {"inputs": ((*pair, *self.input_shape), self.input_dtype),
+                  "targets": ((*pair, *self.target_shape), self.target_dtype)}
+        if self.buckets is not None or self.documents or self.pairs:
+            shapes["mask"] = ((*pair, *self.target_shape), np.dtype(np.float32))
+        if self.pairs:
+            shapes["reference"] = (pair, np.dtype(np.float32))
         if self.documents:
             shapes.update({key: (self.input_shape, np.dtype(np.int32)) for key in DOCUMENT_KEYS})
         return {k: jax.ShapeDtypeStruct((*rows, *shape), dtype, sharding=sharding)

@@ -82,6 +82,61 @@ class PackedRows:
         return {**row, "mask": mask}
 
 
+@dataclass(frozen=True)
+class PreferencePairs:
+    """The preference pairs of shards prepared from preference records (each pair two documents side by side: the
+    prompt with the chosen answer, then with the rejected one), one record per pair, so that a batch, and every
+    replica's and microbatch's share of it, holds whole pairs: `inputs`, `targets` and `mask` [2, seq_len], the
+    chosen row first, each row one sequence from position 0, cut to its first seq_len + 1 tokens and padded (the
+    mask, its targets' weights, is 0 on padding). A pair either of whose rows has no weighted target left is
+    skipped. `reference`: each pair's two reference log-probabilities [pairs, 2], once they are computed
+    (model.dpo), added to its record."""
+
+    shards: tuple[Shard, ...]
+    seq_len: int
+    reference: np.ndarray | None = None
+
+    def __post_init__(self):
+        found = [(index, _whole_examples(s.bounds, s.weights, self.seq_len)) for index, s in enumerate(self.shards)]
+        shard_of, starts, lengths, skipped, truncated = [], [], [], 0, 0
+        for index, (pieces, _, cut) in found:
+            bounds = np.asarray(self.shards[index].bounds[:-1], np.int64)
+            kept = dict(zip(pieces[:, 0].tolist(), pieces[:, 1].tolist()))
+            for chosen, rejected in zip(bounds[0::2].tolist(), bounds[1::2].tolist()):
+                if chosen in kept and rejected in kept:
+                    shard_of.append(index)
+                    starts.append((chosen, rejected))
+                    lengths.append((kept[chosen], kept[rejected]))
+                else:
+                    skipped += 1
+            truncated += cut
+        object.__setattr__(self, "_shard", np.asarray(shard_of, np.int32))
+        object.__setattr__(self, "_start", np.asarray(starts, np.int64).reshape(-1, 2))
+        object.__setattr__(self, "_length", np.asarray(lengths, np.int64).reshape(-1, 2))
+        object.__setattr__(self, "skipped", skipped)
+        object.__setattr__(self, "truncated", truncated)
+
+    def use_reference(self, values: np.ndarray) -> None:
+        """The pairs' reference log-probabilities [pairs, 2], computed once the model exists (set once, before the
+        loader reads a record)."""
+        object.__setattr__(self, "reference", values)
+
+    def __len__(self) -> int:
+        return len(self._shard)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        shard = self.shards[self._shard[index]]
+        record = {k: np.zeros((2, self.seq_len), np.int32) for k in ("inputs", "targets")}
+        record["mask"] = np.zeros((2, self.seq_len), np.float32)
+        for row, (start, length) in enumerate(zip(self._start[index].tolist(), self._length[index].tolist())):
+            tokens = np.asarray(shard.tokens[start:start + length], np.int32)
+            record["inputs"][row, :length - 1], record["targets"][row, :length - 1] = tokens[:-1], tokens[1:]
+            record["mask"][row, :length - 1] = shard.weights[start + 1:start + length]
+        if self.reference is not None:
+            record["reference"] = self.reference[index].astype(np.float32)
+        return record
+
+
 def _pieces(bounds: np.ndarray, seq_len: int) -> np.ndarray:
     """[n, 2] (start, length) of each document's pieces of at most seq_len + 1 tokens, overlapping by one;
     documents of one token (an empty text's end-of-text) have no next-token pair and give none."""
