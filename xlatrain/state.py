@@ -17,6 +17,7 @@ from xlatrain.compat.multihost import gather_to_host
 from xlatrain.errors import UserError
 from xlatrain.mesh import CONTEXT, DATA, EXPERT, TENSOR
 from xlatrain.models.interface import ModelDef
+from xlatrain.models.lora import has_adapters
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.run.fingerprints import fingerprint
 from xlatrain.sharding import (
@@ -55,7 +56,7 @@ def make_init(model: ModelDef, tx: optax.GradientTransformation, seed: int, poli
     def init(given: Any = None, arranged: bool = False) -> TrainState:
         init_key, train_key = jax.random.split(jax.random.PRNGKey(seed))
         params, model_state = init_variables(model, init_key, policy, given)
-        if given is not None and model.frozen is not None:
+        if given is not None and model.frozen is not None and has_adapters(model.frozen):
             # LoRA from checkpoints: the base's (model.init_from) or the adapters' (model.lora.init_from) or both;
             # what neither gives is the model's own (XLA drops the rest of that initialisation)
             own = cast_floats(model.init(init_key)[0], policy.param)

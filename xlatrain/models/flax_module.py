@@ -18,7 +18,7 @@ from xlatrain.models.blocks import (
     with_documents,
 )
 from xlatrain.models.interface import Documents, ModelDef
-from xlatrain.models.lora import stop_frozen, trains
+from xlatrain.models.lora import keys_of, stop_frozen, trains
 
 
 class ModelState(nnx.Variable):
@@ -42,11 +42,11 @@ def flax_model(factory: Callable[[nnx.Rngs], nnx.Module]) -> ModelDef:
     flat = dict(nnx.to_flat_state(params))
     pure = nnx.to_pure_dict(params)
     axes = jax.tree_util.tree_map_with_path(
-        lambda path, _: logical_axes_of(flat[tuple(_key(k) for k in path)]), pure)
+        lambda path, _: logical_axes_of(flat[keys_of(path)]), pure)
     uses_rngs = takes_rngs(abstract)
     trained = trains if getattr(abstract, "adapted", False) else None
     frozen = None if trained is None else jax.tree_util.tree_map_with_path(
-        lambda path, _: not trained(tuple(_key(k) for k in path)), pure)
+        lambda path, _: not trained(keys_of(path)), pure)
     parts = BlockParts(abstract, trained) if isinstance(abstract, BlockStack) else None
     documents_taken = parts.takes_documents if parts else takes_documents(type(abstract).__call__)
 
@@ -68,7 +68,3 @@ def with_values(state: nnx.State, values: dict) -> nnx.State:
     copy = jax.tree.map(lambda leaf: leaf, state)
     nnx.replace_by_pure_dict(copy, values)
     return copy
-
-
-def _key(entry: Any) -> Any:
-    return getattr(entry, "key", getattr(entry, "idx", entry))

@@ -93,11 +93,12 @@ def stop_frozen(params: Any, trained: Callable[[tuple], bool] | None) -> Any:
     if trained is None:
         return params
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf if trained(tuple(_key(k) for k in path)) else jax.lax.stop_gradient(leaf), params)
+        lambda path, leaf: leaf if trained(keys_of(path)) else jax.lax.stop_gradient(leaf), params)
 
 
-def _key(entry: Any) -> Any:
-    return getattr(entry, "key", getattr(entry, "idx", entry))
+def keys_of(path: tuple) -> tuple:
+    """A jax tree path as the keys (and indices) it names."""
+    return tuple(getattr(entry, "key", getattr(entry, "idx", entry)) for entry in path)
 
 
 def base_of(tree: Any) -> Any:

@@ -76,8 +76,8 @@ class Decoding(NamedTuple):
     key: jax.Array
     done: jax.Array
     """[B] bool: the row chose a stop id (or the host found a stop string)."""
-    padding: jax.Array
-    """[B] int32: each row's left padding, the cache slots its attention never reads."""
+    padding: jax.Array | None
+    """[B] int32: each row's left padding, the cache slots its attention never reads (None: no row is padded)."""
 
 
 def start_decoding(graphdef: Any, params: Any, prompt_BxP: jax.Array, key: jax.Array, sampling: Sampling,
@@ -86,7 +86,7 @@ def start_decoding(graphdef: Any, params: Any, prompt_BxP: jax.Array, key: jax.A
     length: row b's tokens begin after its padding_B[b] pads, at position 0 (None: none padded)."""
     model = nnx.merge(graphdef, params)
     batch, prompt_length = prompt_BxP.shape
-    padding_B = jnp.zeros(batch, jnp.int32) if padding_B is None else padding_B.astype(jnp.int32)
+    padding_B = None if padding_B is None else padding_B.astype(jnp.int32)
     cache = model.empty_cache(batch, prompt_length + sampling.max_new_tokens, cache_dtype)
     logits, cache = model.decode(prompt_BxP, cache, jnp.int32(0), padding_B)
     key, first_key = jax.random.split(key)
