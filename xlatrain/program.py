@@ -40,7 +40,7 @@ from xlatrain.errors import UserError, warn
 from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.peft import adapter_weights
 from xlatrain.hf.tokenizer import other_tokens_than_the_checkpoints
-from xlatrain.hf.weights import HuggingFaceWeights, path_keys, placed_params
+from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.lowering.compile import (
     CompileBook,
     StepExecutables,
@@ -64,7 +64,7 @@ from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, train_batch_sha
 from xlatrain.models import flax_model, model_factory, router_balance
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.models.interface import PARTLY_FROZEN, ModelDef, documents_of, outputs_and_reports
-from xlatrain.models.lora import adapters_of, base_of, joined
+from xlatrain.models.lora import adapters_of, adapters_off, base_of, joined
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
@@ -222,8 +222,7 @@ class Program:
 
     def _reference_of(self, state: TrainState, pairs: Any) -> np.ndarray:
         forward = make_forward(self.model, self.policy)
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: jnp.zeros_like(leaf) if path_keys(path)[-1] == "lora_b" else leaf, state.params)
+        params = adapters_off(state.params)
         compute = jax.jit(lambda params, model_state, batch: reference_log_probs(forward, params, model_state, batch))
         rows, found = self.derived.global_batch, []
         for first in range(0, len(pairs), rows):

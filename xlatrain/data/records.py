@@ -75,7 +75,7 @@ class Weighting:
     def document(self, record: dict, where: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids, weights) of one record as a whole document: its ids and the end-of-text token, uint32 and uint8."""
         end = np.asarray([self.tokenizer.end_of_text], np.uint32)
-        if "prompt" in record and isinstance(record["prompt"], str):
+        if self.format != CONVERSATIONAL and isinstance(record["prompt"], str):
             prompt, completion = (_text(record, name, where) for name in ("prompt", "completion"))
             begin, _ = self.tokenizer.around_documents()
             prompt_ids, completion_ids = self.tokenizer.encode_batch([prompt, completion])
@@ -83,11 +83,11 @@ class Weighting:
             answer = np.zeros(len(ids), np.uint8)
             answer[len(begin) + len(prompt_ids):] = 1
             return ids, answer if self.loss_on != "all" else np.ones(len(ids), np.uint8)
-        if "prompt" in record:
+        if self.format == CONVERSATIONAL:
+            ids, answer = self.template.rendered(messages(record, "messages", where), where)
+        else:
             prompt, completion = (messages(record, name, where) for name in ("prompt", "completion"))
             ids, answer = self.template.rendered(prompt + completion, where, answers_after=prompt)
-        else:
-            ids, answer = self.template.rendered(messages(record, "messages", where), where)
         weights = np.ones(len(ids), np.uint8) if self.loss_on == "all" else answer
         return np.append(ids, end).astype(np.uint32), np.append(weights, np.uint8(self.loss_on == "all"))
 

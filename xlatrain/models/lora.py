@@ -143,3 +143,9 @@ def joined(*trees: Any) -> Any:
         for key, value in tree.items():
             found[key] = joined(found[key], value) if key in found and isinstance(value, dict) else value
     return found
+
+
+def adapters_off(params: Any) -> Any:
+    """The params with each adapter's B zero: the model computes its base alone (PEFT's disable_adapter)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jnp.zeros_like(leaf) if keys_of(path)[-1] == "lora_b" else leaf, params)
