@@ -18,8 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from xlatrain.models.interface import outputs_and_reports
-
 Metrics = dict[str, jax.Array]
 PAIRED = ("inputs", "targets", "mask")
 """The batch entries with a pair axis."""
@@ -50,12 +48,12 @@ def sequence_log_probs(token_log_probs: jax.Array, mask: jax.Array, mean: bool) 
     return total / jnp.maximum(jnp.sum(mask, axis=-1), 1.0) if mean else total
 
 
-def preference_sums(token_log_probs_rows: jax.Array, batch: dict, preference: Preference) -> Metrics:
-    """The objective's and its metrics' sums over the batch's pairs; `token_log_probs_rows` [2 pairs, L] (the
-    rows of pairs_as_rows)."""
+def preference_sums(token_log_probs: jax.Array, batch: dict, preference: Preference) -> Metrics:
+    """The objective's and its metrics' sums over the batch's pairs; `token_log_probs` [..., pairs, 2, L], the
+    policy's log-probability of each target."""
     mask = batch["mask"].astype(jnp.float32)
     mean = preference.loss == "ipo"
-    policy = sequence_log_probs(token_log_probs_rows.reshape(mask.shape), mask, mean)
+    policy = sequence_log_probs(token_log_probs, mask, mean)
     reference = batch["reference"].astype(jnp.float32)  # sums: IPO's mean divides them as the policy's
     ratios = policy - (reference / jnp.maximum(jnp.sum(mask, axis=-1), 1.0) if mean else reference)
     margin = ratios[..., 0] - ratios[..., 1]
@@ -71,12 +69,3 @@ def preference_sums(token_log_probs_rows: jax.Array, batch: dict, preference: Pr
             "logps_chosen": jnp.sum(jax.lax.stop_gradient(policy[..., 0])),
             "logps_rejected": jnp.sum(jax.lax.stop_gradient(policy[..., 1]))}
 
-
-def reference_log_probs(forward: Any, params: Any, model_state: Any, batch: dict) -> jax.Array:
-    """[pairs, 2]: each row's weighted tokens' log-probabilities summed, from `forward` (make_forward's) at
-    evaluation (no dropout): what preference_sums takes as the pairs' `reference`."""
-    rows = pairs_as_rows(batch)
-    logits = outputs_and_reports(forward(params, model_state, rows["inputs"], None, None)[0])[0]
-    token = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), rows["targets"][..., None],
-                                axis=-1)[..., 0]
-    return sequence_log_probs(token, rows["mask"], mean=False).reshape(batch["mask"].shape[:-1])

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from xlatrain.lowering.grad_sync import ExplicitReplicas, PartitionedReplicas
-from xlatrain.lowering.preference import Preference, pairs_as_rows, preference_sums
+from xlatrain.lowering.preference import Preference, pairs_as_rows, preference_sums, sequence_log_probs
 
 from xlatrain.errors import UserError
 from xlatrain.models.context import balanced_order, current_context_group
@@ -49,8 +49,21 @@ def objective_sums(outputs: jax.Array, batch: dict, loss: str | Preference) -> M
     the outputs the model's of pairs_as_rows(batch)."""
     if not isinstance(loss, Preference):
         return loss_sums(outputs, batch, loss)
+    return preference_sums(pair_token_log_probs(outputs, batch), batch, loss)
+
+
+def pair_token_log_probs(outputs: jax.Array, batch: dict) -> jax.Array:
+    """[..., pairs, 2, L] float32: each target's log-probability under the model's outputs for pairs_as_rows(batch),
+    the policy's in the step and the reference's before it, computed alike."""
     targets = pairs_as_rows(batch)["targets"]
-    return preference_sums(-cross_entropy_with_integer_labels(outputs, targets).astype(jnp.float32), batch, loss)
+    return -cross_entropy_with_integer_labels(outputs, targets).astype(jnp.float32).reshape(batch["mask"].shape)
+
+
+def reference_log_probs(forward: Callable, params: Tree, model_state: Tree, batch: dict) -> jax.Array:
+    """[..., pairs, 2]: each row's weighted tokens' log-probabilities summed, from make_forward's `forward` at
+    evaluation (no dropout): what preference_sums takes as the pairs' `reference`."""
+    outputs = outputs_and_reports(forward(params, model_state, pairs_as_rows(batch)["inputs"], None, None)[0])[0]
+    return sequence_log_probs(pair_token_log_probs(outputs, batch), batch["mask"].astype(jnp.float32), mean=False)
 
 
 def model_inputs(batch: dict, loss: str | Preference) -> jax.Array:

@@ -51,7 +51,7 @@ from xlatrain.lowering.data_parallel import DataParallel
 from xlatrain.lowering.flops import UncountedLoop, step_flops
 from xlatrain.lowering.inspect import peak_memory_bytes
 from xlatrain.lowering.pipeline.parallel import pipeline_parallel, refuse_unpipelinable
-from xlatrain.lowering.preference import objective_of, reference_log_probs
+from xlatrain.lowering.preference import objective_of
 from xlatrain.lowering.step import (
     fuse_steps,
     make_forward,
@@ -59,6 +59,7 @@ from xlatrain.lowering.step import (
     make_train_step,
     model_inputs,
     objective_sums,
+    reference_log_probs,
 )
 from xlatrain.mesh import DATA, build_mesh, eval_batch_sharding, train_batch_sharding
 from xlatrain.models import flax_model, model_factory, router_balance
@@ -234,7 +235,7 @@ class Program:
     def _checkpoint_params(self) -> Any:
         """The params that checkpoints give, each device's piece read from them: a Hugging Face checkpoint's
         (model.init_from) and a PEFT adapter's (model.lora.init_from); with adapters, a checkpoint without them
-        gives the base, and what no checkpoint gives is initialised (state.completed)."""
+        gives the base, and what no checkpoint gives is initialised (state.make_init)."""
         model = self.config.model
         layers_at = None if self.pipeline is None else self.pipeline.layout.layers_at
         model_params = jax.eval_shape(self.model.init, jax.random.PRNGKey(0))[0]

@@ -17,7 +17,7 @@ from xlatrain.compat.multihost import gather_to_host
 from xlatrain.errors import UserError
 from xlatrain.mesh import CONTEXT, DATA, EXPERT, TENSOR
 from xlatrain.models.interface import ModelDef
-from xlatrain.models.lora import has_adapters
+from xlatrain.models.lora import has_adapters, joined
 from xlatrain.precision import LossScale, Policy, cast_floats, initial_loss_scale
 from xlatrain.run.fingerprints import fingerprint
 from xlatrain.sharding import (
@@ -60,19 +60,12 @@ def make_init(model: ModelDef, tx: optax.GradientTransformation, seed: int, poli
             # LoRA from checkpoints: the base's (model.init_from) or the adapters' (model.lora.init_from) or both;
             # what neither gives is the model's own (XLA drops the rest of that initialisation)
             own = cast_floats(model.init(init_key)[0], policy.param)
-            params = completed(params, arrange(own) if arrange is not None and arranged else own)
+            params = joined(arrange(own) if arrange is not None and arranged else own, params)
         params = arrange(params) if arrange is not None and not arranged else params
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                           opt_state=tx.init(params), rng=train_key, loss_scale=initial_loss_scale(policy))
 
     return init
-
-
-def completed(given: Any, own: Any) -> Any:
-    """`own`'s nested dicts, each leaf `given`'s where `given` has it."""
-    if not isinstance(own, dict):
-        return given
-    return {key: completed(given[key], value) if key in given else value for key, value in own.items()}
 
 
 def state_specs(init: Callable[[], TrainState], model: ModelDef, tx: optax.GradientTransformation,

@@ -310,12 +310,12 @@ def examples_weighting(request: Request, files: list[Path], tokenizer: Tokenizer
     if request.field is not None:
         return None
     formats = {path: _file_format(path) for path in files}
-    if len(set(formats.values())) > 1:
-        (first, one), (second, other) = [next((p, f) for p, f in formats.items() if f == kind)
-                                          for kind in sorted(set(formats.values()))[:2]]
-        raise UserError(f"data prepare: {first} holds {one} records and {second} {other} records; prepare each "
-                        "format into its own --out")
-    format = next(iter(formats.values()))
+    kinds = sorted(set(formats.values()))
+    if len(kinds) > 1:
+        first, second = (next(path for path, found in formats.items() if found == kind) for kind in kinds[:2])
+        raise UserError(f"data prepare: {first} holds {kinds[0]} records and {second} {kinds[1]} records; prepare "
+                        "each format into its own --out")
+    format = kinds[0]
     if format == LANGUAGE_MODELING:
         if request.loss_on != "auto":
             raise UserError(f"data prepare: --loss-on {request.loss_on} weighs fine-tuning examples, and the inputs "

@@ -137,7 +137,8 @@ def merged(params: Any, scale: float) -> Any:
 
 
 def joined(*trees: Any) -> Any:
-    """Nested dicts of different leaves (a base's and its adapters') as one."""
+    """Nested dicts as one, a later tree's leaf in place of an earlier one's (a base's and its adapters'; a model's
+    own initialisation and what checkpoints give)."""
     found: dict = {}
     for tree in trees:
         for key, value in tree.items():
