@@ -41,6 +41,7 @@ from xlatrain.models.context import inside_context_group
 from xlatrain.models.interface import ModelDef
 from xlatrain.models.lora import RANK_AXIS
 from xlatrain.models.moe import inside_expert_group
+from xlatrain.muon import MatrixOwners
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
 from xlatrain.precision import Policy
@@ -52,9 +53,10 @@ from xlatrain.sharding import (
     named,
     param_specs,
     rules_over,
+    spec_at_path,
     tensor_undivided,
 )
-from xlatrain.state import TrainState, state_specs
+from xlatrain.state import TrainState, split_axes, state_specs
 from xlatrain.tensor_group import TensorGroup, inside_tensor_group
 
 Replicas = PartitionedReplicas | ExplicitReplicas
@@ -120,6 +122,14 @@ class DataParallel:
         """Whether a tensor group meets inside the per-device program, through collectives written out
         (xlatrain/tensor_group.py), rather than through XLA's partitioner."""
         return self.config.parallel.mode != "jit" and tensor_size(self.mesh) > 1
+
+    def matrix_owners(self) -> MatrixOwners | None:
+        """Where Muon orthogonalises each hidden matrix: in one global program, whole on one of the devices that
+        hold its momentum's shards (xlatrain/muon.py); in a per-device program, on the device that holds it."""
+        if self.config.parallel.mode != "jit" or self.model.logical_axes is None:
+            return None
+        rules = rules_over(self._rules(), split_axes(self.config.parallel.strategy, "optimizer"))
+        return MatrixOwners(self.mesh, spec_at_path(self.model.logical_axes, rules, self.mesh))
 
     def choose_remat(self, memory: DeviceMemory, most_bytes_with_residuals: Callable[[], int]) -> RematChoice | None:
         """How a pipeline's backward gets its residuals; nothing to choose without one."""

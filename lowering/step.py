@@ -28,6 +28,7 @@ from xlatrain.errors import UserError
 from xlatrain.models.context import balanced_order, current_context_group
 from xlatrain.models.experts import ROUTER_SUMS
 from xlatrain.models.interface import Documents, Reported, documents_of, outputs_and_reports
+from xlatrain.optim import evaluated_params
 from xlatrain.precision import Policy, cast_floats, next_loss_scale
 from xlatrain.sharding import context_split
 from xlatrain.state import ModelDef, TrainState
@@ -345,7 +346,8 @@ def make_eval_step(model: ModelDef, loss: str | Preference, policy: Policy,
 
     def eval_step(state: TrainState, batch: dict) -> Metrics:
         batch = in_context_order(batch)
-        outputs = forward(state.params, state.model_state, model_inputs(batch, loss), None, documents_of(batch))[0]
+        params = evaluated_params(state.opt_state, state.params)
+        outputs = forward(params, state.model_state, model_inputs(batch, loss), None, documents_of(batch))[0]
         return eval_metrics(objective_sums(outputs_and_reports(outputs)[0], batch, loss))
 
     return eval_step

@@ -1,5 +1,6 @@
 """Built-in and user models, optimizers by name, schedules with warmup, and the weight-decay mask."""
 
+import json
 import math
 import re
 
@@ -11,6 +12,7 @@ import optax
 import pytest
 from conftest import DIGITS_MLP, REPO
 from flax import nnx
+from test_config import cli_error
 from xlatrain.lowering.pipeline.residuals import saving_matmuls
 from xlatrain.lowering.step import cross_entropy_with_integer_labels
 
@@ -285,6 +287,33 @@ def test_schedule_warms_up_to_the_scaled_rate_then_decays(devices):
     assert float(schedule(10)) == pytest.approx(0.04) and float(schedule(110)) == pytest.approx(0.004)
 
 
+@pytest.mark.parametrize("shape, cooling", [
+    ("linear", [1.0, 0.775, 0.55, 0.325, 0.1]),
+    ("cosine", [1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), 0.55,
+                0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.1]),
+    ("1-sqrt", [1.0, 0.1 + 0.9 * (1 - math.sqrt(0.25)), 0.1 + 0.9 * (1 - math.sqrt(0.5)),
+                0.1 + 0.9 * (1 - math.sqrt(0.75)), 0.1]),
+])
+def test_warmup_stable_decay_holds_the_peak_then_cools_down_to_the_horizon(shape, cooling, devices):
+    """Warmup 4 steps, stable to step 12, a cooldown of 8 steps ending at the horizon (20) at the final fraction."""
+    config = load_config(None, ["optimizer.lr=1.0", "optimizer.schedule=wsd", "optimizer.warmup_steps=4",
+                                "optimizer.cooldown_steps=8", f"optimizer.cooldown_shape={shape}",
+                                "optimizer.final_lr_fraction=0.1", "trainer.steps=20"])
+    schedule = learning_rate_schedule(config.optimizer, derive(config, devices), 20)
+    rates = [float(schedule(step)) for step in (0, 2, 4, 8, 12, 14, 16, 18, 20, 25)]
+    np.testing.assert_allclose(rates, [0.0, 0.5, 1.0, 1.0, *cooling, 0.1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optimizer.schedule=wsd", "optimizer.warmup_steps=8", "optimizer.cooldown_steps=5", "trainer.steps=12"],
+     "optimizer.schedule=wsd warms up for 8 steps and cools down for 5, more than its horizon of 12 steps"),
+    (["optimizer.schedule=wsd", "optimizer.cooldown_shape=exp"], "optimizer.cooldown_shape"),
+    (["optimizer.cooldown_steps=5"], "optimizer.cooldown_steps shapes the decay of optimizer.schedule=wsd"),
+])
+def test_what_a_warmup_stable_decay_cannot_do_is_one_line(overrides, message, capsys, tmp_path):
+    assert message in cli_error(capsys, "train", *DIGITS_MLP, *overrides, f"trainer.run_dir={tmp_path}")
+
+
 def test_weight_decay_skips_biases_and_norm_scales():
     params = {"dense": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)}, "norm": {"scale": jnp.ones(3)}}
     assert decay_mask(params) == {"dense": {"kernel": True, "bias": False}, "norm": {"scale": False}}
@@ -296,3 +325,42 @@ def test_weight_decay_skips_biases_and_norm_scales():
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
     assert float(updates["dense"]["kernel"][0, 0]) == -0.5 and float(updates["dense"]["bias"][0]) == 0.0
+
+
+def test_a_cooldown_starts_in_a_new_run_from_a_checkpoint_of_anothers_stable_phase(tmp_path):
+    """trainer.init_from copies params, optimizer state, step and data position: a run started from step 4 of
+    another with the same schedule goes on bit for bit as it did; one with a shorter horizon cools down from there."""
+    wsd = [*DIGITS_MLP, "optimizer.schedule=wsd", "optimizer.lr=0.01", "optimizer.warmup_steps=2",
+           "optimizer.cooldown_steps=2", "optimizer.final_lr_fraction=0", "trainer.checkpoint_every=2",
+           "trainer.keep_checkpoints=10"]
+
+    def run(name, steps, *overrides):
+        return train(load_config(None, [*wsd, f"trainer.steps={steps}", f"trainer.run_dir={tmp_path / name}",
+                                        *overrides]), echo=lambda _: None)
+
+    base = run("base", 8)
+    same = run("same", 8, f"trainer.init_from={tmp_path / 'base'}@4")
+    assert same.start_step == 4 and same.losses == {step: base.losses[step] for step in range(5, 9)}
+    run("cooled", 6, f"trainer.init_from={tmp_path / 'base'}@4")
+    rates = {record["step"]: record["lr"] for record in map(json.loads, (tmp_path / "cooled" / "metrics.jsonl")
+                                                             .read_text().splitlines()) if "lr" in record}
+    assert rates == pytest.approx({5: 0.01, 6: 0.005})
+
+
+@pytest.mark.parametrize("init_from, message", [
+    ("{tmp}/nowhere", "names no run directory with checkpoints"),
+    ("{tmp}/base@3", "has no checkpoint at step 3; it has [2]"),
+    ("{tmp}/base@x", "must be RUN_DIR or RUN_DIR@STEP"),
+])
+def test_a_start_from_another_run_that_cannot_be_is_one_line(init_from, message, capsys, tmp_path):
+    train(load_config(None, [*DIGITS_MLP, "trainer.steps=2", f"trainer.run_dir={tmp_path / 'base'}"]),
+          echo=lambda _: None)
+    assert message in cli_error(capsys, "train", *DIGITS_MLP, "trainer.steps=4", f"trainer.run_dir={tmp_path / 'new'}",
+                                f"trainer.init_from={init_from.format(tmp=tmp_path)}")
+    assert not (tmp_path / "new" / "checkpoints").exists() or not any((tmp_path / "new" / "checkpoints").iterdir())
+
+
+def test_a_run_starts_from_another_runs_state_or_from_weights_not_both(capsys):
+    assert "trainer.init_from starts the run from another run's whole state, and model.lora.init_from" in cli_error(
+        capsys, "config", "model.name=llama", "model.lora.rank=2", "model.lora.init_from=adapter",
+        "trainer.init_from=runs/base")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from xlatrain.config import (
@@ -17,17 +18,24 @@ from xlatrain.config import (
     AdamWConfig,
     Derived,
     LionConfig,
+    MuonConfig,
     OptimizerConfig,
+    ScheduleFreeAdamWConfig,
     SGDConfig,
 )
+from xlatrain.errors import UserError
 from xlatrain.models.blocks import in_blocks
+from xlatrain.muon import MatrixOwners, muon_labels, scale_by_muon
 
 
 def learning_rate_schedule(config: OptimizerConfig, derived: Derived, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to the effective (batch-scaled) LR, then constant, cosine or linear decay."""
+    """Linear warmup from 0 to the effective (batch-scaled) LR, then constant, cosine or linear decay, or WSD's
+    stable phase and cooldown; `total_steps`: the horizon."""
     peak = derived.effective_lr
-    warmup = min(config.warmup_steps, total_steps)
     final = peak * config.final_lr_fraction
+    if config.schedule == "wsd":
+        return _warmup_stable_decay(config, peak, final, total_steps)
+    warmup = min(config.warmup_steps, total_steps)
     decay_steps = max(total_steps - warmup, 1)
     after = {
         "constant": optax.constant_schedule(peak),
@@ -37,6 +45,24 @@ def learning_rate_schedule(config: OptimizerConfig, derived: Derived, total_step
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def _warmup_stable_decay(config: OptimizerConfig, peak: float, final: float, horizon: int) -> optax.Schedule:
+    cooldown = config.cooldown_steps or max(horizon // 5, 1)
+    stable_from, decay_from = config.warmup_steps, horizon - cooldown
+    if decay_from < stable_from:
+        raise UserError(f"config: optimizer.schedule=wsd warms up for {stable_from} steps and cools down for "
+                        f"{cooldown}, more than its horizon of {horizon} steps (optimizer.decay_steps, or "
+                        "trainer.steps when it is null): shorten optimizer.warmup_steps or optimizer.cooldown_steps, "
+                        "or lengthen the horizon")
+    shape = config.cooldown_shape or "linear"
+    decay = {"linear": optax.linear_schedule(peak, final, cooldown),
+             "cosine": optax.cosine_decay_schedule(peak, cooldown, alpha=config.final_lr_fraction),
+             "1-sqrt": lambda step: final + (peak - final) * (1 - jnp.sqrt(jnp.clip(step / cooldown, 0.0, 1.0)))}[shape]
+    phases = [optax.constant_schedule(peak), decay]
+    if stable_from:
+        phases.insert(0, optax.linear_schedule(0.0, peak, stable_from))
+    return optax.join_schedules(phases, [stable_from, decay_from] if stable_from else [decay_from])
 
 
 def stacked_axes(params, block_axes: int):
@@ -124,11 +150,15 @@ def layerwise(inner: optax.GradientTransformation, block_axes: int) -> optax.Gra
 
 
 def build_optimizer(config: OptimizerConfig, schedule: optax.Schedule, block_axes: int = 0,
-                    frozen: Any = None) -> optax.GradientTransformation:
+                    frozen: Any = None, owners: MatrixOwners | None = None) -> optax.GradientTransformation:
     """`block_axes`: how many leading axes stack the layers of a BlockStack's params (see decay_mask).
     `frozen`: ModelDef.frozen; the frozen parameters' gradients are zero (the forward stops them), so every
     scaling would leave them as they are: it is masked off them, keeping no moments for them (a frozen
-    backbone's), and weight decay must skip them too."""
+    backbone's), and weight decay must skip them too. `owners`: where Muon orthogonalises each matrix."""
+    if isinstance(config, MuonConfig):
+        return _muon(config, schedule, block_axes, frozen, owners)
+    if isinstance(config, ScheduleFreeAdamWConfig):
+        return _schedule_free(config, schedule, block_axes)
     parts = _scaling(config, block_axes)
     if frozen is not None and parts:
         parts = [optax.masked(optax.chain(*parts), jax.tree.map(lambda f: f is not True, frozen))]
@@ -140,6 +170,49 @@ def build_optimizer(config: OptimizerConfig, schedule: optax.Schedule, block_axe
         parts.append(optax.add_decayed_weights(config.weight_decay, mask=mask))
     parts.append(optax.scale_by_learning_rate(schedule))
     return optax.chain(*parts)
+
+
+def _muon(config: MuonConfig, schedule: optax.Schedule, block_axes: int, frozen: Any,
+          owners: MatrixOwners | None) -> optax.GradientTransformation:
+    """Two groups (muon.py's labels): Muon's orthogonalised momentum on the hidden matrices, AdamW on the rest,
+    each with its decay and its peak learning rate on the one schedule; nothing on frozen parameters."""
+    adam_lr = config.adam_lr or config.lr
+    adam_decay = config.weight_decay if config.adam_weight_decay is None else config.adam_weight_decay
+    muon = optax.chain(
+        scale_by_muon(config.momentum, config.nesterov, config.ns_steps, config.rms_match, block_axes, owners,
+                      config.eps),
+        optax.add_decayed_weights(config.weight_decay),
+        optax.scale_by_learning_rate(schedule))
+    adam = optax.chain(
+        optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+        optax.add_decayed_weights(adam_decay, mask=lambda params: decay_mask(params, block_axes)),
+        optax.scale_by_learning_rate(lambda step: schedule(step) * (adam_lr / config.lr)))
+    return optax.partition({"muon": muon, "adam": adam, "frozen": optax.set_to_zero()},
+                           lambda params: muon_labels(params, frozen))
+
+
+def _schedule_free(config: ScheduleFreeAdamWConfig, schedule: optax.Schedule,
+                   block_axes: int) -> optax.GradientTransformation:
+    """optax.contrib.schedule_free_adamw's chain, with xlatrain's weight-decay mask and its schedule (a constant
+    with the warmup, as schedule_free_adamw's warmup_steps makes)."""
+    base = optax.chain(
+        optax.scale_by_rms(decay=config.b2, eps=config.eps, eps_in_sqrt=False, bias_correction=True),
+        optax.add_decayed_weights(config.weight_decay, mask=lambda params: decay_mask(params, block_axes)),
+        optax.scale_by_learning_rate(schedule))
+    return optax.contrib.schedule_free(base, learning_rate=schedule, b1=config.b1,
+                                       weight_lr_power=config.weight_lr_power)
+
+
+def evaluated_params(opt_state: Any, params: Any) -> Any:
+    """The params to evaluate, export and sample: schedule-free's average x (from the gradient's point y and the
+    iterate z in its state), the params themselves for every other optimizer."""
+    states = [node for node in jax.tree.leaves(opt_state, is_leaf=_is_schedule_free)
+              if _is_schedule_free(node)]
+    return optax.contrib.schedule_free_eval_params(states[0], params) if states else params
+
+
+def _is_schedule_free(node: Any) -> bool:
+    return isinstance(node, optax.contrib.ScheduleFreeState)
 
 
 def _scaling(config: OptimizerConfig, block_axes: int) -> list[optax.GradientTransformation]:

@@ -23,6 +23,8 @@ from xlatrain.config import (
     DECODERS,
     Config,
     Derived,
+    MuonConfig,
+    ScheduleFreeAdamWConfig,
     TextData,
     TorchModelConfig,
     derive,
@@ -66,6 +68,7 @@ from xlatrain.models import flax_model, model_factory, router_balance
 from xlatrain.models.fit import check_model_outputs
 from xlatrain.models.interface import PARTLY_FROZEN, ModelDef, documents_of, outputs_and_reports
 from xlatrain.models.lora import adapters_of, adapters_off, base_of, joined
+from xlatrain.muon import muon_labels
 from xlatrain.optim import build_optimizer, learning_rate_schedule
 from xlatrain.pipeline.plan import PipelinePlan
 from xlatrain.pipeline.remat import RematChoice
@@ -360,10 +363,16 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
                 if derived.stages > 1 else DataParallel(config, derived, mesh, model, policy))
     measured = Measured(examples, digest, _model_flops(config, derived, model, dataset.spec, policy),
                         parallel.partition)
-    tx = build_optimizer(config.optimizer, schedule, parallel.block_axes, model.frozen)
+    tx = build_optimizer(config.optimizer, schedule, parallel.block_axes, model.frozen, parallel.matrix_owners())
     init = make_init(model, tx, config.seed, policy, arrange=parallel.arrange)
     abstract, specs = parallel.state_specs(init, tx)
     _refuse_nothing_to_train(config, abstract.params, model.frozen)
+    if isinstance(config.optimizer, MuonConfig):
+        _refuse_muon_misfits(config, parallel, abstract.params, model.frozen)
+    if isinstance(config.optimizer, ScheduleFreeAdamWConfig) and True in jax.tree.leaves(model.frozen):
+        raise UserError("config: optimizer.name=schedule_free_adamw is not built for frozen parameters (LoRA's base, "
+                        "a torch module's requires_grad=False): its average would have to skip them; choose another "
+                        "optimizer.name (e.g. adamw)")
     memory = device_memory(mesh)
     check_state_fits(with_shardings(abstract, specs, mesh), memory)
     return Program(config, derived, measured, mesh, dataset, model, tx, schedule, init, abstract, specs, policy,
@@ -445,6 +454,21 @@ def _refuse_preference_misfits(config: Config, pairs: bool) -> None:
             raise UserError(f"config: model.dpo is not built with {key} yet (a pipeline's last stage, a context "
                             "group's split sequences and a router's losses would each need DPO's own sum); drop "
                             f"{key}")
+
+
+def _refuse_muon_misfits(config: Config, parallel: Any, params: Any, frozen: Any) -> None:
+    """Muon needs hidden matrices to orthogonalise, and, in a per-device program, each matrix whole on its device."""
+    if "muon" not in jax.tree.leaves(muon_labels(params, frozen)):
+        raise UserError(f"config: optimizer.name=muon orthogonalises the hidden matrices of a built-in decoder's "
+                        f"stacked layers (attention and MLP projections, experts), and {config.model.named()} has "
+                        "none to train: choose another optimizer.name (e.g. adamw)")
+    strategy, mode = config.parallel.strategy, config.parallel.mode
+    if mode != "jit" and (strategy != "replicated" or config.mesh.tensor > 1):
+        what = f"parallel.strategy={strategy}" if strategy != "replicated" else f"mesh.tensor={config.mesh.tensor}"
+        raise UserError(f"config: optimizer.name=muon with {what} runs in parallel.mode=jit (each matrix gathered "
+                        f"whole on one of the devices that hold its shards); the per-device program of "
+                        f"parallel.mode={mode}{' (a pipeline)' if config.mesh.stage > 1 else ''} holds only shards: "
+                        "set parallel.mode=jit, or parallel.strategy=replicated and mesh.tensor=1")
 
 
 def _refuse_nothing_to_train(config: Config, params: Any, frozen: Any) -> None:

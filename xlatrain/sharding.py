@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import optax
@@ -63,6 +63,12 @@ def rules_over(rules: Rules, axes: tuple[str, ...]) -> dict[str, tuple[str, ...]
 def param_specs(abstract_params: Any, logical_axes: Any, rules: Rules, mesh: Mesh) -> Any:
     return jax.tree.map(lambda leaf, names: logical_spec(names, leaf.shape, rules, mesh),
                         abstract_params, logical_axes, is_leaf=_is_axes)
+
+
+def spec_at_path(logical_axes: Any, rules: Rules, mesh: Mesh) -> Callable[[tuple, tuple[int, ...]], P]:
+    """(a param's key path, its shape) -> its PartitionSpec, as param_specs lays it out."""
+    names = dict(jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=_is_axes)[0])
+    return lambda path, shape: logical_spec(names[tuple(path)], shape, rules, mesh)
 
 
 def optimizer_specs(tx: optax.GradientTransformation, abstract_opt_state: Any, abstract_params: Any,

@@ -45,7 +45,7 @@ from xlatrain.phases import (
     Phases,
 )
 from xlatrain.program import Program, build_program
-from xlatrain.run.checkpoints import CheckpointNotWritten, Checkpoints
+from xlatrain.run.checkpoints import CheckpointNotWritten, Checkpoints, Restored, read_checkpoint
 from xlatrain.run.directory import (
     CHECKPOINTS_DIR,
     RunDirHold,
@@ -406,13 +406,16 @@ class _Run:
     def _initial_state(self) -> tuple[Any, dict | None, int]:
         abstract = with_shardings(self.program.abstract_state, self.program.specs, self.program.mesh)
         restored = self.checkpoints.restore_newest_verified(abstract, warn=warn)
+        if restored is None and self.trainer.init_from is not None:
+            restored = self._from_another_run(abstract)
+        elif restored is not None:
+            self.echo(f"  resuming from checkpoint at step {restored[1]} (verified)")
         if restored is None:
             state = self.program.create_state()
             self.program.use_reference(state, self.run_dir)
             return state, None, 0
         (state, data_state, trained_on), step = restored
         self.program.use_reference(None, self.run_dir)
-        self.echo(f"  resuming from checkpoint at step {step} (verified)")
         check_same_tokenizer(self.config.data, trained_on, self.data_identity, step)
         change = data_change(self.config.data, trained_on, self.data_identity)
         if change and is_primary():
@@ -420,6 +423,28 @@ class _Run:
                  "on the data as it is now, so it does not continue exactly (the examples it reads next and its "
                  "held-out set may differ); to continue it exactly, put back the data it was trained on")
         return state, data_state, step
+
+    def _from_another_run(self, abstract: Any) -> tuple[Restored, int]:
+        """trainer.init_from's checkpoint, restored into this run's layout, for a run with none of its own."""
+        directory, step = self.trainer.init_from_step()
+        source, what = Path(directory), f"config: trainer.init_from={self.trainer.init_from!r}"
+        if not (source / CHECKPOINTS_DIR).is_dir():
+            raise UserError(f"{what} names no run directory with checkpoints ({source / CHECKPOINTS_DIR} is not a "
+                            "directory): name a directory `xlatrain train` wrote")
+        if source.resolve() == self.run_dir.resolve():
+            raise UserError(f"{what} is this run's own directory, which resumes from its own checkpoints: drop "
+                            "trainer.init_from, or give the new run another trainer.run_dir")
+        if getattr(self.config.model, "dpo", None) is not None:
+            raise UserError(f"{what}: a DPO run's reference is the policy it starts from, computed in its own run "
+                            "directory: export the checkpoint (`xlatrain export RUN_DIR --hf DIR`) and start DPO from "
+                            "it with model.init_from=hf:DIR")
+        restored, step = read_checkpoint(source, self.trainer.keep_checkpoints, step, what,
+                                         lambda checkpoints, step: checkpoints.restore(step, abstract))
+        if step >= self.trainer.steps:
+            raise UserError(f"{what} starts at step {step}, and trainer.steps={self.trainer.steps} ends there: set "
+                            "trainer.steps beyond it")
+        self.echo(f"  starting from {source} at its checkpoint of step {step} (verified)")
+        return restored, step
 
     def _loader(self, data_state: dict | None) -> DeviceLoader:
         d = self.program.derived

@@ -24,6 +24,7 @@ from xlatrain.errors import UserError
 from xlatrain.mesh import STAGE, eval_batch_sharding
 from xlatrain.models.blocks import BLOCKS
 from xlatrain.models.interface import ModelDef
+from xlatrain.optim import evaluated_params
 from xlatrain.pipeline.plan import PipelinePlan, plan_pipeline
 from xlatrain.pipeline.remat import RematChoice, choose_remat, configured
 from xlatrain.precision import Policy
@@ -134,7 +135,8 @@ class PipelineParallel(DataParallel):
         replicas, gather = self.replicas(params), self.gather_params(params)
 
         def eval_step(state: TrainState, batch: dict) -> dict:
-            return eval_metrics(jax.tree.map(replicas.total, evaluate(gather(state.params), in_context_order(batch))))
+            params = gather(evaluated_params(state.opt_state, state.params))
+            return eval_metrics(jax.tree.map(replicas.total, evaluate(params, in_context_order(batch))))
 
         return self.per_device(eval_step, specs, out_specs=P(), batch_spec=eval_batch_sharding(self.mesh).spec)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from xlatrain.commands.trained import from_run, read_checkpoint
+from xlatrain.commands.trained import from_run
 from xlatrain.config import HUGGING_FACE_PREFIX, TorchModelConfig
 from xlatrain.config.hugging_face import hugging_face_config
 from xlatrain.data.chat import TEMPLATE_FILES, template_files
@@ -25,8 +25,10 @@ from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_NAMING, adapter_config
 from xlatrain.hf.writing import checkpoint_tensors, write_checkpoint
 from xlatrain.models.lora import adapters_of, merged
+from xlatrain.optim import evaluated_params
 from xlatrain.program import apply_cpu_devices, build_program
 from xlatrain.run.atomic import replace_file
+from xlatrain.run.checkpoints import read_checkpoint
 from xlatrain.run.directory import pinned_partition, read_run_config
 from xlatrain.state import with_shardings
 
@@ -47,9 +49,10 @@ def export_torch_state_dict(run_dir: Path, out: Path, step: int | None = None) -
     apply_cpu_devices(config)
     program = build_program(config, pinned_partition=pinned_partition(run_dir))
     abstract = with_shardings(program.abstract_state, program.specs, program.mesh)
-    state, step = read_checkpoint(run_dir, config, step, "export --torch",
+    state, step = read_checkpoint(run_dir, config.trainer.keep_checkpoints, step, "export --torch",
                                   lambda checkpoints, step: checkpoints.restore(step, abstract).state)
-    params = state.params if program.pipeline is None else program.pipeline.layout.layer_params(state.params)
+    params = evaluated_params(state.opt_state, state.params)
+    params = params if program.pipeline is None else program.pipeline.layout.layer_params(params)
     host = jax.tree.map(np.asarray, (params, state.model_state))
     state_dict = program.model.torch.state_dict(*host)
     replace_file(out, lambda partial: torch.save(state_dict, partial))

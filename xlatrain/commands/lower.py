@@ -15,15 +15,17 @@ import jax
 
 from xlatrain.compat.backends import compile_only_gpus, cudnn_missing
 from xlatrain.compat.monitoring import cost_analysis
-from xlatrain.config import Config, load_config
+from xlatrain.config import Config, MuonConfig, load_config
 from xlatrain.errors import UserError, first_line
 from xlatrain.lowering import hlo_graph
 from xlatrain.lowering.inspect import axes_spanned, collectives, dump, peak_memory_bytes
 from xlatrain.lowering.kernels import kernel_split
 from xlatrain.mesh import TENSOR
 from xlatrain.models.attention import attention_paths
+from xlatrain.muon import muon_labels
 from xlatrain.program import Program, build_program
 from xlatrain.runtime.gpu_targets import GpuTarget, resolve_target, target_devices
+from xlatrain.state import with_shardings
 
 
 def lower(config: Config, target: GpuTarget | None = None, devices: list | None = None, dump_to: Path | None = None,
@@ -62,7 +64,21 @@ def lower_report(program: Program, compiled: Any) -> dict[str, Any]:
               "gradients_synchronised": program.gradients_synchronised}
     if program.pipeline is not None:
         report["pipeline"] = pipeline_report(program, compiled)
+    if isinstance(program.config.optimizer, MuonConfig):
+        report["muon"] = muon_report(program)
     return report
+
+
+def muon_report(program: Program) -> dict[str, Any]:
+    """What Muon's update moves per device (its collectives, the update compiled alone), against the bytes an
+    all-gather of every hidden matrix would bring to each device (the matrices whole)."""
+    state = with_shardings(program.abstract_state, program.specs, program.mesh)
+    update = jax.jit(program.tx.update).lower(state.params, state.opt_state, state.params).compile()
+    labels = jax.tree.leaves(muon_labels(program.abstract_state.params, program.model.frozen))
+    matrices = [leaf for leaf, label in zip(jax.tree.leaves(program.abstract_state.params), labels, strict=True)
+                if label == "muon"]
+    return {"collectives": collectives(update.as_text(), dict(program.mesh.shape)),
+            "all_gather_bytes": sum(leaf.size * leaf.dtype.itemsize for leaf in matrices)}
 
 
 def memory_split(program: Program, compiled: Any) -> dict[str, int]:
@@ -196,6 +212,11 @@ def format_report(report: dict, devices: int) -> str:
               f"{c['bytes'] / 2**20:.3f} MiB" for c in report["collectives"]]
     if "pipeline" in report:
         lines += _pipeline_lines(report["pipeline"])
+    if "muon" in report:
+        moved = sum(c["bytes"] for c in report["muon"]["collectives"])
+        kinds = ", ".join(f"{c['kind']} x{c['count']}" for c in report["muon"]["collectives"]) or "no collectives"
+        lines.append(f"muon update        {moved / 2**20:.3f} MiB per device ({kinds}); an all-gather of every "
+                     f"hidden matrix: {report['muon']['all_gather_bytes'] / 2**20:.3f} MiB")
     lines.append(_amp_order_line(report))
     return "\n".join(lines)
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from pydantic import TypeAdapter, ValidationError
 
@@ -20,6 +21,7 @@ from xlatrain.config import (
     DecoderConfig,
     GPTConfig,
     ModelConfig,
+    ScheduleFreeAdamWConfig,
     TorchModelConfig,
 )
 from xlatrain.config.hugging_face import architecture, read_config_json
@@ -31,12 +33,12 @@ from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.tokenizer import checkpoint_tokenizer
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
 from xlatrain.models import flax_model, model_factory
+from xlatrain.optim import evaluated_params
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.schedule import build
-from xlatrain.run.checkpoints import Checkpoints, CorruptCheckpoint, in_current_layout
-from xlatrain.run.directory import CHECKPOINTS_DIR, pinned_partition, read_run_config
+from xlatrain.run.checkpoints import in_current_layout, read_checkpoint
+from xlatrain.run.directory import pinned_partition, read_run_config
 
-T = TypeVar("T")
 TORCH_REFUSED = ("trained a torch module (model.name=torch): its weights belong to your PyTorch code, which xlatrain "
                  "runs only as a whole forward, without a KV cache or a Hugging Face layout; export them with "
                  "`xlatrain export RUN_DIR --torch OUT.pt`")
@@ -102,32 +104,18 @@ def _abstract_params(model: DecoderConfig) -> Any:
 
 
 def _restored_params(run_dir: Path, config: Config, step: int | None, command: str) -> tuple[tuple[Any, Any], int]:
-    """((params, model state), step) on one device, the blocks in the model's layout."""
-    fields, step = read_checkpoint(run_dir, config, step, command, lambda checkpoints, step:
-                                   checkpoints.restore_fields_on(step, jax.devices()[0], ("params", "model_state")))
+    """((params, model state), step) on one device, the blocks in the model's layout; a schedule-free run's
+    averaged params (optim.py: evaluated_params, from its optimizer state)."""
+    schedule_free = isinstance(config.optimizer, ScheduleFreeAdamWConfig)
+    read = ("params", "model_state", *(("opt_state",) if schedule_free else ()))
+    fields, step = read_checkpoint(run_dir, config.trainer.keep_checkpoints, step, command, lambda checkpoints, step:
+                                   checkpoints.restore_fields_on(step, jax.devices()[0], read))
     params = fields["params"]
+    if schedule_free:  # read on its own, the optimizer's state is a dict of its named tuple's fields
+        params = evaluated_params(optax.contrib.ScheduleFreeState(**fields["opt_state"]), params)
     if config.mesh.stage > 1:
         params = _stage_layout(run_dir, config).layer_params(params)
     return (params, fields["model_state"]), step
-
-
-def read_checkpoint(run_dir: Path, config: Config, step: int | None, command: str,
-                    read: Callable[[Checkpoints, int], T]) -> tuple[T, int]:
-    """(`read(checkpoints, step)`, step) of a run's checkpoint at `step` (None: the latest); a step the run does not
-    have, or one that cannot be read, is one line naming the steps it has."""
-    checkpoints = Checkpoints(run_dir / CHECKPOINTS_DIR, config.trainer.keep_checkpoints)
-    try:
-        available = checkpoints.all_steps()
-        step = available[-1] if step is None and available else step
-        if step not in available:
-            raise UserError(f"{command}: {str(run_dir)!r} has no checkpoint at step {step}; it has "
-                            f"{available or 'none yet'}")
-        return read(checkpoints, step), step
-    except CorruptCheckpoint as err:
-        raise UserError(f"{command}: checkpoint {checkpoints.directory / str(step)} is unusable ({err}); choose "
-                        f"another with --step (this run has {available})") from None
-    finally:
-        checkpoints.close()
 
 
 def _stage_layout(run_dir: Path, config: Config) -> StageLayout:

@@ -47,7 +47,9 @@ from xlatrain.config.optimizer import (
     AdamWConfig,
     BatchConfig,
     LionConfig,
+    MuonConfig,
     OptimizerConfig,
+    ScheduleFreeAdamWConfig,
     SGDConfig,
 )
 from xlatrain.config.parallel import (
@@ -73,7 +75,8 @@ __all__ = [
     "validate_config", "without_derived",
     "CPU_UNROLLED_LAYERS", "DECODERS", "HUGGING_FACE_PREFIX", "CNNConfig", "CustomModelConfig", "DecoderConfig",
     "GPTConfig", "LlamaConfig", "MLPConfig", "ModelConfig", "RopeScaling", "TorchModelConfig",
-    "AdafactorConfig", "AdamWConfig", "BatchConfig", "LionConfig", "OptimizerConfig", "SGDConfig",
+    "AdafactorConfig", "AdamWConfig", "BatchConfig", "LionConfig", "MuonConfig", "OptimizerConfig", "SGDConfig",
+    "ScheduleFreeAdamWConfig",
     "MESH_AXES", "ZERO_BUBBLE", "CollectivesConfig", "MeshConfig", "ParallelConfig", "PipelineConfig",
     "check_block_partition",
     "FloatDtype", "LossScaleConfig", "PrecisionConfig",

@@ -251,6 +251,17 @@ class Config(Strict):
         return ()
 
     @model_validator(mode="after")
+    def _one_start(self) -> Config:
+        lora = getattr(self.model, "lora", None)
+        starts = {"model.init_from": getattr(self.model, "init_from", None),
+                  "model.lora.init_from": lora.init_from if lora is not None else None}
+        for key, value in starts.items():
+            if value is not None and self.trainer.init_from is not None:
+                raise ValueError(f"trainer.init_from starts the run from another run's whole state, and {key} from "
+                                 "a checkpoint's weights: set one of them")
+        return self
+
+    @model_validator(mode="after")
     def _pipeline_fits(self) -> Config:
         pipe, stages = self.parallel.pipeline, self.mesh.stage
         if stages == 1:

@@ -53,6 +53,11 @@ class TrainerConfig(Strict):
     """Optimizer steps in total."""
     run_dir: PathText | None = None
     """Default: runs/<name>. An existing run directory is resumed from its latest checkpoint."""
+    init_from: str | None = None
+    """RUN_DIR or RUN_DIR@STEP: a new run directory starts where another run's checkpoint (its newest, or STEP's)
+    left off: params, optimizer state, step and data position, the schedule going on from that step (a WSD
+    cooldown from a checkpoint of the stable phase: docs/training-step.md). Read while this run has no checkpoint
+    of its own; once it has, it resumes from its own."""
     log_every: PositiveInt = 10
     """Steps between metrics.jsonl records."""
     eval_every: PositiveInt = 100
@@ -100,6 +105,21 @@ class TrainerConfig(Strict):
             return "off"
         return "auto" if value is True else value
 
+    @field_validator("init_from", mode="after")
+    @classmethod
+    def _init_from_is_a_run_and_a_step(cls, value: str | None) -> str | None:
+        if value is not None:
+            directory, step = _run_and_step(value)
+            if not directory or (step and not (step.isdigit() and int(step) > 0)):
+                raise ValueError(f"{value!r} must be RUN_DIR or RUN_DIR@STEP (a run directory, and one of its "
+                                 "checkpoints' steps, e.g. runs/base@2000)")
+        return value
+
+    def init_from_step(self) -> tuple[str, int | None]:
+        """trainer.init_from as (its run directory, its step; None: the newest)."""
+        directory, step = _run_and_step(self.init_from)
+        return directory, int(step) if step else None
+
     @field_validator("profile_steps", mode="before")
     @classmethod
     def _profile_steps_are_two_steps(cls, value: Any) -> Any:
@@ -134,3 +154,8 @@ class TrainerConfig(Strict):
                 raise ValueError(f"trainer.profile_steps=[{a}, {b}] must be [first, last] with first <= last <= "
                                  f"trainer.steps={self.steps}")
         return self
+
+
+def _run_and_step(init_from: str) -> tuple[str, str]:
+    directory, _, step = init_from.rpartition("@") if "@" in init_from else (init_from, "", "")
+    return directory, step

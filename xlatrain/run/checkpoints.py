@@ -17,16 +17,19 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
 
 from xlatrain.compat.multihost import barrier
 from xlatrain.errors import UserError, drop_follow_up_errors, first_line
+from xlatrain.run.directory import CHECKPOINTS_DIR
 from xlatrain.run.fingerprints import tree_fingerprints
 from xlatrain.runtime.distributed import is_primary
 from xlatrain.sizes import readable_bytes
+
+T = TypeVar("T")
 
 
 class CorruptCheckpoint(Exception):
@@ -248,7 +251,7 @@ class Checkpoints:
             prefix = f".{field}"
             if saved and values:
                 _verify(values, {path[len(prefix):]: value for path, value in saved.items()
-                                 if path.startswith(prefix + "[")})
+                                 if path.startswith((prefix + "[", prefix + "."))})
         return found
 
     def _integrity(self, step: int) -> dict:
@@ -408,13 +411,20 @@ def in_current_layout(params: Any, abstract_params: Any) -> Any:
 
 
 def _verify(state: Any, saved: dict[str, int]) -> None:
-    restored = tree_fingerprints(state)
+    """The paths compared by their keys alone: a field read on its own comes back as dicts and lists where the
+    train state had named tuples (an optimizer's state) and tuples."""
+    restored = {_keys_of(path): value for path, value in tree_fingerprints(state).items()}
+    saved = {_keys_of(path): value for path, value in saved.items()}
     differ = [path for path, value in restored.items() if saved.get(path) != value]
     missing = sorted(set(saved) - set(restored))
     if differ or missing:
         named = differ or missing
         raise CorruptCheckpoint(f"{len(named)} array(s) do not match the fingerprints saved with it, e.g. "
                                 f"{named[0]}")
+
+
+def _keys_of(path: str) -> str:
+    return "/".join(re.findall(r"\w+", path))
 
 
 def _without_model_state(abstract_state: Any) -> dict | None:
@@ -424,3 +434,22 @@ def _without_model_state(abstract_state: Any) -> dict | None:
         return None
     return {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)
             if f.name != "model_state"}
+
+
+def read_checkpoint(run_dir: Path, keep: int, step: int | None, command: str,
+                    read: Callable[[Checkpoints, int], T]) -> tuple[T, int]:
+    """(`read(checkpoints, step)`, step) of a run's checkpoint at `step` (None: the latest); a step the run does not
+    have, or one that cannot be read, is one line naming the steps it has."""
+    checkpoints = Checkpoints(run_dir / CHECKPOINTS_DIR, keep)
+    try:
+        available = checkpoints.all_steps()
+        step = available[-1] if step is None and available else step
+        if step not in available:
+            raise UserError(f"{command}: {str(run_dir)!r} has no checkpoint at step {step}; it has "
+                            f"{available or 'none yet'}")
+        return read(checkpoints, step), step
+    except CorruptCheckpoint as err:
+        raise UserError(f"{command}: checkpoint {checkpoints.directory / str(step)} is unusable ({err}); choose "
+                        f"another step (this run has {available})") from None
+    finally:
+        checkpoints.close()
