@@ -131,15 +131,15 @@ def owned_elements(program, owners: int) -> int:
 
 
 @pytest.mark.parametrize("overrides", [
-    ["mesh.data=8", "parallel.strategy=fsdp"],
-    ["mesh.data=2", "mesh.tensor=4"],
-    ["mesh.data=4", "mesh.tensor=2", "parallel.strategy=fsdp"],
-    ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.microbatches=2"],
-], ids=["fsdp-d8", "tensor-d2t4", "fsdp-d4t2", "pipeline-d4s2"])
+    ["mesh.data=4", "parallel.strategy=fsdp"],
+    ["mesh.data=2", "mesh.tensor=2"],
+    ["mesh.data=2", "mesh.tensor=2", "parallel.strategy=fsdp"],
+    ["mesh.data=1", "mesh.stage=2"],
+], ids=["fsdp-d4", "tensor-d2t2", "fsdp-d2t2", "pipeline-s2"])
 def test_sharded_and_pipelined_muon_equals_one_devices(overrides, one_device, devices):
     """Ten steps' losses and the params after them; under fsdp and tensor parallelism each device orthogonalises
     its share of the matrices (read from the compiled update), where one device does them all."""
-    program, losses, params = train_losses_and_params(overrides, devices)
+    program, losses, params = train_losses_and_params(overrides, devices[:4 if "mesh.stage=2" not in overrides else 2])
     reference, reference_losses, reference_params = one_device
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
     for ours, theirs in zip(jax.tree.leaves(params), jax.tree.leaves(reference_params), strict=True):

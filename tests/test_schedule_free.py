@@ -19,7 +19,7 @@ from xlatrain.state import with_shardings
 from xlatrain.trainer import train
 
 SCHEDULE_FREE = [*TINY_GPT, "optimizer.name=schedule_free_adamw", "optimizer.schedule=constant", "optimizer.lr=0.01",
-                 "batch.global_size=8"]
+                 "batch.global_size=8", "mesh.data=1"]
 
 
 def test_two_steps_and_the_average_equal_hand_computed_ones():
@@ -43,15 +43,16 @@ def test_two_steps_and_the_average_equal_hand_computed_ones():
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
+def trained_run(tmp_path_factory, devices):
     run = tmp_path_factory.mktemp("schedule-free") / "run"
-    train(load_config(None, [*SCHEDULE_FREE, "trainer.steps=3", f"trainer.run_dir={run}"]), echo=lambda _: None)
+    train(load_config(None, [*SCHEDULE_FREE, "trainer.steps=3", f"trainer.run_dir={run}"]), devices=devices[:1],
+          echo=lambda _: None)
     return run
 
 
 def test_export_and_sample_read_the_average_and_a_resume_the_trained_point(trained_run, devices):
     """from_run (export --hf, sample) gives x; the checkpoint keeps y and z."""
-    config = load_config(None, [*SCHEDULE_FREE, "trainer.steps=3", f"trainer.run_dir={trained_run}", "mesh.data=1"])
+    config = load_config(None, [*SCHEDULE_FREE, "trainer.steps=3", f"trainer.run_dir={trained_run}"])
     program = build_program(config, devices[:1])
     checkpoints = Checkpoints(trained_run / "checkpoints", 3)
     state = checkpoints.restore(3, with_shardings(program.abstract_state, program.specs, program.mesh)).state
@@ -63,17 +64,17 @@ def test_export_and_sample_read_the_average_and_a_resume_the_trained_point(train
     assert not all(np.array_equal(x, y) for x, y in zip(*map(jax.tree.leaves, (average, state.params))))
 
 
-def test_a_schedule_free_run_resumes_exactly(trained_run, tmp_path):
+def test_a_schedule_free_run_resumes_exactly(trained_run, tmp_path, devices):
     straight = train(load_config(None, [*SCHEDULE_FREE, "trainer.steps=4", f"trainer.run_dir={tmp_path}"]),
-                     echo=lambda _: None)
+                     devices=devices[:1], echo=lambda _: None)
     resumed = train(load_config(None, [*SCHEDULE_FREE, "trainer.steps=4", f"trainer.run_dir={trained_run}"]),
-                    echo=lambda _: None)
+                    devices=devices[:1], echo=lambda _: None)
     assert resumed.start_step == 3 and resumed.losses[4] == straight.losses[4]
 
 
 def test_the_evaluation_in_the_loop_reads_the_average(devices):
     """Evaluating (y, z) equals evaluating the point whose average is x itself (y = z = x), not y."""
-    program = build_program(load_config(None, [*SCHEDULE_FREE, "mesh.data=1"]), devices[:1])
+    program = build_program(load_config(None, SCHEDULE_FREE), devices[:1])
     state, batch = program.create_state(), token_batch(program)
     for _ in range(2):
         state, _ = program.train_step(state, batch)
@@ -92,7 +93,8 @@ def test_the_evaluation_in_the_loop_reads_the_average(devices):
 
 @pytest.mark.parametrize("overrides, message", [
     (["optimizer.schedule=cosine"], "optimizer.name=schedule_free_adamw replaces the decay schedule"),
-    (["model.lora.rank=2", "model.name=llama"], "optimizer.name=schedule_free_adamw is not built for frozen"),
+    (["model.lora.rank=2", "model.name=llama", "mesh.data=8"],
+     "optimizer.name=schedule_free_adamw is not built for frozen"),
 ])
 def test_what_schedule_free_cannot_do_is_one_line(overrides, message, capsys, tmp_path):
     overrides = [*SCHEDULE_FREE, *overrides] if "cosine" not in overrides[0] else [
