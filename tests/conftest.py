@@ -21,6 +21,7 @@ def xla_flags(devices: int) -> str:
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), xla_flags(8)]).strip()
 # XLATRAIN_TEST_GPU=1 makes the GPU jax's default backend, for the tests that need one (e.g. `-k nccl`); the
 # rest of the suite expects the 8 CPU devices.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # lm-evaluation-harness tasks read local files only
 os.environ["JAX_PLATFORMS"] = "cuda,cpu" if os.environ.get("XLATRAIN_TEST_GPU") == "1" else "cpu"
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="xlatrain-tests-cache-")

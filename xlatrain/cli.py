@@ -1,6 +1,6 @@
 """The `xlatrain` command line: `train | config | lower | parity | pipeline | profile | plot | report | export |
-sample | launch | data prepare`, each parsed here and run by its body (train's is the trainer, plot's and report's
-observe/'s, the others' xlatrain/commands/). Every user error is one line on stderr, exit 2."""
+sample | eval | launch | data prepare`, each parsed here and run by its body (train's is the trainer, plot's and
+report's observe/'s, the others' xlatrain/commands/). Every user error is one line on stderr, exit 2."""
 
 from __future__ import annotations
 
@@ -217,6 +217,20 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=_seed, default=0, metavar="S", help="sampling seed (default 0)")
     sample.add_argument("--step", type=_non_negative, help="a run's checkpoint (default: the latest)")
     sample.set_defaults(command=_sample, args=[])
+    evaluation = commands.add_parser("eval", help="score a gpt or llama run's weights, or a Hugging Face "
+                                     "checkpoint's, on multiple-choice tasks (JSONL: context, choices, gold)")
+    evaluation.add_argument("source", metavar="RUN_DIR|hf:DIR")
+    evaluation.add_argument("--tasks", type=_task_files, required=True, metavar="TASK[,TASK]",
+                            help="multiple-choice files (*.jsonl) and lm-evaluation-harness task names, "
+                            "comma-separated (docs/evaluation.md)")
+    evaluation.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                            help="a directory of lm-evaluation-harness task YAMLs (again for more)")
+    evaluation.add_argument("--limit", type=_positive, metavar="N", help="the first N questions of each task")
+    evaluation.add_argument("--batch-size", type=_positive, default=16, metavar="B",
+                            help="sequences scored together (default 16)")
+    evaluation.add_argument("--output", metavar="FILE", help="also write the scores to this new JSON file")
+    evaluation.add_argument("--step", type=_non_negative, help="a run's checkpoint (default: the latest)")
+    evaluation.set_defaults(command=_evaluate, args=[])
     launch = commands.add_parser("launch", help="train with N local processes joined through jax.distributed")
     launch.add_argument("--nproc", type=_positive, required=True, metavar="N", help="how many processes")
     launch.add_argument("--devices-per-proc", type=_positive, metavar="K",
@@ -311,6 +325,13 @@ _non_negative = _bounded(int, lambda value: value >= 0, "a whole number >= 0")
 _seed = _bounded(int, lambda value: 0 <= value < 2**32, "a seed from 0 to 2**32 - 1")
 _non_negative_float = _bounded(float, lambda value: 0 <= value < float("inf"), "a number >= 0")
 _probability = _bounded(float, lambda value: 0 < value <= 1, "a probability in (0, 1]")
+
+
+def _task_files(value: str) -> tuple[str, ...]:
+    files = tuple(part.strip() for part in value.split(","))
+    if not all(files):
+        raise argparse.ArgumentTypeError(f"{value!r} names an empty task; give tasks separated by commas")
+    return files
 
 
 def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
@@ -529,6 +550,16 @@ def _sample(_config_path: str | None, _overrides: list[str], args: argparse.Name
     continued = sample(Request(args.source, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                                args.seed, args.step, chat=args.chat is not None, stop=tuple(args.stop)))
     print("\n\n".join(text if args.chat else prompt + text for prompt, (text, _) in zip(prompts, continued)))
+    return 0
+
+
+def _evaluate(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
+    from xlatrain.commands.evaluate import Request, evaluate
+
+    scores = evaluate(Request(args.source, args.tasks, tuple(args.include_path), args.limit, args.batch_size,
+                              args.output, args.step))
+    for task, found in scores.items():
+        print(f"{task:<24} " + "  ".join(f"{metric} {value:.4g}" for metric, value in found.items()))
     return 0
 
 

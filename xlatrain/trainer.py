@@ -23,6 +23,7 @@ from xlatrain.config import DECODERS, Config
 from xlatrain.data.identity import check_same_tokenizer, data_change, identity_record
 from xlatrain.data.loader import DeviceLoader, device_eval_batches, device_train_loader
 from xlatrain.errors import NonFiniteLoss, UserError, first_line, warn
+from xlatrain.evaluation.in_loop import InLoopTasks
 from xlatrain.lowering.compile import FIRST_COMPILATION, CompileLog
 from xlatrain.models.attention import fused_attention_missing
 from xlatrain.observe.bottlenecks import BottleneckRules, Finding, Interval, Knobs
@@ -194,6 +195,11 @@ class _Run:
         self._interval_first_step = 1
         self._expert_load: dict[int, tuple[float, float]] = {}
         self.host_to_device_bytes = 0
+        self.tasks = None
+        if self.trainer.eval_tasks:  # checked before the run starts in its directory
+            program = self.program
+            self.tasks = InLoopTasks(self.config, program.abstract_state.params, program.dataset.spec,
+                                     None if program.pipeline is None else program.pipeline.layout.layer_params)
 
     def execute(self) -> TrainResult:
         try:
@@ -312,6 +318,9 @@ class _Run:
         last = step == self.trainer.steps
         if self._crossed(self.trainer.eval_every, first, step) or last:
             self._evaluate(step, state, loop.eval_step, loop.evaluation, loop.result, loop.metrics_writer)
+        if self.tasks is not None and (self._crossed(self.trainer.eval_tasks_every or self.trainer.eval_every, first,
+                                                     step) or last):
+            self._evaluate_tasks(step, state, loop.metrics_writer)
         if self._crossed(self.trainer.checkpoint_every, first, step) or last or stopping:
             self.closures.run()  # this step's closures first: a non-finite state must never become a checkpoint
             self._save(step, state, loop.loader)
@@ -553,6 +562,14 @@ class _Run:
                 self._stop_if_asked(callback, callback.on_eval(step, dict(record)))
 
         self.closures.add(step, report, (outputs,))
+
+
+    def _evaluate_tasks(self, step: int, state: Any, writer: MetricsWriter | DiscardedMetrics) -> None:
+        self.closures.run()
+        with allow_transfers(), self.phases.entered(EVALUATING):  # the params gathered to one device
+            scores = self.tasks(state)
+        writer.write({"step": step, **scores})
+        self.echo(f"  step {step}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in scores.items()))
 
 
 class Eta:

@@ -7,15 +7,11 @@ end-of-turn ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import numpy as np
 
-from xlatrain.commands.trained import TrainedDecoder, from_hugging_face, from_run
-from xlatrain.config import HUGGING_FACE_PREFIX
-from xlatrain.config.base import expanded
-from xlatrain.config.hugging_face import checkpoint_directory
+from xlatrain.commands.trained import TrainedDecoder, trained_decoder
 from xlatrain.data.chat import load_chat_template
 from xlatrain.errors import UserError
 from xlatrain.models.sampling import Sampling, generate_until
@@ -40,15 +36,6 @@ class Request:
     chat: bool = False
     stop: tuple[str, ...] = ()
     """Stop strings: a continuation ends before the first."""
-
-
-def trained_decoder(source: str, step: int | None) -> TrainedDecoder:
-    if source.startswith(HUGGING_FACE_PREFIX):
-        directory = checkpoint_directory(source)
-        if step is not None:
-            raise UserError("sample: --step picks a run's checkpoint; a Hugging Face directory has one")
-        return from_hugging_face(directory, "sample")
-    return from_run(Path(expanded(source)), step, "sample")[0]
 
 
 def prompt_ids(trained: TrainedDecoder, request: Request) -> tuple[list[np.ndarray], int, tuple[int, ...]]:
@@ -103,7 +90,7 @@ def utf8_text(text: str, named: str) -> str:
 
 def sample(request: Request) -> list[tuple[str, np.ndarray]]:
     """Each prompt's continuation as (text, ids), ending before a stop id or a stop string."""
-    trained = trained_decoder(request.source, request.step)
+    trained = trained_decoder(request.source, request.step, "sample")
     prompts, new_tokens, stop_ids = prompt_ids(trained, request)
     tokenizer = trained.tokenizer
     graphdef, params = trained.module()

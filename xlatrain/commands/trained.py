@@ -17,6 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from xlatrain.config import (
     DECODERS,
+    HUGGING_FACE_PREFIX,
     Config,
     DecoderConfig,
     GPTConfig,
@@ -24,11 +25,13 @@ from xlatrain.config import (
     ScheduleFreeAdamWConfig,
     TorchModelConfig,
 )
-from xlatrain.config.hugging_face import architecture, read_config_json
+from xlatrain.config.base import expanded
+from xlatrain.config.hugging_face import architecture, checkpoint_directory, read_config_json
 from xlatrain.data.sources import open_dataset, run_tokenizer
 from xlatrain.data.spec import DataSpec
 from xlatrain.data.tokenizers import Tokenizer
 from xlatrain.errors import UserError, first_line
+from xlatrain.evaluation.tasks import merged_variables
 from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.tokenizer import checkpoint_tokenizer
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
@@ -60,19 +63,21 @@ class TrainedDecoder:
         """(nnx graph definition, its variables: the params with the model state among them): what
         xlatrain.models.sampling.generate runs."""
         factory = model_factory(self.model, _spec(self.model), jnp.float32, scan_layers=True)
-        return nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))[0], merged(self.params, self.model_state or {})
-
-
-def merged(params: dict, model_state: dict) -> dict:
-    """One nested dict of the params and the model state (whose leaves sit beside the params' in the modules)."""
-    found = dict(params)
-    for key, value in model_state.items():
-        found[key] = merged(found.get(key, {}), value) if isinstance(value, dict) else value
-    return found
+        graphdef = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))[0]
+        return graphdef, merged_variables(self.params, self.model_state or {})
 
 
 def _spec(model: DecoderConfig) -> DataSpec:
     return DataSpec((model.max_len,), np.dtype(np.int32), (model.max_len,), np.dtype(np.int32), model.vocab)
+
+
+def trained_decoder(source: str, step: int | None, command: str) -> TrainedDecoder:
+    """A run directory's checkpoint (`step`, or the latest), or a Hugging Face directory (hf:DIR)."""
+    if source.startswith(HUGGING_FACE_PREFIX):
+        if step is not None:
+            raise UserError(f"{command}: --step picks a run's checkpoint; a Hugging Face directory has one")
+        return from_hugging_face(checkpoint_directory(source), command)
+    return from_run(Path(expanded(source)), step, command)[0]
 
 
 def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDecoder, Config, int]:

@@ -251,6 +251,16 @@ class Config(Strict):
         return ()
 
     @model_validator(mode="after")
+    def _tasks_score_text(self) -> Config:
+        if self.trainer.eval_tasks and not isinstance(self.model, DECODERS):
+            raise ValueError(f"trainer.eval_tasks scores text with a built-in decoder (model.name=gpt or llama), "
+                             f"and model.name={self.model.name} cannot score text: drop trainer.eval_tasks")
+        if self.trainer.eval_tasks and getattr(self.model, "dpo", None) is not None:
+            raise ValueError("trainer.eval_tasks is not built for DPO runs (a pair's two sequences per record): "
+                             "evaluate a checkpoint with `xlatrain eval RUN_DIR` instead")
+        return self
+
+    @model_validator(mode="after")
     def _one_start(self) -> Config:
         lora = getattr(self.model, "lora", None)
         starts = {"model.init_from": getattr(self.model, "init_from", None),

@@ -64,6 +64,16 @@ class TrainerConfig(Strict):
     """Steps between evaluations (and one at the end)."""
     eval_batches: PositiveInt = 4
     """Held-out batches per evaluation."""
+    eval_tasks: tuple[str, ...] = ()
+    """Downstream tasks scored during training (a built-in decoder's; docs/evaluation.md): xlatrain's
+    multiple-choice files (*.jsonl) and lm-evaluation-harness task names under trainer.eval_include_path; the scores
+    are logged as eval/<task>/<metric>."""
+    eval_tasks_every: PositiveInt | None = None
+    """Steps between task evaluations (and one at the end); null: trainer.eval_every."""
+    eval_tasks_limit: PositiveInt | None = None
+    """The first N documents of each task; null: all."""
+    eval_include_path: tuple[str, ...] = ()
+    """Directories of lm-evaluation-harness task YAMLs (local data_files: nothing is downloaded)."""
     checkpoint_every: PositiveInt = 100
     """Steps between checkpoints (and one at the end)."""
     keep_checkpoints: PositiveInt = 3
@@ -142,6 +152,14 @@ class TrainerConfig(Strict):
 
     def shows_bar(self, stderr_is_a_terminal: bool) -> bool:
         return self.progress is True or (self.progress == "auto" and stderr_is_a_terminal)
+
+    @model_validator(mode="after")
+    def _task_options_with_tasks(self) -> TrainerConfig:
+        for key in ("eval_tasks_every", "eval_tasks_limit", "eval_include_path"):
+            if getattr(self, key) and not self.eval_tasks:
+                raise ValueError(f"trainer.{key} applies to trainer.eval_tasks, and there are none: give the tasks "
+                                 f"(trainer.eval_tasks=[my_task.jsonl]), or drop trainer.{key}")
+        return self
 
     @model_validator(mode="after")
     def _steps_fill_boundaries(self) -> TrainerConfig:

@@ -35,13 +35,16 @@ class Tracker(Protocol):
 
 
 def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A metrics.jsonl record's numbers as trackers name them: eval_loss -> eval/loss, samples_per_sec and the
+    """A metrics.jsonl record's numbers as trackers name them: eval_loss -> eval/loss (a task's eval/<task>/<metric>
+    as it is), samples_per_sec and the
     time_* fractions -> perf/..., the rest (loss, accuracy, grad_norm, lr, ...) -> train/...; `skipped` as 0 or 1."""
     scalars = {}
     for key, value in record.items():
         if key == "step" or not isinstance(value, (int, float)):
             continue
-        if key.startswith("eval_"):
+        if key.startswith("eval/"):  # a downstream task's score: eval/<task>/<metric>
+            name = key
+        elif key.startswith("eval_"):
             name = f"eval/{key.removeprefix('eval_')}"
         elif key in PERF_METRICS or key.startswith("time_"):
             name = f"perf/{key}"
