@@ -10,9 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import nnx
 from pydantic import TypeAdapter, ValidationError
 
 from xlatrain.config import (
@@ -28,9 +26,9 @@ from xlatrain.config import (
 from xlatrain.config.base import expanded
 from xlatrain.config.hugging_face import architecture, checkpoint_directory, read_config_json
 from xlatrain.data.sources import open_dataset, run_tokenizer
-from xlatrain.data.spec import DataSpec
 from xlatrain.data.tokenizers import Tokenizer
 from xlatrain.errors import UserError, first_line
+from xlatrain.evaluation.in_loop import decoder_graphdef, decoder_spec
 from xlatrain.evaluation.tasks import merged_variables
 from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.tokenizer import checkpoint_tokenizer
@@ -62,13 +60,7 @@ class TrainedDecoder:
     def module(self) -> tuple[Any, Any]:
         """(nnx graph definition, its variables: the params with the model state among them): what
         xlatrain.models.sampling.generate runs."""
-        factory = model_factory(self.model, _spec(self.model), jnp.float32, scan_layers=True)
-        graphdef = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))[0]
-        return graphdef, merged_variables(self.params, self.model_state or {})
-
-
-def _spec(model: DecoderConfig) -> DataSpec:
-    return DataSpec((model.max_len,), np.dtype(np.int32), (model.max_len,), np.dtype(np.int32), model.vocab)
+        return decoder_graphdef(self.model), merged_variables(self.params, self.model_state or {})
 
 
 def trained_decoder(source: str, step: int | None, command: str) -> TrainedDecoder:
@@ -104,7 +96,7 @@ def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDeco
 
 def _abstract_params(model: DecoderConfig) -> Any:
     """The decoder's params as shapes, in the model's layout (blocks stacked [layers, ...])."""
-    return jax.eval_shape(flax_model(model_factory(model, _spec(model), jnp.float32, scan_layers=True)).init,
+    return jax.eval_shape(flax_model(model_factory(model, decoder_spec(model), jnp.float32, scan_layers=True)).init,
                           jax.random.PRNGKey(0))[0]
 
 

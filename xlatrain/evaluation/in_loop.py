@@ -40,9 +40,7 @@ class InLoopTasks:
                             "trainer.eval_tasks")
         model_params = abstract_params if layer_params is None else jax.eval_shape(layer_params, abstract_params)
         model = _resolved(config, model_params, data_spec)
-        factory = model_factory(model, DataSpec((model.max_len,), np.dtype(np.int32), (model.max_len,),
-                                                np.dtype(np.int32), model.vocab), jnp.float32, scan_layers=True)
-        graphdef = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))[0]
+        graphdef = decoder_graphdef(model)
         self._layer_params = layer_params or (lambda params: params)
         self._scores = TaskScores(TextModel(graphdef, tokenizer, model.max_len, model.vocab), tasks,
                                   trainer.eval_tasks_limit, BATCH_SIZE)
@@ -51,6 +49,18 @@ class InLoopTasks:
         params = self._layer_params(jax.device_get(state.params))
         variables = jax.device_put(merged_variables(params, jax.device_get(state.model_state)), jax.devices()[0])
         return flat_scores(self._scores(variables))
+
+
+def decoder_graphdef(model: Any) -> Any:
+    """The nnx graph definition of a decoder whose config has its vocabulary and context resolved, layers stacked
+    as training keeps them."""
+    factory = model_factory(model, decoder_spec(model), jnp.float32, scan_layers=True)
+    return nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))[0]
+
+
+def decoder_spec(model: Any) -> DataSpec:
+    """Token sequences of the decoder's context, as its factory reads them."""
+    return DataSpec((model.max_len,), np.dtype(np.int32), (model.max_len,), np.dtype(np.int32), model.vocab)
 
 
 def _resolved(config: Config, params: Any, data_spec: DataSpec) -> Any:
