@@ -202,7 +202,9 @@ def test_a_run_trained_pipelined_or_sharded_samples_on_one_device(layout, llama_
     trained, plain = from_run(run_dir, None, "test")[0], from_run(llama_run, None, "test")[0]
     for ours, theirs in zip(jax.tree.leaves(trained.params), jax.tree.leaves(plain.params), strict=True):
         assert ours.shape == theirs.shape and len(ours.devices()) == 1
-        np.testing.assert_allclose(ours, theirs, rtol=2e-4, atol=1e-6)
+        # Adam moves an element whose gradient is near zero by up to the rate (3e-3) a step, whichever way a float32
+        # sum in another order (another layout, another CPU's vector width) tips its sign.
+        np.testing.assert_allclose(ours, theirs, rtol=2e-4, atol=5e-4)
     result = run_cli("sample", str(run_dir), "--prompt", "import ", "--max-new-tokens", "12", "--temperature", "0")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("import ")

@@ -79,13 +79,14 @@ def gradients_and_losses(overrides, devices, steps=3):
 
 
 def assert_leaves_close(ours, reference, rtol=1e-5):
-    """Each leaf within rtol, with an atol of 1e-6 of the leaf's scale (its largest magnitude)."""
+    """Each leaf within rtol, with an atol of 4e-6 of the leaf's scale (its largest magnitude): float32 sums in
+    another order, and their order also follows the CPU's vector width (AVX2 or AVX-512)."""
     for path, expected in jax.tree_util.tree_leaves_with_path(reference):
         got = ours
         for key in path:
             got = got[key.key]
         scale = float(np.max(np.abs(expected))) or 1.0
-        np.testing.assert_allclose(got, expected, rtol=rtol, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(got, expected, rtol=rtol, atol=4e-6 * scale, err_msg=jax.tree_util.keystr(path))
 
 
 QUICK = ("d1t8", "d2t4-sp", "shard_map-d2t4-sp-custom", "1f1b-d2s2t2")
