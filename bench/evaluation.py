@@ -33,6 +33,7 @@ from xlatrain.commands.evaluate import text_model  # noqa: E402
 from xlatrain.commands.export import export_hugging_face  # noqa: E402
 from xlatrain.commands.trained import from_run  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
+from xlatrain.evaluation.devices import evaluation_mesh, placed_weights  # noqa: E402
 from xlatrain.evaluation.harness import XlatrainLM  # noqa: E402
 from xlatrain.evaluation.in_loop import InLoopTasks  # noqa: E402
 from xlatrain.evaluation.scoring import Scorer  # noqa: E402
@@ -69,8 +70,9 @@ def main() -> None:
     requests = [Instance(request_type="loglikelihood", doc={}, arguments=(q["context"], " " + choice), idx=0)
                 for q in questions(task) for choice in q["choices"]]
     trained = from_run(run, None, "eval")[0]
-    graphdef, variables = trained.module()
-    ours = XlatrainLM(text_model(trained, graphdef), Scorer(graphdef, trained.model.max_len, BATCH), variables)
+    graphdef, mesh = trained.module()[0], evaluation_mesh()
+    ours = XlatrainLM(text_model(trained, graphdef), Scorer(graphdef, trained.model.max_len, BATCH, mesh),
+                      placed_weights(trained.model, trained.params, trained.model_state, mesh, None))
     theirs = HFLM(pretrained=str(scratch / "hf"), batch_size=BATCH, device="cpu", max_length=trained.model.max_len)
     began = time.perf_counter()
     ours.loglikelihood(requests, disable_tqdm=True)

@@ -3,16 +3,23 @@ model, multiple-choice scores against ones computed from transformers' log-likel
 number of lengths, and what cannot be evaluated refused in one line."""
 
 import json
+import subprocess
+import sys
 
+import jax
 import numpy as np
 import pytest
-from conftest import DIGITS_MLP
+from conftest import DIGITS_MLP, REPO
+from jax.sharding import Mesh
 from test_config import cli_error
-from test_hugging_face import trained_run
+from test_hugging_face import LLAMA, TINY_RUN, trained_run
+from test_multiprocess import devices_env, free_slurm_job, slurm_env, succeed
 
 from xlatrain.cli import main
 from xlatrain.commands.export import export_hugging_face
 from xlatrain.commands.trained import from_run
+from xlatrain.config.parallel import DEFAULT_LOGICAL_RULES
+from xlatrain.evaluation.devices import DATA, evaluation_mesh, placed_weights
 from xlatrain.evaluation.scoring import Scorer, bucket_length
 
 QUESTIONS = [
@@ -37,6 +44,14 @@ def exported(tmp_path_factory, devices):
     return run, model, transformers.AutoTokenizer.from_pretrained(scratch / "hf")
 
 
+def scorer_and_weights(trained, batch_size, mesh=None, split=None):
+    """A Scorer of the trained decoder over `mesh` (default: every device) and its weights placed there, split by
+    `split`'s rules (default: as the run trained them)."""
+    mesh = mesh or evaluation_mesh()
+    weights = placed_weights(trained.model, trained.params, trained.model_state, mesh, split or trained.split)
+    return Scorer(trained.module()[0], trained.model.max_len, batch_size, mesh), weights
+
+
 def transformers_log_likelihood(model, context, continuation, length):
     """HFLM's: the last length + 1 tokens of context and continuation, the continuation's scored."""
     import torch
@@ -58,8 +73,8 @@ def test_every_log_likelihood_equals_transformers_on_the_exported_model(exported
     rng = np.random.default_rng(0)
     pairs = [(rng.integers(0, 256, size), rng.integers(0, 256, extra)) for size, extra in
              [(1, 1), (3, 2), (9, 1), (15, 4), (20, 12), (31, 1), (40, 5)]]
-    graphdef, variables = trained.module()
-    scored = Scorer(graphdef, trained.model.max_len, batch_size=3).score(variables, pairs)
+    scorer, weights = scorer_and_weights(trained, batch_size=3)
+    scored = scorer.score(weights, pairs)
     for (context, continuation), ours in zip(pairs, scored, strict=True):
         log_likelihood, greedy = transformers_log_likelihood(model, context, continuation, trained.model.max_len)
         assert ours.log_likelihood == pytest.approx(log_likelihood, rel=1e-4)
@@ -68,11 +83,24 @@ def test_every_log_likelihood_equals_transformers_on_the_exported_model(exported
 
 def test_a_few_bucket_lengths_are_compiled_for_any_number_of_lengths(exported):
     trained = from_run(exported[0], None, "eval")[0]
-    graphdef, variables = trained.module()
-    scorer = Scorer(graphdef, trained.model.max_len, batch_size=2)
+    scorer, weights = scorer_and_weights(trained, batch_size=2)
     pairs = [(np.arange(size) % 256, np.asarray([7])) for size in range(1, 31)]
-    scorer.score(variables, pairs)
+    scorer.score(weights, pairs)
     assert scorer._scores._cache_size() == len({bucket_length(size + 1, 32) for size in range(1, 31)}) == 2
+
+
+def test_rows_over_every_device_and_weights_split_as_fsdp_score_as_one_device(exported):
+    """As a run trained with parallel.strategy=fsdp is evaluated: each batch's rows over the 8 devices, the params
+    split over them by the fsdp rules."""
+    trained = from_run(exported[0], None, "eval")[0]
+    rng = np.random.default_rng(1)
+    pairs = [(rng.integers(0, 256, size), rng.integers(0, 256, 3)) for size in (2, 7, 12, 20, 28, 30)]
+    one, whole = scorer_and_weights(trained, 8, mesh=Mesh(np.asarray(jax.devices()[:1]), (DATA,)))
+    every, split = scorer_and_weights(trained, 8, split=DEFAULT_LOGICAL_RULES)
+    assert every.mesh.size == 8 and not split["embed"]["embedding"].sharding.is_fully_replicated
+    expected = np.asarray([s.log_likelihood for s in one.score(whole, pairs)])
+    np.testing.assert_allclose([s.log_likelihood for s in every.score(split, pairs)], expected, rtol=1e-5,
+                               atol=1e-6 * np.abs(expected).max())
 
 
 def test_multiple_choice_scores_equal_those_of_transformers_log_likelihoods(exported, tmp_path):
@@ -173,8 +201,8 @@ def harness(exported, tmp_path_factory):
     (tasks / "choice.yaml").write_text(MULTIPLE_CHOICE_YAML.format(data=tasks / "code.jsonl"))
     (tasks / "completion.yaml").write_text(GENERATION_YAML.format(data=tasks / "code.jsonl"))
     trained = from_run(run, None, "eval")[0]
-    graphdef, variables = trained.module()
-    ours = XlatrainLM(text_model(trained, graphdef), Scorer(graphdef, 32, batch_size=4), variables)
+    scorer, weights = scorer_and_weights(trained, batch_size=4)
+    ours = XlatrainLM(text_model(trained, trained.module()[0]), scorer, weights)
     theirs = HFLM(pretrained=model, tokenizer=tokenizer, max_length=32, batch_size=4, device="cpu")
     return ours, theirs, tasks
 
@@ -224,7 +252,7 @@ def test_two_local_tasks_score_as_with_hflm(harness, exported, tmp_path):
 
 @pytest.mark.parametrize("task, message", [
     ("code_choise", "(did you mean 'code_choice'?)"),
-    ("broken", "no task 'broken' under"),
+    ("broken", "broken.yaml does not parse (line 2: expected ',' or ']'"),
 ])
 def test_a_harness_task_that_is_not_there_is_one_line(task, message, harness, exported, capsys):
     (harness[2] / "broken.yaml").write_text("task: [broken\n")
@@ -260,3 +288,46 @@ def test_tasks_in_the_loop_are_checked_before_the_run_starts(capsys, tmp_path):
         capsys, "train", "model.name=llama", f"trainer.eval_tasks=[{tmp_path / 'x.jsonl'}]",
         f"trainer.run_dir={tmp_path / 'run'}")
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def tasks_of_every_kind(harness) -> tuple[str, str]:
+    """(--tasks, the include path): xlatrain's JSONL, a harness multiple-choice task and a generation task."""
+    tasks = harness[2]
+    return f"{tasks / 'code.jsonl'},code_choice,code_completion", str(tasks)
+
+
+@pytest.mark.slow
+def test_tasks_in_the_loop_of_two_processes_score_as_one_process(harness, tmp_path):
+    """Two processes of two devices, a pipeline of two stages over them: the stages' blocks gathered to every
+    process, each scores its share of the batches, and process 0 logs what `xlatrain eval` of the same checkpoint
+    in one process finds."""
+    from xlatrain.commands.evaluate import Request, evaluate
+    from xlatrain.run.jsonl import read_records
+
+    tasks, include = tasks_of_every_kind(harness)
+    run = tmp_path / "run"
+    succeed([subprocess.Popen(
+        [sys.executable, "-m", "xlatrain.cli", "launch", "--nproc", "2", "--devices-per-proc", "2", *TINY_RUN, *LLAMA,
+         "model.vocab=320", "mesh.stage=2", "parallel.mode=shard_map", "parallel.pipeline.microbatches=2",
+         f"trainer.run_dir={run}", f"trainer.eval_tasks=[{tasks}]",
+         f"trainer.eval_include_path=[{include}]", "trainer.eval_tasks_limit=4"],
+        cwd=REPO, env=devices_env(2), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)])
+    logged = [r for r in read_records(run / "metrics.jsonl") if "eval/code/acc" in r]
+    expected = evaluate(Request(str(run), tuple(tasks.split(",")), (include,), limit=4))
+    assert logged[-1]["step"] == 3 and {key: value for key, value in logged[-1].items() if key != "step"} == {
+        f"eval/{task}/{metric}": value for task, found in expected.items() for metric, value in found.items()}
+
+
+@pytest.mark.slow
+def test_xlatrain_eval_under_srun_scores_as_one_process(harness, exported, tmp_path):
+    """`xlatrain eval` in two processes that join through SLURM's environment: process 0 writes what one process
+    does."""
+    tasks, include = tasks_of_every_kind(harness)
+    command = ["eval", str(exported[0]), "--tasks", tasks, "--include-path", include, "--limit", "4", "--output"]
+    assert main([*command, str(tmp_path / "one.json")]) == 0
+    job = free_slurm_job()
+    outputs = succeed([subprocess.Popen([sys.executable, "-m", "xlatrain.cli", *command, str(tmp_path / "two.json")],
+                                        cwd=REPO, env=slurm_env(rank, job), text=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE) for rank in range(2)])
+    assert "code_choice" in outputs[0][1] and "code_choice" not in outputs[1][1]
+    assert json.loads((tmp_path / "two.json").read_text()) == json.loads((tmp_path / "one.json").read_text())

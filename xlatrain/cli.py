@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.command(config_path, overrides, args)
     except UserError as err:
         print(f"xlatrain: error: {err}", file=sys.stderr)
-        return err.exit_code
+        return _leave(err.exit_code)
     except KeyboardInterrupt:  # Ctrl-C in a command that trains nothing (train and parity stop on their own)
         print("xlatrain: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -555,10 +555,13 @@ def _sample(_config_path: str | None, _overrides: list[str], args: argparse.Name
 
 def _evaluate(_config_path: str | None, _overrides: list[str], args: argparse.Namespace) -> int:
     from xlatrain.commands.evaluate import Request, evaluate
+    from xlatrain.config import DistributedConfig
+    from xlatrain.runtime.distributed import initialize, is_primary
 
+    initialize(DistributedConfig())  # joins the other processes under srun, mpirun or a Kubernetes Job
     scores = evaluate(Request(args.source, args.tasks, tuple(args.include_path), args.limit, args.batch_size,
                               args.output, args.step))
-    for task, found in scores.items():
+    for task, found in scores.items() if is_primary() else ():
         print(f"{task:<24} " + "  ".join(f"{metric} {value:.4g}" for metric, value in found.items()))
     return 0
 

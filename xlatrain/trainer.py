@@ -566,7 +566,7 @@ class _Run:
 
     def _evaluate_tasks(self, step: int, state: Any, writer: MetricsWriter | DiscardedMetrics) -> None:
         self.closures.run()
-        with allow_transfers(), self.phases.entered(EVALUATING):  # the params gathered to one device
+        with allow_transfers(), self.phases.entered(EVALUATING):  # the params gathered to every process
             scores = self.tasks(state)
         writer.write({"step": step, **scores})
         self.echo(f"  step {step}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in scores.items()))

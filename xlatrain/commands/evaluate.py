@@ -1,7 +1,9 @@
 """`xlatrain eval RUN_DIR|hf:DIR --tasks TASK[,TASK ...] [--include-path DIR] [--limit N] [--batch-size B]
 [--output FILE]`: a built-in decoder's scores on tasks (xlatrain/evaluation/tasks.py): multiple-choice files in
 xlatrain's JSONL format, which need nothing else, and lm-evaluation-harness tasks from the task YAMLs under
---include-path (the `eval` extra). Every log-likelihood comes from the model's compiled forward on one device."""
+--include-path (the `eval` extra). Every log-likelihood comes from the model's compiled forward over the process's
+devices (xlatrain/evaluation/devices.py); under a launcher jax.distributed detects (srun, mpirun) every process
+scores its share and process 0 writes --output."""
 
 from __future__ import annotations
 
@@ -9,15 +11,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax
-
 from xlatrain.commands.export import check_new_output
 from xlatrain.commands.trained import TrainedDecoder, trained_decoder
 from xlatrain.config.base import expanded
 from xlatrain.errors import UserError
+from xlatrain.evaluation.devices import evaluation_mesh, placed_weights
 from xlatrain.evaluation.scoring import TextModel
 from xlatrain.evaluation.tasks import TaskScores, task_set
 from xlatrain.run.atomic import replace_file
+from xlatrain.runtime.distributed import is_primary
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,10 @@ def evaluate(request: Request) -> dict[str, dict[str, float]]:
     if output is not None:
         check_new_output(output, "eval", "--output file")
     trained = trained_decoder(request.source, request.step, "eval")
-    graphdef, variables = trained.module()
-    scores = TaskScores(text_model(trained, graphdef), tasks, request.limit, request.batch_size)(
-        jax.device_put(variables, jax.devices()[0]))
-    if output is not None:
+    mesh = evaluation_mesh()
+    scores = TaskScores(text_model(trained, trained.module()[0]), tasks, request.limit, request.batch_size, mesh)(
+        placed_weights(trained.model, trained.params, trained.model_state, mesh, trained.split))
+    if output is not None and is_primary():
         replace_file(output, lambda partial: partial.write_text(json.dumps(scores, indent=2) + "\n"))
     return scores
 

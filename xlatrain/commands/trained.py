@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from pydantic import TypeAdapter, ValidationError
 
@@ -28,17 +27,17 @@ from xlatrain.config.hugging_face import architecture, checkpoint_directory, rea
 from xlatrain.data.sources import open_dataset, run_tokenizer
 from xlatrain.data.tokenizers import Tokenizer
 from xlatrain.errors import UserError, first_line
-from xlatrain.evaluation.in_loop import decoder_graphdef, decoder_spec
-from xlatrain.evaluation.tasks import merged_variables
+from xlatrain.evaluation.decoder import decoder_definition, decoder_graphdef
+from xlatrain.evaluation.devices import merged_variables, trained_split
 from xlatrain.hf.names import naming_of, stacked_layers
 from xlatrain.hf.tokenizer import checkpoint_tokenizer
 from xlatrain.hf.weights import HuggingFaceWeights, placed_params
-from xlatrain.models import flax_model, model_factory
 from xlatrain.optim import evaluated_params
 from xlatrain.pipeline.layout import StageLayout
 from xlatrain.pipeline.schedule import build
 from xlatrain.run.checkpoints import in_current_layout, read_checkpoint
 from xlatrain.run.directory import pinned_partition, read_run_config
+from xlatrain.sharding import Rules
 
 TORCH_REFUSED = ("trained a torch module (model.name=torch): its weights belong to your PyTorch code, which xlatrain "
                  "runs only as a whole forward, without a KV cache or a Hugging Face layout; export them with "
@@ -56,6 +55,8 @@ class TrainedDecoder:
     """What the weights came from, for messages."""
     model_state: Any = None
     """The model's state beside its params (an MoE router's balancing bias), as the params are; None: none."""
+    split: Rules | None = None
+    """The logical rules that split its params over `data` in training (fsdp), or None."""
 
     def module(self) -> tuple[Any, Any]:
         """(nnx graph definition, its variables: the params with the model state among them): what
@@ -91,13 +92,12 @@ def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDeco
     resolved = model.model_copy(update={"vocab": vocab, "max_len": max_len})
     params = in_current_layout(params, _abstract_params(resolved))
     return TrainedDecoder(resolved, params, run_tokenizer(config.data, run_dir), f"{run_dir} step {step}",
-                          model_state), config, step
+                          model_state, trained_split(config)), config, step
 
 
 def _abstract_params(model: DecoderConfig) -> Any:
     """The decoder's params as shapes, in the model's layout (blocks stacked [layers, ...])."""
-    return jax.eval_shape(flax_model(model_factory(model, decoder_spec(model), jnp.float32, scan_layers=True)).init,
-                          jax.random.PRNGKey(0))[0]
+    return jax.eval_shape(decoder_definition(model).init, jax.random.PRNGKey(0))[0]
 
 
 def _restored_params(run_dir: Path, config: Config, step: int | None, command: str) -> tuple[tuple[Any, Any], int]:
@@ -106,7 +106,7 @@ def _restored_params(run_dir: Path, config: Config, step: int | None, command: s
     schedule_free = isinstance(config.optimizer, ScheduleFreeAdamWConfig)
     read = ("params", "model_state", *(("opt_state",) if schedule_free else ()))
     fields, step = read_checkpoint(run_dir, config.trainer.keep_checkpoints, step, command, lambda checkpoints, step:
-                                   checkpoints.restore_fields_on(step, jax.devices()[0], read))
+                                   checkpoints.restore_fields_on(step, jax.local_devices()[0], read))
     params = fields["params"]
     if schedule_free:  # read on its own, the optimizer's state is a dict of its named tuple's fields
         params = evaluated_params(optax.contrib.ScheduleFreeState(**fields["opt_state"]), params)
@@ -137,6 +137,6 @@ def from_hugging_face(directory: Path, command: str) -> TrainedDecoder:
     abstract = _abstract_params(model)
     weights = HuggingFaceWeights(directory, naming_of(model), named, stacked_layers(model))
     weights.check(abstract)
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     params = placed_params(weights, abstract, jax.tree.map(lambda _: one_device, abstract))
     return TrainedDecoder(model, params, checkpoint_tokenizer(directory), f"hf:{directory}")

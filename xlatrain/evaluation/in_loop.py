@@ -1,23 +1,24 @@
-"""trainer.eval_tasks: downstream tasks scored during training with the train state's params (gathered to one
-device: the run's model, the run's tokenizer), their programs compiled at the first evaluation and reused by
-every later one; the scores as eval/<task>/<metric>. An evaluation reads the state and changes nothing of it."""
+"""trainer.eval_tasks: downstream tasks scored during training with the train state's params (gathered from the
+training mesh to every process's host, then placed on the process's own devices as devices.py says: replicated, or
+split as fsdp split them; every process scores its share, process 0 logs), the run's model and tokenizer; their
+programs compiled at the first evaluation and reused by every later one; the scores as eval/<task>/<metric>. An
+evaluation reads the state and changes nothing of it."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
+from xlatrain.compat.multihost import gather_to_host
 from xlatrain.config import Config, GPTConfig
 from xlatrain.data.sources import run_tokenizer
 from xlatrain.data.spec import DataSpec
 from xlatrain.errors import UserError
+from xlatrain.evaluation.decoder import decoder_graphdef
+from xlatrain.evaluation.devices import evaluation_mesh, placed_weights, trained_split
 from xlatrain.evaluation.scoring import TextModel
-from xlatrain.evaluation.tasks import TaskScores, flat_scores, merged_variables, task_set
-from xlatrain.models import model_factory
+from xlatrain.evaluation.tasks import TaskScores, flat_scores, task_set
 
 BATCH_SIZE = 16
 """Sequences scored together."""
@@ -29,9 +30,6 @@ class InLoopTasks:
     def __init__(self, config: Config, abstract_params: Any, data_spec: DataSpec,
                  layer_params: Callable[[Any], Any] | None):
         trainer = config.trainer
-        if jax.process_count() > 1:
-            raise UserError("config: trainer.eval_tasks runs in a run of one process for now (the params gathered "
-                            "to one device); evaluate checkpoints with `xlatrain eval RUN_DIR` instead")
         tasks = task_set(trainer.eval_tasks, trainer.eval_include_path, "config: trainer.eval_tasks")
         tokenizer = run_tokenizer(config.data, config.run_dir())
         if tokenizer is None:
@@ -39,28 +37,19 @@ class InLoopTasks:
                             "run has none (data.source=arrays, or shards prepared without one): drop "
                             "trainer.eval_tasks")
         model_params = abstract_params if layer_params is None else jax.eval_shape(layer_params, abstract_params)
-        model = _resolved(config, model_params, data_spec)
-        graphdef = decoder_graphdef(model)
+        self.model = _resolved(config, model_params, data_spec)
+        self._split = trained_split(config)
         self._layer_params = layer_params or (lambda params: params)
-        self._scores = TaskScores(TextModel(graphdef, tokenizer, model.max_len, model.vocab), tasks,
-                                  trainer.eval_tasks_limit, BATCH_SIZE)
+        self._mesh = evaluation_mesh()
+        self._scores = TaskScores(TextModel(decoder_graphdef(self.model), tokenizer, self.model.max_len,
+                                            self.model.vocab), tasks, trainer.eval_tasks_limit, BATCH_SIZE, self._mesh)
 
     def __call__(self, state: Any) -> dict[str, float]:
-        params = self._layer_params(jax.device_get(state.params))
-        variables = jax.device_put(merged_variables(params, jax.device_get(state.model_state)), jax.devices()[0])
+        """{eval/<task>/<metric>: value}, on every process."""
+        params = self._layer_params(jax.tree.map(gather_to_host, state.params))
+        variables = placed_weights(self.model, params, jax.tree.map(gather_to_host, state.model_state), self._mesh,
+                                   self._split)
         return flat_scores(self._scores(variables))
-
-
-def decoder_graphdef(model: Any) -> Any:
-    """The nnx graph definition of a decoder whose config has its vocabulary and context resolved, layers stacked
-    as training keeps them."""
-    factory = model_factory(model, decoder_spec(model), jnp.float32, scan_layers=True)
-    return nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))))[0]
-
-
-def decoder_spec(model: Any) -> DataSpec:
-    """Token sequences of the decoder's context, as its factory reads them."""
-    return DataSpec((model.max_len,), np.dtype(np.int32), (model.max_len,), np.dtype(np.int32), model.vocab)
 
 
 def _resolved(config: Config, params: Any, data_spec: DataSpec) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 
 from xlatrain.config.base import expanded
 from xlatrain.errors import UserError
@@ -25,6 +26,8 @@ class TaskSet:
     harness: tuple[str, ...]
     manager: Any
     """lm-evaluation-harness's TaskManager of the include paths; None without harness tasks."""
+    named: str
+    """The command or the config key that asked for them, for messages."""
 
 
 def task_set(tasks: tuple[str, ...], include_paths: tuple[str, ...], named: str) -> TaskSet:
@@ -34,24 +37,26 @@ def task_set(tasks: tuple[str, ...], include_paths: tuple[str, ...], named: str)
     for path in files:
         _check_file(path, named)
     harness = tuple(task for task in tasks if not task.endswith(JSONL))
-    return TaskSet(files, harness, _harness_tasks(harness, include_paths, named) if harness else None)
+    return TaskSet(files, harness, _harness_tasks(harness, include_paths, named) if harness else None, named)
 
 
 class TaskScores:
-    """Scores a TaskSet with a TextModel's weights, its programs compiled once for every evaluation."""
+    """Scores a TaskSet with a TextModel's weights on `mesh` (devices.py), its programs compiled once for every
+    evaluation."""
 
-    def __init__(self, model: TextModel, tasks: TaskSet, limit: int | None, batch_size: int):
+    def __init__(self, model: TextModel, tasks: TaskSet, limit: int | None, batch_size: int, mesh: Mesh):
         self.model, self.tasks, self.limit = model, tasks, limit
-        self.scorer = Scorer(model.graphdef, model.context, batch_size)
+        self.scorer = Scorer(model.graphdef, model.context, batch_size, mesh)
         begin = model.tokenizer.around_documents()[0]
         self.questions = {path.stem: read_questions(path, limit) for path in tasks.files}
         self.pairs = {task: continuation_pairs(questions, self._encode, begin, model.tokenizer.end_of_text)
                       for task, questions in self.questions.items()}
         for path in tasks.files:
-            _check_ids(self.pairs[path.stem], model.vocab, path)
+            _check_ids(self.pairs[path.stem], model.vocab, path, tasks.named)
 
     def __call__(self, variables: Any) -> dict[str, dict[str, float]]:
-        """{task: {metric: value}}."""
+        """{task: {metric: value}}, the same on every process; `variables` placed on the mesh
+        (devices.placed_weights)."""
         scores = {task: {**accuracies(self.questions[task], self.scorer.score(variables, pairs)),
                          "questions": len(self.questions[task])} for task, pairs in self.pairs.items()}
         if self.tasks.harness:
@@ -63,15 +68,6 @@ class TaskScores:
 
     def _encode(self, text: str) -> np.ndarray:
         return self.model.tokenizer.encode_batch([text])[0]
-
-
-def merged_variables(params: dict, model_state: dict) -> dict:
-    """One nested dict of a decoder's params and its model state (whose leaves sit beside the params' in the
-    modules): what its nnx graph definition merges with."""
-    found = dict(params)
-    for key, value in model_state.items():
-        found[key] = merged_variables(found.get(key, {}), value) if isinstance(value, dict) else value
-    return found
 
 
 def flat_scores(scores: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -96,10 +92,33 @@ def _harness_tasks(names: tuple[str, ...], include_paths: tuple[str, ...], named
     known = manager.all_tasks
     for name in names:
         if name not in known:
+            broken = _unparsed_yaml(directories)
             near = difflib.get_close_matches(name, known, n=1)
-            raise UserError(f"{named}: no task {name!r} under {', '.join(include_paths)}"
-                            + (f" (did you mean {near[0]!r}?)" if near else f"; it holds {sorted(known)[:8]}"))
+            raise UserError(f"{named}: no task {name!r} under {', '.join(include_paths)}" + (
+                f" (did you mean {near[0]!r}?)" if near else
+                f"; {broken[0]}, and the harness skips a file it cannot read: mend it" if broken else
+                f"; it holds {sorted(known)[:8]}"))
     return manager
+
+
+def _unparsed_yaml(directories: list[Path]) -> list[str]:
+    """'FILE does not parse (line N: the problem)' for each task YAML under `directories` that is not YAML (its
+    tags, such as !function, taken as they come)."""
+    import yaml
+
+    class Tagged(yaml.SafeLoader):
+        pass
+
+    Tagged.add_multi_constructor("!", lambda loader, suffix, node: None)
+    broken = []
+    for path in sorted(path for directory in directories for path in directory.glob("**/*.yaml")):
+        try:
+            yaml.load(path.read_bytes(), Tagged)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}: " if mark is not None else ""
+            broken.append(f"{path} does not parse ({where}{getattr(err, 'problem', None) or err})")
+    return broken
 
 
 def _check_file(path: Path, named: str) -> None:
@@ -111,12 +130,12 @@ def _check_file(path: Path, named: str) -> None:
                     "choices, gold)")
 
 
-def _check_ids(pairs: list, vocab: int, path: Path) -> None:
+def _check_ids(pairs: list, vocab: int, path: Path, named: str) -> None:
     """Every id within the model's vocabulary: an empty context begins with the end-of-text, which a tokenizer of
     bytes has past the model's ids."""
     largest = max(int(max(context.max(initial=0), continuation.max(initial=0))) for context, continuation in pairs)
     if largest >= vocab:
-        raise UserError(f"eval: {str(path)!r} encodes to the id {largest}, past the model's vocabulary of {vocab}: "
+        raise UserError(f"{named}: {str(path)!r} encodes to the id {largest}, past the model's vocabulary of {vocab}: "
                         "a question has an empty context, which begins with the end-of-text id, and this model's "
                         "tokenizer has none within its vocabulary (give every question a context), or the "
                         "tokenizer is not the model's")
