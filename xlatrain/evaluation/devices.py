@@ -19,6 +19,8 @@ from xlatrain.runtime.distributed import everyones
 from xlatrain.sharding import Rules, named, param_specs, rules_over
 
 DATA = "data"
+RESULTS_WAIT_S = 3600.0
+"""How long a process that scored its share waits for the others' results of the same call."""
 Item = TypeVar("Item")
 
 
@@ -67,6 +69,6 @@ def everyones_results(name: str, mine: dict[int, Any], count: int) -> list[Any]:
     """The results of items 0 .. count - 1 (JSON values), each from the process that worked on it, on every
     process."""
     found: dict[int, Any] = {}
-    for theirs in everyones(f"evaluation/{name}", sorted(mine.items())):
+    for theirs in everyones(f"evaluation/{name}", sorted(mine.items()), RESULTS_WAIT_S):
         found.update((int(index), value) for index, value in theirs)
     return [found[index] for index in range(count)]
