@@ -56,7 +56,6 @@ def one_device(packed):
 
 
 @pytest.mark.parametrize("split", [["mesh.context=2", "mesh.data=2"],
-                                   ["mesh.context=2", "mesh.data=2", "parallel.context_attention=all_gather"],
                                    ["mesh.context=4", "mesh.data=2", "parallel.strategy=fsdp"],
                                    ["mesh.context=2", "mesh.data=1", "mesh.tensor=2",
                                     "parallel.sequence_parallel=true"],
@@ -68,7 +67,7 @@ def one_device(packed):
                                    ["mesh.context=2", "mesh.data=1", "mesh.tensor=2", "parallel.mode=shard_map",
                                     "parallel.sequence_parallel=true", "collectives.impl=custom"],
                                    ["mesh.context=2", "mesh.stage=2", "mesh.data=1", "collectives.impl=custom"]],
-                         ids=["ring-c2", "all_gather-c2", "ring-c4-fsdp", "ring-c2-t2-sp",
+                         ids=["ring-c2", "ring-c4-fsdp", "ring-c2-t2-sp",
                               "shard_map-ring-c2-accumulated", "shard_map-all_gather-c2-zero1",
                               "shard_map-custom-ring-c4", "shard_map-custom-c2-t2-sp", "pipeline-custom-ring-c2-s2"])
 def test_context_parallel_loss_and_every_gradient_equal_one_device(split, packed, one_device, devices):

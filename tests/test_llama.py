@@ -274,13 +274,10 @@ PIPELINED = {
                             "parallel.pipeline.microbatches=4"], "full"),
     "p2-gpipe-fp16-dp4": (["mesh.stage=2", "parallel.pipeline.schedule=gpipe", "precision.policy=fp16"], "none"),
     "p4-1f1b-bf16-dp2": (["mesh.stage=4", "model.layers=4", "precision.policy=bf16"], "full"),
-    "p2-1f1b-tied": (["mesh.stage=2", "model.tie_embeddings=true", "parallel.pipeline.microbatches=4"], "full"),
     # the second stage's layers are all sliding, the first's full then sliding: each chunk reads its layers' kinds
     # by their numbers, not by their places in the chunk
     "p2-1f1b-mixed-windows": (["mesh.stage=2", "model.layers=4", *GEMMA_LAYERS,
                                "model.layer_types=[full,sliding,sliding,sliding]"], "none"),
-    "p4-1f1b-bf16-dp2-tied": (["mesh.stage=4", "model.layers=4", "precision.policy=bf16",
-                               "model.tie_embeddings=true"], "full"),
 }
 
 

@@ -397,12 +397,12 @@ def test_mpirun_alone_joins_the_processes(tmp_path, devices):
 
 @pytest.mark.slow
 @NO_MPIRUN
-@pytest.mark.parametrize("strategy", ["replicated", "zero1"])
-def test_custom_collectives_across_processes_under_mpirun_match_xla_over_50_steps(tmp_path, strategy):
+def test_custom_collectives_across_processes_under_mpirun_match_xla_over_50_steps(tmp_path):
     """2 processes x 4 devices: the custom collectives meet in each process and exchange across them with MPI
-    (replicated: all-reduce; zero1: all-reduce of the gradient buckets, all-gather of the updated blocks)."""
+    (zero1: all-reduce of the gradient buckets, all-gather of the updated blocks; the replicated strategy's
+    all-reduce is among them)."""
     extra = ["trainer.steps=50", "trainer.checkpoint_every=50", "trainer.eval_every=50", "parallel.mode=shard_map",
-             f"parallel.strategy={strategy}"]
+             "parallel.strategy=zero1"]
     for impl in ("custom", "xla"):
         mpirun(tmp_path / impl, *extra, f"collectives.impl={impl}")
     assert_same_losses(losses_of(tmp_path / "custom"), losses_of(tmp_path / "xla"), steps=range(1, 51), rtol=1e-6)
@@ -434,12 +434,12 @@ def train_leg(run_dir, steps, processes, devices, extra, base=(CONFIG, *COMMON))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
-def test_a_run_resumes_on_other_process_and_device_counts_exactly(tmp_path, devices, strategy):
+def test_a_run_resumes_on_other_process_and_device_counts_exactly(tmp_path, devices):
     """2 processes x 4 devices -> 1 x 8 -> 1 x 4 -> 2 x 2: the state is resharded on restore and the data position
     is kept in global samples, so the losses are the uninterrupted run's. (fsdp splits the params and optimizer
-    state over `data`, zero1 the optimizer state alone: one restore path, taken here by fsdp.)"""
-    extra = [f"parallel.strategy={strategy}", "trainer.checkpoint_every=4", "trainer.eval_every=1000"]
+    state over `data`, zero1 the optimizer state alone: one restore path, taken here by fsdp; the replicated
+    strategy's by the other resume tests.)"""
+    extra = ["parallel.strategy=fsdp", "trainer.checkpoint_every=4", "trainer.eval_every=1000"]
     run_dir = tmp_path / "elastic"
     for steps, (processes, devices_each) in zip((4, 8, 12, 16), ((2, 4), (1, 8), (1, 4), (2, 2)), strict=True):
         train_leg(run_dir, steps, processes, devices_each, extra)
@@ -464,14 +464,13 @@ def test_a_pipeline_with_custom_collectives_whose_stages_span_two_processes_equa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
 def test_a_pipeline_whose_stages_span_two_processes_equals_one_process_and_resumes_on_fewer_replicas(
-        tmp_path, devices, strategy):
+        tmp_path, devices):
     """2 processes x 4 devices with one pipeline stage per process (data 4 x stage 2), then resumed on one process
     with 4 devices (data 2 x stage 2): the losses are those of one process with 8 devices, uninterrupted. With
     fsdp each stage's params and optimizer state are split over `data` and resharded from 4 to 2 on resume (zero1,
     splitting the optimizer state alone, is tested in one process: tests/test_pipeline.py)."""
-    run_dir, extra = tmp_path / "pipelined", [f"parallel.strategy={strategy}"]
+    run_dir, extra = tmp_path / "pipelined", ["parallel.strategy=fsdp"]
     train_leg(run_dir, 4, 2, 4, extra, base=PIPELINED_GPT)
     train_leg(run_dir, 8, 1, 4, extra, base=PIPELINED_GPT)
     reference = train(load_config(None, [*PIPELINED_GPT, *extra, "trainer.steps=8",

@@ -21,8 +21,6 @@ LLAMA = ["model.name=llama"]
 CASES = {  # (data, stage, tensor) x sequence parallel x strategy, pairwise rather than their full product
     "d1t8": ["mesh.data=1", "mesh.tensor=8"],
     "d2t4-sp": ["mesh.tensor=4", "parallel.sequence_parallel=true"],
-    "d2t4-fsdp": ["mesh.tensor=4", "parallel.strategy=fsdp"],
-    "d4t2-zero1-sp": ["mesh.tensor=2", "parallel.strategy=zero1", "parallel.sequence_parallel=true"],
     "d4t2-fsdp-mlp-over-both-accumulated": ["mesh.tensor=2", "parallel.strategy=fsdp", "batch.microbatches=2",
                                             "parallel.logical_rules.mlp=[tensor,data]"],
     "llama-d2t4-gqa-kv-kept-whole-sp": [*LLAMA, "model.kv_heads=2", "mesh.tensor=4",
@@ -48,9 +46,6 @@ PER_DEVICE_CASES = {  # the tensor group inside a per-device program: its collec
                                                  "model.layer_types=[sliding,full]"],
     "1f1b-llama-d2s2t2-qk-norm-head-sp": [*LLAMA, "model.qk_norm=head", "mesh.stage=2", "mesh.tensor=2",
                                           "parallel.sequence_parallel=true"],
-    "zb1p-d1s4t2-sp": ["mesh.data=1", "mesh.stage=4", "mesh.tensor=2", "model.layers=4",
-                       "parallel.pipeline.schedule=zb1p", "parallel.pipeline.microbatches=4",
-                       "parallel.sequence_parallel=true"],
     "interleaved-d2s2t2-sp-custom-zero1": ["mesh.stage=2", "mesh.tensor=2", "model.layers=4",
                                            "parallel.pipeline.schedule=interleaved",
                                            "parallel.pipeline.virtual_stages=2", "parallel.sequence_parallel=true",
