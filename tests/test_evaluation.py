@@ -19,7 +19,7 @@ from xlatrain.cli import main
 from xlatrain.commands.export import export_hugging_face
 from xlatrain.commands.trained import from_run
 from xlatrain.config.parallel import DEFAULT_LOGICAL_RULES
-from xlatrain.evaluation.devices import DATA, evaluation_mesh, placed_weights
+from xlatrain.evaluation.devices import DATA, evaluation_mesh, placed_weights, spread_over
 from xlatrain.evaluation.scoring import Scorer, bucket_length
 
 QUESTIONS = [
@@ -90,13 +90,17 @@ def test_a_few_bucket_lengths_are_compiled_for_any_number_of_lengths(exported):
 
 
 def test_rows_over_every_device_and_weights_split_as_fsdp_score_as_one_device(exported):
-    """As a run trained with parallel.strategy=fsdp is evaluated: each batch's rows over the 8 devices, the params
-    split over them by the fsdp rules."""
+    """As a run trained with parallel.strategy=fsdp is evaluated: its checkpoint read spread over the 8 devices,
+    each batch's rows over them, the params split over them by the fsdp rules."""
     trained = from_run(exported[0], None, "eval")[0]
+    spread = from_run(exported[0], None, "eval", spread_over(evaluation_mesh()))[0]
+    embedding = spread.params["embed"]["embedding"]
+    assert len(embedding.devices()) == 8 and not embedding.sharding.is_fully_replicated
+    np.testing.assert_array_equal(embedding, trained.params["embed"]["embedding"])
     rng = np.random.default_rng(1)
     pairs = [(rng.integers(0, 256, size), rng.integers(0, 256, 3)) for size in (2, 7, 12, 20, 28, 30)]
     one, whole = scorer_and_weights(trained, 8, mesh=Mesh(np.asarray(jax.devices()[:1]), (DATA,)))
-    every, split = scorer_and_weights(trained, 8, split=DEFAULT_LOGICAL_RULES)
+    every, split = scorer_and_weights(spread, 8, split=DEFAULT_LOGICAL_RULES)
     assert every.mesh.size == 8 and not split["embed"]["embedding"].sharding.is_fully_replicated
     expected = np.asarray([s.log_likelihood for s in one.score(whole, pairs)])
     np.testing.assert_allclose([s.log_likelihood for s in every.score(split, pairs)], expected, rtol=1e-5,

@@ -15,7 +15,7 @@ from xlatrain.commands.export import check_new_output
 from xlatrain.commands.trained import TrainedDecoder, trained_decoder
 from xlatrain.config.base import expanded
 from xlatrain.errors import UserError
-from xlatrain.evaluation.devices import evaluation_mesh, placed_weights
+from xlatrain.evaluation.devices import evaluation_mesh, placed_weights, spread_over
 from xlatrain.evaluation.scoring import TextModel
 from xlatrain.evaluation.tasks import TaskScores, task_set
 from xlatrain.run.atomic import replace_file
@@ -45,8 +45,8 @@ def evaluate(request: Request) -> dict[str, dict[str, float]]:
     output = Path(expanded(request.output)) if request.output else None
     if output is not None:
         check_new_output(output, "eval", "--output file")
-    trained = trained_decoder(request.source, request.step, "eval")
     mesh = evaluation_mesh()
+    trained = trained_decoder(request.source, request.step, "eval", spread_over(mesh))
     scores = TaskScores(text_model(trained, trained.module()[0]), tasks, request.limit, request.batch_size, mesh)(
         placed_weights(trained.model, trained.params, trained.model_state, mesh, trained.split))
     if output is not None and is_primary():

@@ -1,12 +1,12 @@
-"""A built-in decoder's weights on one device, with its resolved config and tokenizer: from a run directory's
-checkpoint (however many devices and stages wrote it) or from a Hugging Face checkpoint directory. What
-`xlatrain sample` and `xlatrain export --hf` read."""
+"""A built-in decoder's weights, with its resolved config and tokenizer: from a run directory's checkpoint (however
+many devices and stages wrote it) or from a Hugging Face checkpoint directory, on one device (what `xlatrain sample`
+and `xlatrain export --hf` read) or spread over several (what `xlatrain eval` reads)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import optax
@@ -49,7 +49,8 @@ class TrainedDecoder:
     model: DecoderConfig
     """With vocab and max_len resolved."""
     params: Any
-    """In the model's layout (blocks stacked [layers, ...]), on one device."""
+    """In the model's layout (blocks stacked [layers, ...]), where the reading placed them (one device unless
+    asked otherwise)."""
     tokenizer: Tokenizer | None
     source: str
     """What the weights came from, for messages."""
@@ -64,16 +65,27 @@ class TrainedDecoder:
         return decoder_graphdef(self.model), merged_variables(self.params, self.model_state or {})
 
 
-def trained_decoder(source: str, step: int | None, command: str) -> TrainedDecoder:
+Placement = Callable[[tuple[int, ...]], jax.sharding.Sharding]
+"""Where an array of a shape is read to."""
+
+
+def on_one_device(_shape: tuple[int, ...]) -> jax.sharding.Sharding:
+    """This process's first device."""
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def trained_decoder(source: str, step: int | None, command: str,
+                    placement: Placement = on_one_device) -> TrainedDecoder:
     """A run directory's checkpoint (`step`, or the latest), or a Hugging Face directory (hf:DIR)."""
     if source.startswith(HUGGING_FACE_PREFIX):
         if step is not None:
             raise UserError(f"{command}: --step picks a run's checkpoint; a Hugging Face directory has one")
-        return from_hugging_face(checkpoint_directory(source), command)
-    return from_run(Path(expanded(source)), step, command)[0]
+        return from_hugging_face(checkpoint_directory(source), command, placement)
+    return from_run(Path(expanded(source)), step, command, placement)[0]
 
 
-def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDecoder, Config, int]:
+def from_run(run_dir: Path, step: int | None, command: str,
+             placement: Placement = on_one_device) -> tuple[TrainedDecoder, Config, int]:
     """(the decoder, the run's config, the step of the checkpoint read: `step`, or the latest)."""
     config = read_run_config(run_dir)
     if isinstance(config.model, TorchModelConfig):
@@ -81,7 +93,7 @@ def from_run(run_dir: Path, step: int | None, command: str) -> tuple[TrainedDeco
     if not isinstance(config.model, DECODERS):
         raise UserError(f"{command}: {str(run_dir)!r} trained {config.model.named()}, not a built-in decoder "
                         "(model.name=gpt or llama)")
-    (params, model_state), step = _restored_params(run_dir, config, step, command)
+    (params, model_state), step = _restored_params(run_dir, config, step, command, placement)
     model = config.model
     vocab = params["embed"]["embedding"].shape[0]
     if isinstance(model, GPTConfig):
@@ -100,13 +112,14 @@ def _abstract_params(model: DecoderConfig) -> Any:
     return jax.eval_shape(decoder_definition(model).init, jax.random.PRNGKey(0))[0]
 
 
-def _restored_params(run_dir: Path, config: Config, step: int | None, command: str) -> tuple[tuple[Any, Any], int]:
-    """((params, model state), step) on one device, the blocks in the model's layout; a schedule-free run's
-    averaged params (optim.py: evaluated_params, from its optimizer state)."""
+def _restored_params(run_dir: Path, config: Config, step: int | None, command: str,
+                     placement: Placement) -> tuple[tuple[Any, Any], int]:
+    """((params, model state), step), each array read as `placement` says, the blocks in the model's layout; a
+    schedule-free run's averaged params (optim.py: evaluated_params, from its optimizer state)."""
     schedule_free = isinstance(config.optimizer, ScheduleFreeAdamWConfig)
     read = ("params", "model_state", *(("opt_state",) if schedule_free else ()))
     fields, step = read_checkpoint(run_dir, config.trainer.keep_checkpoints, step, command, lambda checkpoints, step:
-                                   checkpoints.restore_fields_on(step, jax.local_devices()[0], read))
+                                   checkpoints.restore_fields_on(step, placement, read))
     params = fields["params"]
     if schedule_free:  # read on its own, the optimizer's state is a dict of its named tuple's fields
         params = evaluated_params(optax.contrib.ScheduleFreeState(**fields["opt_state"]), params)
@@ -127,7 +140,7 @@ def _stage_layout(run_dir: Path, config: Config) -> StageLayout:
     return StageLayout(stages, virtual, partition, placement)
 
 
-def from_hugging_face(directory: Path, command: str) -> TrainedDecoder:
+def from_hugging_face(directory: Path, command: str, placement: Placement = on_one_device) -> TrainedDecoder:
     named = f"{command}: hf:{directory}"
     keys = architecture(read_config_json(directory, named), named)
     try:
@@ -137,6 +150,5 @@ def from_hugging_face(directory: Path, command: str) -> TrainedDecoder:
     abstract = _abstract_params(model)
     weights = HuggingFaceWeights(directory, naming_of(model), named, stacked_layers(model))
     weights.check(abstract)
-    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    params = placed_params(weights, abstract, jax.tree.map(lambda _: one_device, abstract))
+    params = placed_params(weights, abstract, jax.tree.map(lambda leaf: placement(tuple(leaf.shape)), abstract))
     return TrainedDecoder(model, params, checkpoint_tokenizer(directory), f"hf:{directory}")

@@ -1,12 +1,13 @@
 """Where an evaluation runs: the process's own devices, as one mesh axis (`data`) that splits each batch's rows; the
 weights replicated over it, or split as a run trained with parallel.strategy=fsdp split its params (its
-parallel.logical_rules over `data`), for a model one device cannot hold. With several processes each one scores
+parallel.logical_rules over `data`), for a model one device cannot hold (its checkpoint read spread over the
+devices). With several processes each one scores
 its share of the batches on its own devices, and every process gets every score through jax.distributed's
 key-value store (runtime/distributed.py: everyones), so that each computes the same metrics."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -32,6 +33,20 @@ def evaluation_mesh() -> Mesh:
 def rows_sharding(mesh: Mesh) -> NamedSharding:
     """A batch's rows split over the devices."""
     return NamedSharding(mesh, P(DATA))
+
+
+def spread_over(mesh: Mesh) -> Callable[[tuple[int, ...]], NamedSharding]:
+    """Where a checkpoint's array of a shape is read for evaluation: split over the devices along its largest
+    dimension they divide (whole on each where none does), so that no device holds a whole model before the weights
+    are laid out (placed_weights)."""
+    def sharding(shape: tuple[int, ...]) -> NamedSharding:
+        divided = [dim for dim in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[dim] % mesh.size == 0]
+        spec = [None] * len(shape)
+        if divided and mesh.size > 1:
+            spec[divided[0]] = DATA
+        return NamedSharding(mesh, P(*spec))
+
+    return sharding
 
 
 def trained_split(config: Config) -> Rules | None:

@@ -139,17 +139,20 @@ _continue = jax.jit(continue_decoding, static_argnums=(0, 3), donate_argnums=(2,
 
 def generate_until(graphdef: Any, params: Any, prompts: list[np.ndarray], key: jax.Array, sampling: Sampling,
                    text_of: Callable[[list[int]], str], stop_strings: tuple[str, ...] = (),
-                   cache_dtype: Any = jnp.float32, check_every: int = 16) -> list[tuple[str, np.ndarray]]:
+                   cache_dtype: Any = jnp.float32, check_every: int = 16,
+                   rows: jax.sharding.Sharding | None = None) -> list[tuple[str, np.ndarray]]:
     """Each prompt's continuation as (text, ids), the prompts of different lengths left-padded into one batch: its
     ids up to the first stop id (left out), its text (`text_of` the ids) up to the first stop string (left out,
     as lm-evaluation-harness's `until`). The host looks for stop strings every `check_every` tokens, between runs
-    of the compiled loop, and a row that has one stops; without stop strings the loop runs once, to the end."""
+    of the compiled loop, and a row that has one stops; without stop strings the loop runs once, to the end.
+    `rows`: the batch's rows split over devices (evaluation's; their count divides the prompts')."""
     length = max(len(p) for p in prompts)
     padding = np.asarray([length - len(p) for p in prompts], np.int32)
     batch = np.zeros((len(prompts), length), np.int32)
     for row, prompt in enumerate(prompts):
         batch[row, padding[row]:] = prompt
-    state = _start(graphdef, params, jnp.asarray(batch), key, sampling, cache_dtype, jnp.asarray(padding))
+    placed = (jnp.asarray(batch), jnp.asarray(padding)) if rows is None else jax.device_put((batch, padding), rows)
+    state = _start(graphdef, params, placed[0], key, sampling, cache_dtype, placed[1])
     while True:
         made = int(state.made)
         ids = [_before_stop(row[:made], sampling.stop_ids) for row in np.asarray(state.tokens)]

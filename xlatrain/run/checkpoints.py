@@ -226,21 +226,21 @@ class Checkpoints:
             _verify(written, integrity["fingerprints"])
         return Restored(_in_layout(state, abstract_state, older), data, integrity.get("data", {}))
 
-    def restore_fields_on(self, step: int, device: jax.Device, fields: tuple[str, ...]) -> dict[str, Any]:
-        """Some fields of the train state saved at `step` (params, model_state; {} for one the state has not) on one
-        device, whatever mesh wrote them (in their layout as saved: a pipeline's blocks in stages), verified against
-        their fingerprints. Only those are read: the optimizer state beside them (twice the params' bytes with Adam)
-        stays on disk."""
+    def restore_fields_on(self, step: int, sharding_of: Callable[[tuple[int, ...]], jax.sharding.Sharding],
+                          fields: tuple[str, ...]) -> dict[str, Any]:
+        """Some fields of the train state saved at `step` (params, model_state; {} for one the state has not), each
+        array read where `sharding_of` its shape says (one device, or spread over several), whatever mesh wrote
+        them (in their layout as saved: a pipeline's blocks in stages), verified against their fingerprints. Only
+        those are read: the optimizer state beside them (twice the params' bytes with Adam) stays on disk."""
         _quiet_abandoned_io()
         try:
             metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
-            sharding = jax.sharding.SingleDeviceSharding(device)
             saved_fields = dict(getattr(metadata, "item_metadata", metadata))
             wanted = {field: jax.tree.map(
-                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), saved_fields[field],
-                is_leaf=lambda leaf: hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+                lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding_of(tuple(leaf.shape))),
+                saved_fields[field], is_leaf=lambda leaf: hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
                 for field in fields if saved_fields.get(field)}
-            restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=sharding), wanted)
+            restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding), wanted)
             restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 wanted, restore_args=restore_args, partial_restore=True)))
             found = {field: restored.state.get(field, {}) for field in fields}
