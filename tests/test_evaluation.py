@@ -152,6 +152,12 @@ def test_a_limit_below_one_is_refused(exported, capsys, tmp_path):
     assert exited.value.code == 2 and "--limit: '0' is not a positive whole number" in capsys.readouterr().err
 
 
+def test_a_harness_task_without_the_harness_names_the_extra(exported, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # as if lm-eval were not installed
+    assert "'hellaswag' is an lm-evaluation-harness task (not a .jsonl file), and the harness is not installed: " \
+           "pip install -e '.[eval]'" in cli_error(capsys, "eval", str(exported[0]), "--tasks", "hellaswag")
+
+
 def test_a_model_that_cannot_score_text_is_one_line(capsys, tmp_path):
     main(["train", *DIGITS_MLP, "trainer.steps=1", f"trainer.run_dir={tmp_path / 'run'}"])
     (tmp_path / "task.jsonl").write_text(json.dumps(QUESTIONS[0]) + "\n")
