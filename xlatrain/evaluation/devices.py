@@ -1,9 +1,9 @@
 """Where an evaluation runs: the process's own devices, as one mesh axis (`data`) that splits each batch's rows; the
 weights replicated over it, or split as a run trained with parallel.strategy=fsdp split its params (its
 parallel.logical_rules over `data`), for a model one device cannot hold (its checkpoint read spread over the
-devices). With several processes each one scores
-its share of the batches on its own devices, and every process gets every score through jax.distributed's
-key-value store (runtime/distributed.py: everyones), so that each computes the same metrics."""
+devices). With several processes each one scores its share of the batches on its own devices, and every process gets
+every score through jax.distributed's key-value store (runtime/distributed.py: everyones), so that each computes the
+same metrics."""
 
 from __future__ import annotations
 

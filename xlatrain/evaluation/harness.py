@@ -18,7 +18,7 @@ from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
-from xlatrain.evaluation.devices import everyones_results, my_share, rows_sharding
+from xlatrain.evaluation.devices import everyones_results, my_share
 from xlatrain.evaluation.scoring import Scorer, TextModel
 from xlatrain.models.sampling import Sampling, generate_until
 
@@ -97,7 +97,7 @@ class XlatrainLM(TemplateLM):
             sampling = Sampling(new_tokens, float(settings.get("temperature", 0.0)), None, 1.0,
                                 (self.eot_token_id,), min(self._tokenizer.vocab_size, self.model.vocab))
             continued = generate_until(self.model.graphdef, self._variables, prompts, jax.random.PRNGKey(0), sampling,
-                                       self._tokenizer.decode, tuple(until), rows=rows_sharding(self._scorer.mesh))
+                                       self._tokenizer.decode, tuple(until), rows=self._scorer.rows)
             mine.update((i, postprocess_generated_text(generation=text, stop=until, think_end_token=None))
                         for i, (text, _) in zip(batch, continued))
         return everyones_results("generations", mine, len(requests))

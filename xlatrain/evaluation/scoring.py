@@ -68,7 +68,7 @@ class Scorer:
         self._scores = jax.jit(partial(_continuation_scores, graphdef))
         self.context, self.mesh = context, mesh
         self.batch_size = -(-batch_size // mesh.size) * mesh.size
-        self._rows = rows_sharding(mesh)
+        self.rows = rows_sharding(mesh)
 
     def score(self, variables: Any, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Scored]:
         rows = [self._row(np.asarray(context), np.asarray(continuation)) for context, continuation in pairs]
@@ -83,7 +83,7 @@ class Scorer:
                 inputs[row, :len(tokens) - 1], targets[row, :len(tokens) - 1] = tokens[:-1], tokens[1:]
                 scored[row, len(tokens) - 1 - count:len(tokens) - 1] = 1
             sums, greedy = jax.device_get(self._scores(variables, *jax.device_put(
-                (inputs, targets, scored.astype(bool)), self._rows)))
+                (inputs, targets, scored.astype(bool)), self.rows)))
             mine.update((index, [float(sums[row]), bool(greedy[row])]) for row, index in enumerate(batch))
         return [Scored(*found) for found in everyones_results("scores", mine, len(rows))]
 
