@@ -36,6 +36,7 @@ COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 """A computation's first line: (ENTRY, its name)."""
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
 _XLATRAIN_TARGET = re.compile(XLATRAIN_TARGET)
 
 
@@ -50,6 +51,8 @@ class Instruction:
     """For a collective: its replica groups (None: one group of every device)."""
     contains: set[str] = field(default_factory=set)
     """Opcodes and op_names of this instruction and of every computation it calls (fusions, loops)."""
+    tuple_index: int | None = None
+    """For a get-tuple-element: the element it reads."""
 
 
 @dataclass
@@ -125,7 +128,38 @@ def parse_hlo(text: str) -> HloGraph:
         instruction.contains = {instruction.opcode, instruction.op_name}.union(*called)
         if instruction.opcode.endswith("-done"):  # an async collective's groups are on its start
             instruction.groups = entry[instruction.operands[0]].groups
+    _split_combined_reductions(entry)
     return HloGraph(entry, root)
+
+
+def _split_combined_reductions(entry: dict[str, Instruction]) -> None:
+    """XLA combines reductions over the same devices into one with a tuple of operands (a tensor group's sum in
+    the forward with the gradient norm's, say). Element k of its result depends on operand k alone: each element
+    becomes a reduction of its own (`name#k`), read by the get-tuple-elements of that index, so that no
+    dependency passes from one element to another."""
+    users: dict[str, list[Instruction]] = {}
+    for instruction in entry.values():
+        for operand in instruction.operands:
+            users.setdefault(operand, []).append(instruction)
+    for combined in [i for i in entry.values() if i.opcode in REDUCTIONS and len(i.operands) > 1]:
+        done = [u for u in users.get(combined.name, ()) if u.opcode.endswith("-done")]
+        result = done[0] if done else combined  # the instruction whose tuple the elements are read from
+        readers = users.get(result.name, ())
+        if not readers or any(r.opcode != "get-tuple-element" or r.tuple_index is None for r in readers):
+            continue
+        chain = [combined, *done]
+        for k, operand in enumerate(combined.operands):
+            previous = operand
+            for part in chain:
+                element = f"{part.name}#{k}"
+                entry[element] = Instruction(element, part.opcode, [previous], part.called, part.op_name,
+                                             part.groups, part.contains)
+                previous = element
+            for reader in readers:
+                if reader.tuple_index == k:
+                    reader.operands = [previous]
+        for part in chain:
+            del entry[part.name]
 
 
 def instruction_parts(rest: str) -> tuple[str, str, list[str], str]:
@@ -144,7 +178,9 @@ def _instruction(name: str, rest: str) -> Instruction:
     opcode = f"xlatrain_{target.group(1)}" if target else opcode
     op_name = _OP_NAME.search(attributes)
     label = op_name.group(1).replace("\\'", "'") if op_name else ""
-    return Instruction(name, opcode, operands, _CALLED.findall(attributes), label, replica_groups(attributes))
+    index = _TUPLE_INDEX.search(attributes) if opcode == "get-tuple-element" else None
+    return Instruction(name, opcode, operands, _CALLED.findall(attributes), label, replica_groups(attributes),
+                       tuple_index=int(index.group(1)) if index else None)
 
 
 def _across_devices(groups: list[list[int]] | None) -> bool:

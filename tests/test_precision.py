@@ -173,6 +173,29 @@ def test_a_collective_over_one_device_groups_is_no_reduction(groups, across):
     assert graph.reductions() == ({"s", "d"} if across else set())
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_each_element_of_a_combined_reduction_depends_on_its_own_operand_alone(asynchronous):
+    """XLA combines a tensor group's sum in the forward with the gradient norm's into one all-reduce of a tuple:
+    the norm read from it must not depend on the forward's operand."""
+    combined = ("%s = (f32[], f32[8]) all-reduce-start(%norm, %forward), to_apply=%add\n"
+                "  %r = (f32[], f32[8]) all-reduce-done(%s)" if asynchronous else
+                "%r = (f32[], f32[8]) all-reduce(%norm, %forward), to_apply=%add")
+    hlo = f"""ENTRY %main (g: f32[], x: f32[8]) -> (f32[], f32[8]) {{
+  %g = f32[] parameter(0)
+  %x = f32[8]{{0}} parameter(1)
+  %norm = f32[] multiply(%g, %g)
+  %forward = f32[8]{{0}} negate(%x)
+  {combined}
+  %n = f32[] get-tuple-element(%r), index=0
+  %f = f32[8]{{0}} get-tuple-element(%r), index=1
+  ROOT %out = (f32[], f32[8]) tuple(%n, %f)
+}}
+"""
+    graph = parse_hlo(hlo)
+    assert "n" not in graph.reachable(["x"]) and "f" in graph.reachable(["x"])
+    assert "n" in graph.reachable(["g"]) and "n" not in graph.reachable(["g"], blocked=graph.reductions())
+
+
 def test_loss_scale_is_checkpointed_and_resumes_exactly(tmp_path):
     common = [*DIGITS_MLP, "precision.policy=fp16", "precision.loss_scale.initial=1024",
               "precision.loss_scale.growth_interval=2", "optimizer.schedule=constant", "trainer.checkpoint_every=3"]
