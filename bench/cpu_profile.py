@@ -14,8 +14,6 @@ attention kernel apart).
 from __future__ import annotations
 
 import re
-import statistics
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -26,7 +24,7 @@ MALLOC = tune_malloc()  # before JAX or torch start a thread
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from xlatrain.lowering.hlo_graph import COMPUTATION, INSTRUCTION, instruction_parts  # noqa: E402
+from xlatrain.lowering.kernels import kernels, parse_computations  # noqa: E402
 
 from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
 from bench.cpu_speed import SHAPES, programs  # noqa: E402
@@ -34,18 +32,21 @@ from bench.torch_bridge import eager_runner  # noqa: E402
 
 TORCH_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear")
 """PyTorch operators whose self time is a matmul kernel's (their callers' self time is what they add beside it)."""
-_SHAPE = re.compile(r"^(\w+)\[([\d,]*)\]")
-_DIMS = re.compile(r"(lhs_batch_dims|rhs_batch_dims|lhs_contracting_dims|rhs_contracting_dims)=\{([\d,]*)\}")
-_CALLED = re.compile(r"(calls|to_apply|body|condition|branch_computations)=\{?((?:%[\w.\-]+(?:,\s*)?)+)\}?")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_DIMS = ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")
 
 
 @dataclass(frozen=True)
 class Dot:
-    dtype: str
     lhs: tuple[int, ...]
     rhs: tuple[int, ...]
     dims: tuple[tuple[int, ...], ...]  # lhs contracting, rhs contracting, lhs batch, rhs batch
+
+    @classmethod
+    def of(cls, lhs: list[int], rhs: list[int], text: str) -> Dot:
+        """From a dot's operand dimensions and its line of HLO."""
+        found = {key: re.search(rf"{key}={{([\d,]*)}}", text) for key in _DIMS}
+        return cls(tuple(lhs), tuple(rhs), tuple(tuple(int(d) for d in found[key].group(1).split(",") if d)
+                                                 if found[key] else () for key in _DIMS))
 
     def canonical(self) -> tuple[int, int, int, int]:
         """(batch, rows, contracted, columns) of the same product as a batched matmul."""
@@ -58,62 +59,27 @@ class Dot:
         return 2 * int(np.prod(self.canonical()))
 
 
-
 def step_dots(hlo: str) -> Counter:
-    """Every dot of an optimised HLO module, with the number of times a step runs it (a while loop's body as many
-    times as its known trip count)."""
-    computations: dict[str, list[tuple[str, str, list[str], str]]] = {}
-    entry, current = None, None
-    for line in hlo.splitlines():
-        header = COMPUTATION.match(line)
-        if header:
-            current = computations.setdefault(header.group(2), [])
-            entry = header.group(2) if header.group(1) else entry
-        elif (named := INSTRUCTION.match(line)) and current is not None:
-            current.append((named.group(2), *instruction_parts(line[named.end():])))
+    """Every dot of an optimised HLO module, with the number of times a step runs it (lowering/kernels.py's
+    kernels: a loop's body as many times as its known trip count)."""
+    computations, entry = parse_computations(hlo)
     runs: Counter = Counter()
-
-    def visit(computation: str, times: int) -> None:
-        shapes = {name: shape for name, shape, *_ in computations[computation]}
-        for _, shape, opcode, operands, attributes in computations[computation]:
-            if opcode == "dot":
-                dims = dict(_DIMS.findall(attributes))
-                lhs, rhs = (_dims_of(shapes[o]) for o in operands[:2])
-                order = ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")
-                runs[Dot(_SHAPE.match(shape).group(1), lhs, rhs,
-                         tuple(tuple(int(d) for d in dims.get(k, "").split(",") if d) for k in order))] += times
-            trips = _TRIPS.search(attributes)
-            for kind, called in _CALLED.findall(attributes):
-                for name in re.findall(r"%([\w.\-]+)", called):
-                    visit(name, times * (int(trips.group(1)) if kind == "body" and trips else 1))
-
-    visit(entry, 1)
+    for kernel in kernels(computations, entry):
+        for lhs, rhs, text in kernel.dots:
+            runs[Dot.of(lhs, rhs, text)] += kernel.trips
     return runs
-
-
-def _dims_of(shape: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in _SHAPE.match(shape).group(2).split(",") if d)
 
 
 def _random(shape) -> np.ndarray:
     return np.random.default_rng(0).standard_normal(shape, np.float32)
 
 
-def _median_seconds(call, calls: int) -> float:
-    for _ in range(3):
-        call()
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def _kernel_seconds(product, trivial, calls: int) -> float:
     """A call's time less that of a trivial call on the same operands (the dispatch: about 30 us a call through
     jax, a few through torch or numpy), interleaved."""
-    return max(0.0, _median_seconds(product, calls) - _median_seconds(trivial, calls))
+    medians = interleaved_medians({"product": product, "trivial": trivial}, rounds=3, steps_per_round=calls // 3,
+                                  warmup=3)
+    return max(0.0, medians["product"] - medians["trivial"])
 
 
 def xla_seconds(dot: Dot, calls: int = 30) -> float:
@@ -122,8 +88,7 @@ def xla_seconds(dot: Dot, calls: int = 30) -> float:
     contracting, batch = (dot.dims[0], dot.dims[1]), (dot.dims[2], dot.dims[3])
     product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (contracting, batch))).lower(lhs, rhs).compile()
     trivial = jax.jit(lambda a, b: a.ravel()[0] + b.ravel()[0]).lower(lhs, rhs).compile()
-    return _kernel_seconds(lambda: product(lhs, rhs).block_until_ready(),
-                           lambda: trivial(lhs, rhs).block_until_ready(), calls)
+    return _kernel_seconds(lambda: product(lhs, rhs), lambda: trivial(lhs, rhs), calls)
 
 
 def library_seconds(dot: Dot, matmul, calls: int = 30) -> float:

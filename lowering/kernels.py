@@ -56,6 +56,8 @@ class Kernel:
     flops: int
     op_name: str = ""
     """The traced operation it came from (jax's name stack, named scopes included)."""
+    dots: list[tuple[list[int], list[int], str]] = field(default_factory=list)
+    """Each dot it runs: its left and right operands' dimensions, and its line of HLO (the dimension numbers)."""
 
 
 @dataclass
@@ -119,8 +121,11 @@ def kernels(computations: dict[str, list[Line]], name: str, trips: int = 1) -> l
         inner = _fused(computations, line)
         ran = inner or [line]
         seen = {**shapes, **{i.name: i.shape for i in ran}}
+        dots = [i for i in ran if i.opcode == "dot"]
         found.append(Kernel(line.name, _kind(line, inner), trips, _bytes(line, shapes, inner),
-                            sum(_dot_flops(i, seen) for i in ran if i.opcode == "dot"), _op_name(line, by_name)))
+                            sum(_dot_flops(i, seen) for i in dots), _op_name(line, by_name),
+                            [(_dims(seen.get(d.operands[0], "")), _dims(seen.get(d.operands[1], "")), d.text)
+                             for d in dots]))
     return found
 
 
