@@ -122,6 +122,18 @@ def time_to_first_step(argv: list[str], run_dir: Path, cwd: Path, env: dict | No
     return first_step, json.loads((run_dir / "summary.jsonl").read_text().splitlines()[-1])
 
 
+def blas_programs(config_path: str | None, overrides: list[str], devices: list) -> dict:
+    """The program with its dense layers on each CPU BLAS installed (runtime.cpu_matmul), by runner name."""
+    from xlatrain.custom_calls.blas import LIBRARIES, find
+
+    from xlatrain.config import load_config
+    from xlatrain.program import build_program
+
+    return {f"xlatrain_{library}": build_program(
+        load_config(config_path, [*overrides, f"runtime.cpu_matmul={library}"]), devices)
+        for library in LIBRARIES if find(library) is not None}
+
+
 def train_runner(program, executable=None) -> Callable[[], dict]:
     """Calls of the program's compiled train step (or `executable`, another compilation of it) on its first
     training batch (stacked for fused steps), each fetching that boundary's metrics to the host as the trainer

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from xlatrain.lowering.xla_options import CPU_OPTIONS_TRIED, compiler_options  # noqa: E402
 
-from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
+from bench.common import blas_programs, interleaved_medians, train_runner, write_results  # noqa: E402
 from bench.torch_bridge import eager_runner  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.program import apply_cpu_devices, build_program  # noqa: E402
@@ -40,7 +40,7 @@ SHAPES = {
     "default GPT (4 x 128, seq 64)": {"width": 128, "seq_len": 64},
     "GPT 4 x 256, seq 128": {"width": 256, "seq_len": 128},
 }
-COMMON = ["optimizer.name=adamw", "optimizer.weight_decay=0.01", "batch.global_size=16"]
+COMMON = ["optimizer.name=adamw", "optimizer.weight_decay=0.01", "batch.global_size=16", "runtime.cpu_matmul=xla"]
 ONE_DEVICE, PER_CORE = "mesh.data=1", "mesh.cpu_devices=per_core"
 
 
@@ -64,6 +64,7 @@ def programs(width: int, seq_len: int) -> dict:
         "per_core": build_program(load_config(None, [*gpt, PER_CORE])),
         "scanned": build_program(load_config(None, [*gpt, ONE_DEVICE, "model.scan_layers=true"]), first),
     }
+    built.update(blas_programs(None, [*gpt, ONE_DEVICE], first))
     with mock.patch("xlatrain.models.attention.query_blocks", return_value=1):  # traced when the step compiles, inside
         built["dense_attention"] = build_program(load_config(None, [*gpt, ONE_DEVICE]), first)
         built["dense_attention"].train_step.first
@@ -73,12 +74,10 @@ def programs(width: int, seq_len: int) -> dict:
 
 def against_pytorch(width: int, seq_len: int) -> dict:
     built = programs(width, seq_len)
-    medians = interleaved_medians({"pytorch_eager": eager_runner(built["torch"]),
-                                   "xlatrain_unrolled": train_runner(built["unrolled"]),
-                                   "xlatrain_per_core": train_runner(built["per_core"]),
-                                   "xlatrain_scanned": train_runner(built["scanned"]),
-                                   "xlatrain_dense_attention": train_runner(built["dense_attention"])},
-                                  rounds=10, steps_per_round=10, warmup=5)
+    runners = {"pytorch_eager": eager_runner(built.pop("torch")),
+               **{name if name.startswith("xlatrain_") else f"xlatrain_{name}": train_runner(program)
+                  for name, program in built.items()}}
+    medians = interleaved_medians(runners, rounds=10, steps_per_round=10, warmup=5)
     eager = medians["pytorch_eager"]
     return {"median_step_seconds": medians, "over_pytorch_eager": {k: v / eager for k, v in medians.items()},
             "params": built["scanned"].param_count, "per_core_devices": built["per_core"].derived.devices}

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
+from bench.common import blas_programs, interleaved_medians, train_runner, write_results  # noqa: E402
 from bench.common import eager_runner as common_eager_runner  # noqa: E402
-from bench.common import interleaved_medians, train_runner, write_results  # noqa: E402
 from xlatrain.commands.trained import from_hugging_face  # noqa: E402
 from xlatrain.config import load_config  # noqa: E402
 from xlatrain.models.sampling import Sampling, generate  # noqa: E402
@@ -47,7 +47,7 @@ SAMPLING_SHAPE = dict(width=512, heads=8, kv_heads=2, mlp=1408, layers=8, vocab=
 """A Llama of 24.7M parameters (8 x 512, a vocabulary of 2048) that decodes 256 tokens after a prompt of 16."""
 PROMPT, NEW_TOKENS = 16, 256
 COMMON = ["optimizer.name=adamw", "optimizer.weight_decay=0.01", "optimizer.clip_norm=1.0", "batch.global_size=16",
-          "trainer.progress=false"]
+          "trainer.progress=false", "runtime.cpu_matmul=xla"]
 ONE_DEVICE, PER_CORE = "mesh.data=1", "mesh.cpu_devices=per_core"
 
 
@@ -84,8 +84,10 @@ def against_pytorch(directory: Path, model: transformers.LlamaForCausalLM, seq_l
     first, overrides = jax.devices()[:1], llama_overrides(directory, seq_len)
     built = {"unrolled": build_program(load_config(None, [*overrides, ONE_DEVICE]), first),
              "scanned": build_program(load_config(None, [*overrides, ONE_DEVICE, "model.scan_layers=true"]), first),
-             "per_core": build_program(load_config(None, [*overrides, PER_CORE]))}
-    runners = {f"xlatrain_{name}": train_runner(program) for name, program in built.items()}
+             "per_core": build_program(load_config(None, [*overrides, PER_CORE])),
+             **blas_programs(None, [*overrides, ONE_DEVICE], first)}
+    runners = {name if name.startswith("xlatrain_") else f"xlatrain_{name}": train_runner(program)
+               for name, program in built.items()}
     first_losses = {"xlatrain": float(runners["xlatrain_unrolled"]()["loss"]),
                     "pytorch_eager": eager_runner(model, built["unrolled"])()}
     runners = {"pytorch_eager": eager_runner(model, built["unrolled"]), **runners}

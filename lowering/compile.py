@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 from jax.sharding import NamedSharding
+from xlatrain.custom_calls.ops.matmul import dense_matmuls
 from xlatrain.lowering.xla_options import compiler_options
 
 from xlatrain.compat.monitoring import backend_compile_listener
@@ -64,30 +65,31 @@ class CompiledStep:
 
 
 def compile_step(fn: Callable, abstract_args: tuple, in_shardings: tuple, out_shardings: Any,
-                 donate_argnums: tuple[int, ...] = ()) -> CompiledStep:
-    """Lower `fn` from abstract shapes with explicit shardings and compile it once, ahead of time."""
+                 donate_argnums: tuple[int, ...] = (), cpu_matmul: str = "xla") -> CompiledStep:
+    """Lower `fn` from abstract shapes with explicit shardings and compile it once, ahead of time; on CPU the dense
+    layers' float32 matmuls run on `cpu_matmul` (runtime.cpu_matmul as the program chose it)."""
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums)
     platform = next(iter(jax.tree.leaves(in_shardings)[0].device_set)).platform
     start = time.perf_counter()
-    with compiling_for(platform):
+    with compiling_for(platform), dense_matmuls(cpu_matmul if platform == "cpu" else "xla"):
         lowered = jitted.lower(*abstract_args)
         compiled = lowered.compile(compiler_options(platform) or None)
     return CompiledStep(lowered, compiled, time.perf_counter() - start)
 
 
 def compile_train_step(train_step: Callable, abstract_state: Any, state_shardings: Any,
-                       abstract_batch: Any, batch_sharding: NamedSharding) -> CompiledStep:
+                       abstract_batch: Any, batch_sharding: NamedSharding, cpu_matmul: str = "xla") -> CompiledStep:
     """train_step(state, batch): state donated and kept in its shardings, metrics replicated."""
     replicated = NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
     return compile_step(train_step, (abstract_state, abstract_batch), (state_shardings, batch_sharding),
-                        (state_shardings, replicated), donate_argnums=(0,))
+                        (state_shardings, replicated), donate_argnums=(0,), cpu_matmul=cpu_matmul)
 
 
 def compile_eval_step(eval_step: Callable, abstract_state: Any, state_shardings: Any, abstract_batch: Any,
-                      batch_sharding: NamedSharding) -> CompiledStep:
+                      batch_sharding: NamedSharding, cpu_matmul: str = "xla") -> CompiledStep:
     replicated = NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
     return compile_step(eval_step, (abstract_state, abstract_batch), (state_shardings, batch_sharding),
-                        replicated)
+                        replicated, cpu_matmul=cpu_matmul)
 
 
 Signature = tuple[tuple[str, tuple[int, ...], Any, Any], ...]

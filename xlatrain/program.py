@@ -31,6 +31,7 @@ from xlatrain.config import (
     saved_values,
 )
 from xlatrain.config.hugging_face import checkpoint_directory
+from xlatrain.custom_calls.blas import choose as choose_cpu_matmul
 from xlatrain.data.identity import (
     check_every_process_reads_the_same,
     data_identity,
@@ -110,6 +111,8 @@ class Measured:
     jaxpr (lowering/flops.py); None when a while loop hides a trip count."""
     pipeline_partition: tuple[int, ...] | None = None
     """Blocks per chunk, as planned (pipelines only); kept on resume."""
+    cpu_matmul: str = "xla"
+    """The dense layers' kernels on CPU (runtime.cpu_matmul chosen); auto keeps it on resume."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,8 @@ class Program:
     def eval_step(self) -> StepExecutables:
         fn = self.parallel.eval_step(self.specs, self.abstract_state.params)
         return StepExecutables("eval_step", lambda batch: compile_eval_step(
-            fn, self._abstract_sharded_state(), self.state_shardings, batch, eval_batch_sharding(self.mesh)),
+            fn, self._abstract_sharded_state(), self.state_shardings, batch, eval_batch_sharding(self.mesh),
+            self.measured.cpu_matmul),
             self.eval_batch_shapes(), self.compile_book)
 
     def check_steps_fit(self) -> None:
@@ -308,7 +312,8 @@ class Program:
             name = "train_step" if self.steps_per_sync == 1 else f"train_step x{self.steps_per_sync}"
             self._train_steps[remat] = StepExecutables(name, lambda batch: compile_train_step(
                 fused, self._abstract_sharded_state(), self.state_shardings, batch,
-                train_batch_sharding(self.mesh, self.steps_per_sync)), self.train_batch_shapes(), self.compile_book)
+                train_batch_sharding(self.mesh, self.steps_per_sync), self.measured.cpu_matmul),
+                self.train_batch_shapes(), self.compile_book)
         return self._train_steps[remat]
 
     def _abstract_sharded_state(self) -> TrainState:
@@ -330,15 +335,17 @@ def prepare_custom_collectives(mesh: jax.sharding.Mesh) -> None:
 
 
 def build_program(config: Config, devices: list | None = None,
-                  pinned_partition: tuple[int, ...] | None = None) -> Program:
-    """`pinned_partition`: the block partition a resumed pipelined run chose at its first start. `devices` may be
-    compile-only (a GPU target of `xlatrain lower --target`): what is traced here follows their platform."""
+                  pinned_partition: tuple[int, ...] | None = None, pinned_cpu_matmul: str | None = None) -> Program:
+    """`pinned_partition`: the block partition a resumed pipelined run chose at its first start;
+    `pinned_cpu_matmul`: the dense layers' CPU kernels it chose. `devices` may be compile-only (a GPU target of
+    `xlatrain lower --target`): what is traced here follows their platform."""
     devices = jax.devices() if devices is None else devices
     with compiling_for(devices[0].platform):
-        return _build_program(config, devices, pinned_partition)
+        return _build_program(config, devices, pinned_partition, pinned_cpu_matmul)
 
 
-def _build_program(config: Config, devices: list, pinned_partition: tuple[int, ...] | None) -> Program:
+def _build_program(config: Config, devices: list, pinned_partition: tuple[int, ...] | None,
+                   pinned_cpu_matmul: str | None) -> Program:
     compile_cache = use_compile_cache(config.trainer.compile_cache)
     derived = derive(config, devices)
     mesh = build_mesh(config, devices)
@@ -361,8 +368,11 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
     schedule = learning_rate_schedule(config.optimizer, derived, config.optimizer.decay_steps or config.trainer.steps)
     parallel = (pipeline_parallel(config, derived, mesh, model, dataset.spec, policy, pinned_partition)
                 if derived.stages > 1 else DataParallel(config, derived, mesh, model, policy))
+    cpu_matmul = choose_cpu_matmul(config.runtime.cpu_matmul, pinned_cpu_matmul, platform=devices[0].platform,
+                                   partitioned=config.parallel.mode == "jit" and len(devices) > 1,
+                                   built_in_model=model.torch is None)
     measured = Measured(examples, digest, _model_flops(config, derived, model, dataset.spec, policy),
-                        parallel.partition)
+                        parallel.partition, cpu_matmul)
     tx = build_optimizer(config.optimizer, schedule, parallel.block_axes, model.frozen, parallel.matrix_owners())
     init = make_init(model, tx, config.seed, policy, arrange=parallel.arrange)
     abstract, specs = parallel.state_specs(init, tx)

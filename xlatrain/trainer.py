@@ -55,6 +55,7 @@ from xlatrain.run.directory import (
     directory_identity,
     exclusive_run_dir,
     open_run_dir,
+    pinned_cpu_matmul,
     pinned_partition,
     run_dir_gone,
     save_run_config,
@@ -115,7 +116,8 @@ def train(config: Config, *, devices: list | None = None, echo: Callable[[str], 
         with exclusive_run_dir(config.run_dir()) as hold:
             config = open_run_dir(config, echo)
             with phases.entered(SETTING_UP):
-                program = build_program(config, devices, pinned_partition(config.run_dir()))
+                program = build_program(config, devices, pinned_partition(config.run_dir()),
+                                        pinned_cpu_matmul(config.run_dir()))
             _describe(program, echo)
             return _Run(program, echo, phases, hooks, stop, hold, callbacks).execute()
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from xlatrain.custom_calls.ops.matmul import is_blas_matmul
 
 from xlatrain.compat.jaxprs import outputs_reading
 
@@ -70,7 +71,12 @@ def saving_matmuls(fn: Callable) -> Callable:
     fusion does in an unpipelined step, where they never leave the program. Kept between slots, every saved
     value is written out and read back: for the bench GPT (width 64) a block's residuals per microbatch shrink
     from 1.45 MB to 0.44 MB for ~1.5% more FLOPs, and the step runs faster."""
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+    return jax.checkpoint(fn, policy=_matmuls_saveable)
+
+
+def _matmuls_saveable(primitive, *args, **params) -> bool:
+    """XLA's dots, and the dense layers' BLAS matmul where runtime.cpu_matmul chose one."""
+    return is_blas_matmul(primitive) or jax.checkpoint_policies.dots_saveable(primitive, *args, **params)
 
 
 def buffer_counts(layouts: list[ResidualLayout]) -> dict[str, int]:

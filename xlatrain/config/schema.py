@@ -28,6 +28,7 @@ from xlatrain.config.parallel import (
     check_block_partition,
 )
 from xlatrain.config.precision import PrecisionConfig
+from xlatrain.config.runtime import RuntimeConfig
 from xlatrain.config.trainer import TrainerConfig
 
 
@@ -50,6 +51,7 @@ class Config(Strict):
     collectives: CollectivesConfig = CollectivesConfig()
     trainer: TrainerConfig = TrainerConfig()
     distributed: DistributedConfig = DistributedConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
     def _resolve_auto_mode(self) -> Config:

@@ -11,6 +11,10 @@ The layer's product is a `custom_jvp` whose tangent for the weight is a primitiv
 dw) with that transpose: forward-mode differentiation (jvp, jacfwd, Hessian-vector products) works as for any
 matmul, reverse mode transposes the tangent with the rule above, and the forward is a plain matmul, which
 `jax.checkpoint` policies see as one.
+
+While a step is traced for a CPU BLAS (runtime.cpu_matmul; `custom_calls/ops/matmul.py`), the three products of
+float32 layers (forward, input gradient, weight gradient) are that BLAS's, as 2-D products over the rows with the
+transposes inside the BLAS call; everything else stays XLA's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.custom_derivatives import SymbolicZero
 
 from xlatrain.compat.primitives import define_primitive, is_being_transposed
+from xlatrain.custom_calls.ops.matmul import dense_library, matmul
 
 
 def linear(in_features: int, out_features: int, **kwargs) -> nnx.Linear:
@@ -64,14 +69,30 @@ def dense_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precisi
     return _dense(precision, lhs, rhs)
 
 
+def _blas(*operands: jax.Array) -> str | None:
+    """The BLAS the step's dense layers run on, for float32 operands; None: XLA's dot."""
+    library = dense_library()
+    return None if library == "xla" or any(o.dtype != jnp.float32 for o in operands) else library
+
+
+def _rows(a: jax.Array, features: int) -> jax.Array:
+    return a.reshape(-1, features)
+
+
 def _product(x: jax.Array, w: jax.Array, precision) -> jax.Array:
     """x [..., in] @ w [in, *out]."""
+    if library := _blas(x, w):
+        out = matmul(_rows(x, w.shape[0]), w.reshape(w.shape[0], -1), library=library)
+        return out.reshape(*x.shape[:-1], *w.shape[1:])
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
 def _input_gradient(dy: jax.Array, w: jax.Array, precision) -> jax.Array:
     """dy [..., *out] against w [in, *out]: [..., in]."""
     outs = w.ndim - 1
+    if library := _blas(dy, w):
+        out = matmul(_rows(dy, math.prod(w.shape[1:])), w.reshape(w.shape[0], -1), trans_b=True, library=library)
+        return out.reshape(*dy.shape[:dy.ndim - outs], w.shape[0])
     return jax.lax.dot_general(dy, w, ((tuple(range(dy.ndim - outs, dy.ndim)), tuple(range(1, w.ndim))), ((), ())),
                                precision=precision)
 
@@ -80,6 +101,9 @@ def _weight_gradient(x: jax.Array, dy: jax.Array, precision) -> jax.Array:
     """x^T @ dy over every row, with the smaller side transposed: [in, *out]."""
     rows = tuple(range(x.ndim - 1))
     outputs = dy.size // max(1, math.prod(dy.shape[:len(rows)]))
+    if library := _blas(x, dy):  # the BLAS reads x transposed in place
+        out = matmul(_rows(x, x.shape[-1]), _rows(dy, outputs), trans_a=True, library=library)
+        return out.reshape(x.shape[-1], *dy.shape[len(rows):])
     if x.size <= dy.size + x.shape[-1] * outputs:  # XLA transposes x for x^T @ dy
         return jax.lax.dot_general(x, dy, ((rows, rows), ((), ())), precision=precision)
     # it transposes dy, then the [*out, in] product

@@ -28,11 +28,12 @@ from xlatrain.runtime.distributed import as_primary_has_it, host_name, is_primar
 CONFIG_FILE = "config.yaml"
 RESUMABLE_KEYS = ("trainer.", "derived.", "distributed.", "optimizer.decay_steps", "mesh.data", "mesh.cpu_devices",
                   "mesh.tensor", "mesh.context", "mesh.expert", "parallel.sequence_parallel",
-                  "parallel.context_attention", "model.init_from", "model.moe.formulation")
+                  "parallel.context_attention", "model.init_from", "model.moe.formulation", "runtime.")
 """Keys that may differ between a run and its resumption (more steps, other devices or processes and so another
 data-parallel size, however the CPU devices were counted; the same model split over another tensor, context or
-expert axis, its experts' matmuls formulated otherwise; a new learning-rate horizon given on purpose; the weights a
-run started from: read only when its state was created, so that a resumed run no longer needs them)."""
+expert axis, its experts' matmuls formulated otherwise, its dense layers on other CPU kernels; a new learning-rate
+horizon given on purpose; the weights a run started from: read only when its state was created, so that a resumed
+run no longer needs them)."""
 LOGS_DIR = "logs"
 """Where `xlatrain launch` writes each process's output; it may exist before the run's first start."""
 CHECKPOINTS_DIR = "checkpoints"
@@ -265,6 +266,19 @@ def pinned_partition(run_dir: Path) -> tuple[int, ...] | None:
         raise UserError(f"{run_dir / CONFIG_FILE}: derived.pipeline_partition={partition!r} is not a list of block "
                         "counts; restore the file from the run's first start, or move the run directory aside")
     return tuple(partition)
+
+
+def pinned_cpu_matmul(run_dir: Path) -> str | None:
+    """The dense layers' CPU kernels a run chose at its first start (config.yaml's derived.cpu_matmul; XLA's for a
+    run started before the choice existed), so that runtime.cpu_matmul=auto resumes it on the same kernels; None
+    for a new run."""
+    if not (run_dir / CONFIG_FILE).is_file():
+        return None
+    chosen = saved_derived(run_dir).get("cpu_matmul", "xla")
+    if chosen not in ("xla", "mkl", "openblas"):
+        raise UserError(f"{run_dir / CONFIG_FILE}: derived.cpu_matmul={chosen!r} is not xla, mkl or openblas; restore "
+                        "the file from the run's first start, or move the run directory aside")
+    return chosen
 
 
 def saved_derived(run_dir: Path) -> dict:
