@@ -90,8 +90,9 @@ def load(name: str) -> int:
 def choose(requested: str, pinned: str | None, *, platform: str, partitioned: bool, built_in_model: bool) -> str:
     """The kernels of a run's dense layers on CPU: `requested` (runtime.cpu_matmul), or for auto the one the run
     chose at its first start (`pinned`, derived.cpu_matmul), else MKL with the `mkl` extra installed, else OpenBLAS
-    with the `openblas` extra installed, else XLA's. A BLAS runs as a custom call, which XLA cannot split over devices: auto keeps XLA's dots where the program is partitioned by XLA (`partitioned`),
-    on other platforms, and in a PyTorch module (whose layers are not xlatrain's); asked for there, it is refused."""
+    with the `openblas` extra installed, else XLA's. A BLAS runs as a custom call, which XLA cannot split over
+    devices: auto keeps XLA's dots where XLA partitions the program (`partitioned`), on other platforms, and for a
+    PyTorch module (whose layers are not xlatrain's); asked for there, a BLAS is refused."""
     usable = platform == "cpu" and not partitioned and built_in_model
     if requested == "auto":
         if not usable:

@@ -18,4 +18,5 @@ class RuntimeConfig(Strict):
     (`pip install -e '.[openblas]'`, or scipy's copy of OpenBLAS; `pip install -e '.[mkl]'`). A BLAS runs where
     each device runs a program of its own (one device, parallel.mode=shard_map or pmap, pipelines), not under
     parallel.mode=jit over several devices. auto: the one the run chose at its first start; for a new run MKL with
-    the mkl extra installed, else OpenBLAS with the openblas extra installed, else xla; xla where a BLAS cannot run. The choice is written to the run's config.yaml (derived.cpu_matmul)."""
+    the mkl extra installed, else OpenBLAS with the openblas extra installed, else xla; xla where a BLAS cannot
+    run. The choice is written to the run's config.yaml (derived.cpu_matmul)."""
