@@ -111,7 +111,7 @@ def _config_arguments(sub: argparse.ArgumentParser, help_text: str) -> None:
 
 
 KEYS_EPILOG = """config sections: name, seed, model, data, batch, optimizer, mesh, parallel, precision, collectives,
-trainer, distributed (model.name, data.source and optimizer.name choose a kind, with keys of its own).
+trainer, distributed, runtime (model.name, data.source and optimizer.name choose a kind, with keys of its own).
 Every key of a config, with its value and meaning: xlatrain config [CONFIG] [key=value ...] --keys [SECTION]
 (the whole reference, with defaults: docs/configuration.md)."""
 

@@ -99,8 +99,9 @@ from xlatrain.state import (
 
 @dataclass(frozen=True)
 class Measured:
-    """What building the program found: the data's identity at this start, the model's FLOPs and a pipeline's
-    partition. Saved beside the derived values in the derived section of a run's config.yaml."""
+    """What building the program found: the data's identity at this start, the model's FLOPs, a pipeline's
+    partition and the dense layers' CPU kernels. Saved beside the derived values in the derived section of a run's
+    config.yaml."""
 
     data_examples: tuple[int, int]
     """Training and held-out examples; with data_digest (of sampled examples) saved with each checkpoint, so that
@@ -348,6 +349,9 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
                    pinned_cpu_matmul: str | None) -> Program:
     compile_cache = use_compile_cache(config.trainer.compile_cache)
     derived = derive(config, devices)
+    cpu_matmul = choose_cpu_matmul(config.runtime.cpu_matmul, pinned_cpu_matmul, platform=devices[0].platform,
+                                   partitioned=config.parallel.mode == "jit" and len(devices) > 1,
+                                   built_in_model=not isinstance(config.model, TorchModelConfig))
     mesh = build_mesh(config, devices)
     if config.collectives.impl == "custom":
         prepare_custom_collectives(mesh)
@@ -368,9 +372,6 @@ def _build_program(config: Config, devices: list, pinned_partition: tuple[int, .
     schedule = learning_rate_schedule(config.optimizer, derived, config.optimizer.decay_steps or config.trainer.steps)
     parallel = (pipeline_parallel(config, derived, mesh, model, dataset.spec, policy, pinned_partition)
                 if derived.stages > 1 else DataParallel(config, derived, mesh, model, policy))
-    cpu_matmul = choose_cpu_matmul(config.runtime.cpu_matmul, pinned_cpu_matmul, platform=devices[0].platform,
-                                   partitioned=config.parallel.mode == "jit" and len(devices) > 1,
-                                   built_in_model=model.torch is None)
     measured = Measured(examples, digest, _model_flops(config, derived, model, dataset.spec, policy),
                         parallel.partition, cpu_matmul)
     tx = build_optimizer(config.optimizer, schedule, parallel.block_axes, model.frozen, parallel.matrix_owners())
