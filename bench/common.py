@@ -123,13 +123,13 @@ def time_to_first_step(argv: list[str], run_dir: Path, cwd: Path, env: dict | No
 
 
 def blas_programs(config_path: str | None, overrides: list[str], devices: list) -> dict:
-    """The program with its dense layers on each CPU BLAS installed (runtime.cpu_matmul), by runner name."""
+    """The program with its dense layers on each CPU BLAS installed (runtime.cpu_matmul), by the BLAS's name."""
     from xlatrain.custom_calls.blas import LIBRARIES, find
 
     from xlatrain.config import load_config
     from xlatrain.program import build_program
 
-    return {f"xlatrain_{library}": build_program(
+    return {library: build_program(
         load_config(config_path, [*overrides, f"runtime.cpu_matmul={library}"]), devices)
         for library in LIBRARIES if find(library) is not None}
 

@@ -75,8 +75,7 @@ def programs(width: int, seq_len: int) -> dict:
 def against_pytorch(width: int, seq_len: int) -> dict:
     built = programs(width, seq_len)
     runners = {"pytorch_eager": eager_runner(built.pop("torch")),
-               **{name if name.startswith("xlatrain_") else f"xlatrain_{name}": train_runner(program)
-                  for name, program in built.items()}}
+               **{f"xlatrain_{name}": train_runner(program) for name, program in built.items()}}
     medians = interleaved_medians(runners, rounds=10, steps_per_round=10, warmup=5)
     eager = medians["pytorch_eager"]
     return {"median_step_seconds": medians, "over_pytorch_eager": {k: v / eager for k, v in medians.items()},

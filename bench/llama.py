@@ -86,8 +86,7 @@ def against_pytorch(directory: Path, model: transformers.LlamaForCausalLM, seq_l
              "scanned": build_program(load_config(None, [*overrides, ONE_DEVICE, "model.scan_layers=true"]), first),
              "per_core": build_program(load_config(None, [*overrides, PER_CORE])),
              **blas_programs(None, [*overrides, ONE_DEVICE], first)}
-    runners = {name if name.startswith("xlatrain_") else f"xlatrain_{name}": train_runner(program)
-               for name, program in built.items()}
+    runners = {f"xlatrain_{name}": train_runner(program) for name, program in built.items()}
     first_losses = {"xlatrain": float(runners["xlatrain_unrolled"]()["loss"]),
                     "pytorch_eager": eager_runner(model, built["unrolled"])()}
     runners = {"pytorch_eager": eager_runner(model, built["unrolled"]), **runners}

@@ -66,12 +66,12 @@ class CompiledStep:
 
 def compile_step(fn: Callable, abstract_args: tuple, in_shardings: tuple, out_shardings: Any,
                  donate_argnums: tuple[int, ...] = (), cpu_matmul: str = "xla") -> CompiledStep:
-    """Lower `fn` from abstract shapes with explicit shardings and compile it once, ahead of time; on CPU the dense
-    layers' float32 matmuls run on `cpu_matmul` (runtime.cpu_matmul as the program chose it)."""
+    """Lower `fn` from abstract shapes with explicit shardings and compile it once, ahead of time; the dense layers'
+    float32 matmuls run on `cpu_matmul` (runtime.cpu_matmul as the program chose it: "xla" off CPU)."""
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums)
     platform = next(iter(jax.tree.leaves(in_shardings)[0].device_set)).platform
     start = time.perf_counter()
-    with compiling_for(platform), dense_matmuls(cpu_matmul if platform == "cpu" else "xla"):
+    with compiling_for(platform), dense_matmuls(cpu_matmul):
         lowered = jitted.lower(*abstract_args)
         compiled = lowered.compile(compiler_options(platform) or None)
     return CompiledStep(lowered, compiled, time.perf_counter() - start)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from xlatrain.config.base import Strict
 
 CpuMatmul = Literal["auto", "xla", "mkl", "openblas"]
+CPU_KERNELS = tuple(name for name in get_args(CpuMatmul) if name != "auto")
+"""What runtime.cpu_matmul resolves to (derived.cpu_matmul)."""
 
 
 class RuntimeConfig(Strict):

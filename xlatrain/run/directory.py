@@ -21,6 +21,7 @@ from xlatrain.config import (
     validate_config,
     without_derived,
 )
+from xlatrain.config.runtime import CPU_KERNELS
 from xlatrain.errors import UserError, first_line, warn
 from xlatrain.run.atomic import replace_file
 from xlatrain.runtime.distributed import as_primary_has_it, host_name, is_primary
@@ -275,9 +276,10 @@ def pinned_cpu_matmul(run_dir: Path) -> str | None:
     if not (run_dir / CONFIG_FILE).is_file():
         return None
     chosen = saved_derived(run_dir).get("cpu_matmul", "xla")
-    if chosen not in ("xla", "mkl", "openblas"):
-        raise UserError(f"{run_dir / CONFIG_FILE}: derived.cpu_matmul={chosen!r} is not xla, mkl or openblas; restore "
-                        "the file from the run's first start, or move the run directory aside")
+    if chosen not in CPU_KERNELS:
+        raise UserError(f"{run_dir / CONFIG_FILE}: derived.cpu_matmul={chosen!r} is not one of "
+                        f"{', '.join(CPU_KERNELS)}; restore the file from the run's first start, or move the run "
+                        "directory aside")
     return chosen
 
 
